@@ -1,0 +1,184 @@
+"""Policies: the single source of every difference between sandbox and production.
+
+A DAG is built from the one factory plus one of these objects; nothing else in kiln branches on
+"is this production?". The sandbox policy refuses to write any production name (``PolicyError``,
+never retried).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from kiln.errors import PolicyError
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+RECIPES_DIR = REPO_ROOT / "training" / "recipes"
+PRODUCTION_RECIPES_DIR = RECIPES_DIR / "production"
+
+PRODUCTION_MODEL = "kiln-stdlib-lm"
+"""The registered model that serves: only the production identity may write it."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class GatePolicy:
+    """Thresholds of the promotion gate (``kiln.registry.decide``)."""
+
+    max_bits_per_byte: float
+    """Absolute ceiling on held-out bits per byte; above it a candidate is held."""
+    max_regression: float
+    """Largest allowed increase of bits per byte over the current champion (absolute)."""
+
+    def __post_init__(self) -> None:
+        if not self.max_bits_per_byte > 0:
+            raise PolicyError(f"gate.max_bits_per_byte must be > 0, got {self.max_bits_per_byte}")
+        if self.max_regression < 0:
+            raise PolicyError(f"gate.max_regression must be >= 0, got {self.max_regression}")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Policy:
+    """Everything that differs between sandbox and production runs."""
+
+    name: Literal["sandbox", "production"]
+    dag_id: str
+    description: str
+    pool: str
+    """Airflow pool every task of the DAG runs in (reserved capacity for production)."""
+    pool_slots: int
+    priority_weight: int
+    retries: int
+    owner: str
+    tags: tuple[str, ...]
+    corpus: str
+    """Name of the corpus this policy snapshots (production: only the registered corpus)."""
+    contract: str
+    """``name@version`` of the data contract shards are validated against."""
+    max_quarantine_share: float
+    """Data gate: the run fails (no retry) when more than this share of shards is quarantined."""
+    default_recipe: str
+    """Recipe path relative to ``training/recipes``."""
+    recipes_dir: Path
+    """Only recipes under this directory may be used."""
+    nodes: int
+    nproc_per_node: int
+    max_restarts: int
+    candidate_model: str
+    """Registered model the candidate version is created in."""
+    target_model: str
+    """Registered model whose ``alias`` is moved on promotion."""
+    alias: str
+    requires_approval: bool
+    reviewers: tuple[str, ...] = ()
+    approval_timeout_s: int = 24 * 3600
+    gate: GatePolicy = field(default_factory=lambda: GatePolicy(max_bits_per_byte=8.0, max_regression=0.05))
+    writable_models: tuple[str, ...] = ()
+    """Registered-model names this policy may create versions in or move aliases on."""
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.max_quarantine_share <= 1:
+            raise PolicyError(f"max_quarantine_share must be within [0, 1], got {self.max_quarantine_share}")
+        for model in (self.candidate_model, self.target_model):
+            if model not in self.writable_models:
+                raise PolicyError(f"policy {self.name!r} names model {model!r} it may not write")
+        if self.name == "sandbox" and PRODUCTION_MODEL in self.writable_models:
+            raise PolicyError("the sandbox policy may never write the production model")
+
+    def check_model_write(self, model: str) -> None:
+        """Refuse, before any request is sent, a write to a model this policy does not own."""
+        if model not in self.writable_models:
+            raise PolicyError(
+                f"policy {self.name!r} may not write registered model {model!r} "
+                f"(writable: {', '.join(self.writable_models)})"
+            )
+
+    def resolve_recipe(self, recipe: str | None) -> Path:
+        """Recipe path for a run; production accepts only its pinned recipes."""
+        rel = recipe or self.default_recipe
+        path = (RECIPES_DIR / rel).resolve()
+        allowed = self.recipes_dir.resolve()
+        if allowed not in path.parents:
+            raise PolicyError(f"policy {self.name!r} allows only recipes under {allowed}, not {rel!r}")
+        if path.suffix != ".toml" or not path.is_file():
+            raise PolicyError(f"recipe {rel!r} does not exist under {RECIPES_DIR}")
+        return path
+
+    def summary(self) -> dict[str, Any]:
+        data = asdict(self)
+        data["recipes_dir"] = str(self.recipes_dir.relative_to(REPO_ROOT))
+        return data
+
+    def doc_md(self) -> str:
+        rows = "\n".join(f"| `{k}` | `{v}` |" for k, v in self.summary().items() if k not in ("description",))
+        return f"{self.description}\n\n**Policy `{self.name}`**\n\n| setting | value |\n|---|---|\n{rows}\n"
+
+
+SANDBOX = Policy(
+    name="sandbox",
+    dag_id="kiln_sandbox",
+    description=(
+        "Free experiments: trigger from the form, any recipe under `training/recipes/`, "
+        "registers only under sandbox model names, lower priority in its own pool."
+    ),
+    pool="kiln_sandbox",
+    pool_slots=1,
+    priority_weight=1,
+    retries=1,
+    owner="ml-platform",
+    tags=("kiln", "sandbox"),
+    corpus="stdlib-py",
+    contract="stdlib-py@1",
+    max_quarantine_share=0.5,
+    default_recipe="tiny.toml",
+    recipes_dir=RECIPES_DIR,
+    nodes=1,
+    nproc_per_node=1,
+    max_restarts=1,
+    candidate_model="sandbox.kiln-stdlib-lm",
+    target_model="sandbox.kiln-stdlib-lm",
+    alias="sandbox-champion",
+    requires_approval=False,
+    gate=GatePolicy(max_bits_per_byte=8.0, max_regression=8.0),
+    writable_models=("sandbox.kiln-stdlib-lm",),
+)
+
+PRODUCTION = Policy(
+    name="production",
+    dag_id="kiln_production",
+    description=(
+        "Regulated retraining: scheduled and triggered by new corpus snapshots, pinned recipes, "
+        "strict data contract, human approval before the `champion` alias moves."
+    ),
+    pool="kiln_production",
+    pool_slots=1,
+    priority_weight=100,
+    retries=2,
+    owner="ml-platform",
+    tags=("kiln", "production"),
+    corpus="stdlib-py",
+    contract="stdlib-py@1",
+    max_quarantine_share=0.25,
+    default_recipe="production/small.toml",
+    recipes_dir=PRODUCTION_RECIPES_DIR,
+    nodes=2,
+    nproc_per_node=1,
+    max_restarts=2,
+    candidate_model="kiln-stdlib-lm.candidates",
+    target_model=PRODUCTION_MODEL,
+    alias="champion",
+    requires_approval=True,
+    reviewers=("demo-reviewer", "reviewer"),
+    approval_timeout_s=24 * 3600,
+    gate=GatePolicy(max_bits_per_byte=7.5, max_regression=0.05),
+    writable_models=("kiln-stdlib-lm.candidates", PRODUCTION_MODEL),
+)
+
+POLICIES: dict[str, Policy] = {p.name: p for p in (SANDBOX, PRODUCTION)}
+
+
+def get_policy(name: str) -> Policy:
+    try:
+        return POLICIES[name]
+    except KeyError:
+        raise PolicyError(f"unknown policy {name!r}; known: {', '.join(POLICIES)}") from None

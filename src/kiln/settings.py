@@ -1,0 +1,52 @@
+"""Where the embedded stack keeps its state, and how to reach its services.
+
+Everything is read from the environment at call time (never cached at import) so that tests can
+point a process at their own stack. All state lives under ``KILN_HOME`` (default ``.kiln/`` in the
+repository); ``rm -rf .kiln`` resets the embedded stack.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from kiln.policy import REPO_ROOT
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Settings:
+    home: Path
+    """Root of all embedded-stack state."""
+    mlflow_uri: str
+    airflow_url: str
+    dvc_repo: Path
+    """The DVC workspace (``no_scm``) that holds corpus snapshots."""
+    dvc_remote: str
+    """DVC remote URL: a local directory by default, ``s3://...`` for the production-like stack."""
+    dvc_remote_endpoint: str | None
+    """S3 endpoint URL (moto server in tests); credentials come only from the AWS_* environment."""
+    runs_dir: Path
+    """Per-DAG-run working directories: training runs, reports, manifests."""
+    corpus_root: Path
+    """Registered corpora live here, inside the DVC workspace, one directory per corpus name."""
+
+    @property
+    def dvc_cache(self) -> Path:
+        return self.home / "dvc-cache"
+
+
+def load() -> Settings:
+    home = Path(os.environ.get("KILN_HOME", REPO_ROOT / ".kiln")).resolve()
+    mlflow_port = os.environ.get("KILN_MLFLOW_PORT", "5000")
+    airflow_port = os.environ.get("KILN_AIRFLOW_PORT", "8080")
+    return Settings(
+        home=home,
+        mlflow_uri=os.environ.get("MLFLOW_TRACKING_URI", f"http://127.0.0.1:{mlflow_port}"),
+        airflow_url=os.environ.get("KILN_AIRFLOW_URL", f"http://127.0.0.1:{airflow_port}"),
+        dvc_repo=home / "dvc-repo",
+        dvc_remote=os.environ.get("KILN_DVC_REMOTE", str(home / "dvc-remote")),
+        dvc_remote_endpoint=os.environ.get("KILN_DVC_REMOTE_ENDPOINT") or None,
+        runs_dir=home / "runs",
+        corpus_root=home / "dvc-repo" / "corpora",
+    )

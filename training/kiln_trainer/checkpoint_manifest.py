@@ -1,0 +1,219 @@
+"""The checkpoint commit protocol, readable without torch (standard library only).
+
+A checkpoint is one directory per step, ``RUN_DIR/checkpoints/step-00000050/``, holding::
+
+    model.pt            state_dict of the bare model (plain tensors)
+    optimizer.pt        full optimizer state_dict (tensors, ints, floats, lists, dicts)
+    scheduler.pt        lr scheduler state_dict
+    trainer_state.pt    step, data position, token counters, guard events
+    rng-rank00000.pt    python / numpy / torch CPU / CUDA RNG states of rank 0 (one file per rank)
+    manifest.json       written LAST, atomically: the commit record
+
+``manifest.json`` (``kind == "kiln.CheckpointManifest"``)::
+
+    {"kind": "kiln.CheckpointManifest", "format": 1, "step": 50, "world_size": 2,
+     "recipe_sha256": "<hex>", "recipe": {...resolved recipe...},
+     "snapshot_id": "<md5>.dir", "training_manifest_sha256": "<hex>",
+     "files": {"model.pt": "<sha256>", ...}, "weights_sha256": "<hex>",
+     "created_at": "2026-11-29T17:00:00+00:00"}
+
+A directory is *committed* only if its manifest parses, lists exactly the files the protocol
+requires for its world size, every listed file exists with the listed sha256, and nothing else is in
+the directory. Anything else (a crash mid-save, a truncated file, an edited byte, a stray file) is
+not a checkpoint: readers ignore it and say why.
+
+The orchestration side imports only this module (``verify_checkpoint``, ``latest_committed``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import re
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from kiln_trainer.errors import CheckpointError
+
+__all__ = [
+    "CHECKPOINT_KIND",
+    "CheckpointError",
+    "MANIFEST_NAME",
+    "atomic_write_bytes",
+    "canonical_json",
+    "checkpoint_dirs",
+    "expected_files",
+    "latest_committed",
+    "sha256_file",
+    "step_dir_name",
+    "verify_checkpoint",
+]
+
+log = logging.getLogger(__name__)
+
+CHECKPOINT_KIND = "kiln.CheckpointManifest"
+MANIFEST_NAME = "manifest.json"
+FORMAT_VERSION = 1
+CHECKPOINTS_SUBDIR = "checkpoints"
+_STEP_DIR_RE = re.compile(r"^step-(\d{8})$")
+
+_REQUIRED_KEYS: dict[str, type | tuple[type, ...]] = {
+    "step": int,
+    "world_size": int,
+    "recipe_sha256": str,
+    "recipe": dict,
+    "snapshot_id": str,
+    "training_manifest_sha256": str,
+    "files": dict,
+    "weights_sha256": str,
+    "created_at": str,
+}
+
+
+def canonical_json(obj: Any) -> bytes:
+    """The bytes every content hash is taken over (same rule as kiln's refs): sorted keys, no spaces."""
+    return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
+
+
+def sha256_file(path: str | Path, chunk: int = 1 << 20) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as fh:
+        while block := fh.read(chunk):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def fsync_dir(path: str | Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def atomic_write_bytes(path: str | Path, data: bytes) -> Path:
+    """Readers see the old file or the whole new one, never a torn write (tmp, fsync, rename, dir fsync)."""
+    target = Path(path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            fh.write(data)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, target)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    fsync_dir(target.parent)
+    return target
+
+
+def step_dir_name(step: int) -> str:
+    return f"step-{step:08d}"
+
+
+def rng_file_name(rank: int) -> str:
+    return f"rng-rank{rank:05d}.pt"
+
+
+def expected_files(world_size: int) -> set[str]:
+    """The files a committed checkpoint of this world size holds, besides ``manifest.json``."""
+    base = {"model.pt", "optimizer.pt", "scheduler.pt", "trainer_state.pt"}
+    return base | {rng_file_name(rank) for rank in range(world_size)}
+
+
+def checkpoint_dirs(run_dir: str | Path) -> list[tuple[int, Path]]:
+    """Every ``step-XXXXXXXX`` directory under ``RUN_DIR/checkpoints``, committed or not, by step."""
+    root = Path(run_dir) / CHECKPOINTS_SUBDIR
+    if not root.is_dir():
+        return []
+    found = []
+    for entry in root.iterdir():
+        match = _STEP_DIR_RE.match(entry.name)
+        if match and entry.is_dir():
+            found.append((int(match.group(1)), entry))
+    return sorted(found)
+
+
+def read_manifest(step_dir: str | Path) -> dict[str, Any]:
+    """Parse and shape-check ``manifest.json`` without re-hashing files (cheap; see verify_checkpoint)."""
+    step_dir = Path(step_dir)
+    path = step_dir / MANIFEST_NAME
+    if not step_dir.is_dir():
+        raise CheckpointError(f"{step_dir}: not a directory")
+    if not path.is_file():
+        raise CheckpointError(f"{step_dir}: no {MANIFEST_NAME} (never committed or save interrupted)")
+    try:
+        manifest = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise CheckpointError(f"{path}: unreadable manifest: {exc}") from exc
+    if not isinstance(manifest, dict) or manifest.get("kind") != CHECKPOINT_KIND:
+        raise CheckpointError(f"{path}: kind is not {CHECKPOINT_KIND!r}")
+    for key, typ in _REQUIRED_KEYS.items():
+        value = manifest.get(key)
+        # bool is an int subclass; a step of `true` is a corrupt manifest, not step 1.
+        if not isinstance(value, typ) or isinstance(value, bool):
+            raise CheckpointError(f"{path}: field {key!r} missing or not {getattr(typ, '__name__', typ)}")
+    if manifest["world_size"] < 1:
+        raise CheckpointError(f"{path}: field 'world_size' must be >= 1")
+    match = _STEP_DIR_RE.match(step_dir.name)
+    if match and int(match.group(1)) != manifest["step"]:
+        raise CheckpointError(
+            f"{path}: field 'step' is {manifest['step']} but the directory is {step_dir.name}"
+        )
+    return manifest
+
+
+def verify_checkpoint(step_dir: str | Path) -> dict[str, Any]:
+    """Return the manifest of a whole, committed checkpoint, or raise ``CheckpointError`` saying why.
+
+    Re-hashes every file, so the cost is one sequential read of the checkpoint.
+    """
+    step_dir = Path(step_dir)
+    manifest = read_manifest(step_dir)
+    listed: dict[str, Any] = manifest["files"]
+    required = expected_files(manifest["world_size"])
+    missing_from_manifest = required - set(listed)
+    if missing_from_manifest:
+        raise CheckpointError(
+            f"{step_dir}: partial state, manifest does not list {sorted(missing_from_manifest)}"
+        )
+    unknown_listed = set(listed) - required
+    if unknown_listed:
+        raise CheckpointError(f"{step_dir}: manifest lists unexpected files {sorted(unknown_listed)}")
+    present = {entry.name for entry in step_dir.iterdir()} - {MANIFEST_NAME}
+    extra = present - set(listed)
+    if extra:
+        raise CheckpointError(f"{step_dir}: extra files not in the manifest {sorted(extra)}")
+    for name in sorted(listed):
+        expected = listed[name]
+        path = step_dir / name
+        if not path.is_file():
+            raise CheckpointError(f"{step_dir}: file {name!r} listed in the manifest is missing")
+        actual = sha256_file(path)
+        if actual != expected:
+            raise CheckpointError(
+                f"{step_dir}: file {name!r} sha256 mismatch (manifest {expected}, on disk {actual})"
+            )
+    return manifest
+
+
+def manifest_sha256(step_dir: str | Path) -> str:
+    """sha256 of the ``manifest.json`` file bytes: the identity of a committed checkpoint."""
+    return sha256_file(Path(step_dir) / MANIFEST_NAME)
+
+
+def latest_committed(run_dir: str | Path) -> Path | None:
+    """The newest step directory that passes ``verify_checkpoint``; invalid ones are logged and skipped."""
+    for step, step_dir in reversed(checkpoint_dirs(run_dir)):
+        try:
+            verify_checkpoint(step_dir)
+        except CheckpointError as exc:
+            log.warning("ignoring checkpoint at step %d: %s", step, exc)
+            continue
+        return step_dir
+    return None
