@@ -168,29 +168,28 @@ def _chunk_file(root: Path, rel: str) -> list[_Doc]:
 
 
 def _select(root: Path, seed: int, max_bytes: int) -> tuple[list[_Doc], list[_Doc]]:
-    """Seeded split by source file: eval files first up to its budget, then train files."""
+    """Seeded split by source file until ``max_bytes`` of text: each file goes whole to eval while
+    eval holds less than ``EVAL_FRACTION`` of the text so far, otherwise to train."""
     files = _source_files(root)
     if not files:
         raise ConfigError(f"no .py files found under the stdlib directory {root}")
     random.Random(seed).shuffle(files)
-    eval_budget = int(max_bytes * EVAL_FRACTION)
-    train_budget = max_bytes - eval_budget
     eval_docs: list[_Doc] = []
     train_docs: list[_Doc] = []
     eval_bytes = train_bytes = 0
     for rel in files:
+        if eval_bytes + train_bytes >= max_bytes:
+            break
         docs = _chunk_file(root, rel)
+        size = sum(len(d.text.encode("utf-8")) for d in docs)
         if not docs:
             continue
-        size = sum(len(d.text.encode("utf-8")) for d in docs)
-        if eval_bytes < eval_budget:
+        if eval_bytes < EVAL_FRACTION * (eval_bytes + train_bytes + size):
             eval_docs.extend(docs)
             eval_bytes += size
-        elif train_bytes < train_budget:
+        else:
             train_docs.extend(docs)
             train_bytes += size
-        else:
-            break
     return train_docs, eval_docs
 
 

@@ -20,6 +20,7 @@ Importing this module is cheap: it never imports mlflow (the server is a subproc
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import signal
 import socket
@@ -170,32 +171,39 @@ def start_server(
     return handle
 
 
-def _end_group(pid: int, timeout_s: float) -> None:
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def _end_group(pid: int, timeout_s: float, reap: subprocess.Popen[bytes] | None = None) -> None:
+    """SIGTERM the process group led by ``pid``; SIGKILL whatever is left after ``timeout_s``."""
     try:
         pgid = os.getpgid(pid)
     except ProcessLookupError:
         return
-    if pgid != pid:  # not a group leader we started: end only the process itself
+    if pgid != pid:  # not the group leader we started: end only the process itself
         os.kill(pid, signal.SIGTERM)
         return
     os.killpg(pgid, signal.SIGTERM)
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        try:
-            os.killpg(pgid, 0)
-        except ProcessLookupError:
+        if reap is not None:
+            reap.poll()  # our own child stays a zombie (and the group "alive") until reaped
+        if not _group_alive(pgid):
             return
         time.sleep(0.1)
-    try:
+    with contextlib.suppress(ProcessLookupError):
         os.killpg(pgid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
 
 
 def stop_server(handle: MlflowServer, timeout_s: float = 10.0) -> None:
     """Stop the server and its workers (SIGTERM to its process group, SIGKILL after ``timeout_s``)."""
     if handle.process.poll() is None:
-        _end_group(handle.process.pid, timeout_s)
+        _end_group(handle.process.pid, timeout_s, reap=handle.process)
     try:
         handle.process.wait(timeout=timeout_s)
     except subprocess.TimeoutExpired:

@@ -22,6 +22,7 @@ import json
 import os
 import re
 import shutil
+import sys
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -79,7 +80,8 @@ def ensure_workspace(s: kiln_settings.Settings | None = None) -> Path:
             from dvc.repo import Repo
 
             try:
-                Repo.init(str(root), no_scm=True).close()
+                with contextlib.redirect_stdout(sys.stderr):  # keep stdout for JSON refs
+                    Repo.init(str(root), no_scm=True).close()
             except Exception as exc:  # dvc raises many unrelated types here
                 raise SnapshotError(f"cannot initialise DVC workspace at {root}: {exc}") from exc
         _configure_repo(root, s)
@@ -177,7 +179,8 @@ def restore_snapshot(ref_or_id: SnapshotRef | str, dest: str | Path) -> Path:
 
     scratch = Path(tempfile.mkdtemp(prefix=".restore-", dir=dest.parent))
     try:
-        Repo.init(str(scratch), no_scm=True).close()
+        with contextlib.redirect_stdout(sys.stderr):
+            Repo.init(str(scratch), no_scm=True).close()
         _configure_repo(scratch, s)
         dvc_file = scratch / "data.dvc"
         dvc_file.write_text(_rename_out(ref.dvc, "data"))

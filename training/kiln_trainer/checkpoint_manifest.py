@@ -100,6 +100,8 @@ def atomic_write_bytes(path: str | Path, data: bytes) -> Path:
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
     try:
+        # mkstemp creates 0600; checkpoints and results are read by other users (orchestration).
+        os.fchmod(fd, 0o644)
         with os.fdopen(fd, "wb") as fh:
             fh.write(data)
             fh.flush()

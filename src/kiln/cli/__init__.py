@@ -20,6 +20,7 @@ SUBCOMMAND_MODULES = (
     "kiln.cli.validate",
     "kiln.cli.registry",
     "kiln.cli.stack",
+    "kiln.cli.demo",
 )
 
 

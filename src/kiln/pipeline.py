@@ -1,0 +1,261 @@
+"""The stages of a kiln run as plain functions: JSON-safe references in, JSON-safe references out.
+
+Each DAG task calls exactly one of these (``kiln.dagfactory`` is only wiring), and each is a
+transaction keyed by the run: calling it again with the same inputs changes nothing the second time
+(the snapshot id is content-derived, training resumes from its committed checkpoint or returns the
+finished result, registration and promotion look up what they wrote before).
+
+No Airflow here. Heavy libraries (dvc, great_expectations, mlflow, torch) load inside the stages.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+from kiln import settings as kiln_settings
+from kiln.errors import ConfigError, LaunchError, ManifestError, SnapshotError
+from kiln.fsutil import atomic_write_text
+from kiln.policy import Policy
+from kiln.refs import EvalReport, ShardReport, SnapshotRef, TrainingManifest, TrainResult, sha256_file
+
+log = logging.getLogger("kiln.pipeline")
+
+RUN_KEY_SAFE = re.compile(r"[^A-Za-z0-9_.-]+")
+
+
+def run_key(dag_id: str, run_id: str) -> str:
+    return f"{dag_id}/{run_id}"
+
+
+def run_dir(key: str) -> Path:
+    """Working directory of one DAG run (reports, manifest, training run)."""
+    s = kiln_settings.load()
+    dag_id, _, run_id = key.partition("/")
+    return s.runs_dir / RUN_KEY_SAFE.sub("_", dag_id) / RUN_KEY_SAFE.sub("_", run_id)
+
+
+# --------------------------------------------------------------------------------------- snapshot
+def snapshot_stage(policy: Policy, corpus: str | None = None, expected_ids: list[str] | None = None) -> dict[str, Any]:
+    """Snapshot the corpus with DVC and pin the run to an immutable, verified copy of those bytes.
+
+    Production snapshots only its registered corpus; when the run was triggered by corpus asset
+    events, the bytes found must be the ones those events announced, or the run fails (no retry).
+    """
+    from kiln.snapshot import checkout_snapshot, create_snapshot
+
+    name = corpus or policy.corpus
+    if policy.name == "production" and name != policy.corpus:
+        raise ConfigError(f"production runs snapshot only the registered corpus {policy.corpus!r}, not {name!r}")
+    if not re.fullmatch(r"[a-z0-9][a-z0-9_.-]{0,63}", name):
+        raise ConfigError(f"corpus name {name!r} is not a valid corpus name ([a-z0-9][a-z0-9_.-]*)")
+    s = kiln_settings.load()
+    corpus_dir = s.corpus_root / name
+    if not corpus_dir.is_dir():
+        raise ConfigError(f"corpus {name!r} not found at {corpus_dir}; build it with `kiln corpus build --out {corpus_dir}`")
+    ref = create_snapshot(corpus_dir)
+    if expected_ids and ref.id not in expected_ids:
+        raise SnapshotError(
+            f"run was triggered for corpus snapshot(s) {', '.join(expected_ids)} but the registered corpus "
+            f"is now {ref.id}: refusing to train on other bytes than announced"
+        )
+    pinned = checkout_snapshot(ref.id)
+    root = Path(pinned.path)
+    shards = sorted(str(p.relative_to(root)) for p in (root / "train").iterdir() if p.is_file())
+    if not shards:
+        raise ConfigError(f"snapshot {ref.id} of corpus {name!r} has no training shards under train/")
+    return {**pinned.to_json(), "shards": shards}
+
+
+def _snapshot_ref(snapshot: dict[str, Any]) -> SnapshotRef:
+    return SnapshotRef.from_json({k: v for k, v in snapshot.items() if k != "shards"})
+
+
+# ------------------------------------------------------------------------------------- validation
+def validate_stage(policy: Policy, snapshot: dict[str, Any], shard: str) -> dict[str, Any]:
+    """Check one shard against the policy's contract. Never raises for bad data: quarantine is a value."""
+    from kiln.contracts import load_contract
+    from kiln.validation import load_eval_doc_hashes, validate_shard
+
+    root = Path(snapshot["path"])
+    contract = load_contract(policy.contract)
+    report = validate_shard(root / shard, contract, eval_doc_hashes=load_eval_doc_hashes(root))
+    return report.to_json()
+
+
+def data_gate_stage(policy: Policy, snapshot: dict[str, Any], reports: list[dict[str, Any]], key: str) -> dict[str, Any]:
+    """Cross-shard checks, the quarantine report, the gate, and the TrainingManifest (healthy shards only)."""
+    from kiln.validation import build_training_manifest, cross_shard_duplicates, gate, write_quarantine_report
+
+    out = run_dir(key)
+    out.mkdir(parents=True, exist_ok=True)
+    shard_reports = cross_shard_duplicates([ShardReport.from_json(r) for r in reports])
+    report_path = out / "quarantine-report.json"
+    write_quarantine_report(shard_reports, report_path)  # written before the gate: on-call needs it most when it fails
+    quarantined = [r for r in shard_reports if r.verdict == "quarantined"]
+    rate = len(quarantined) / len(shard_reports) if shard_reports else 1.0
+    gate(shard_reports, policy.max_quarantine_share)
+    root = Path(snapshot["path"])
+    eval_shards = [
+        {"path": str(p), "sha256": sha256_file(p), "rows": _parquet_rows(p)} for p in sorted((root / "eval").glob("*.parquet"))
+    ]
+    if not eval_shards:
+        raise ConfigError(f"snapshot {snapshot['id']} has no held-out eval split under eval/")
+    manifest = build_training_manifest(snapshot["id"], snapshot["corpus"], policy.contract, shard_reports, eval_shards)
+    manifest_path = manifest.write(out / "training-manifest.json")
+    return {
+        "manifest": str(manifest_path),
+        "manifest_sha256": manifest.sha256,
+        "healthy": len(manifest.shards),
+        "quarantined": [{"path": Path(r.path).name, "reasons": _short_reasons(r)} for r in quarantined],
+        "quarantine_rate": round(rate, 4),
+        "report": str(report_path),
+        "contract": policy.contract,
+    }
+
+
+def _short_reasons(report: ShardReport) -> list[str]:
+    return [r.get("error") or f"{r.get('expectation')} ({r.get('unexpected_count', '?')} rows)" for r in report.reasons]
+
+
+def _parquet_rows(path: Path) -> int:
+    import pyarrow.parquet as pq
+
+    return int(pq.read_metadata(path).num_rows)
+
+
+# --------------------------------------------------------------------------------------- training
+def _mlflow_run(policy: Policy, key: str, tags: dict[str, str]) -> str:
+    """The MLflow run of this DAG run's training, created once (looked up by run key on retries)."""
+    import mlflow
+
+    client = mlflow.MlflowClient()
+    name = f"kiln-{policy.name}"
+    exp = client.get_experiment_by_name(name)
+    exp_id = exp.experiment_id if exp else client.create_experiment(name)
+    found = client.search_runs([exp_id], filter_string=f"tags.`kiln.run_key` = '{key}'", max_results=1)
+    if found:
+        return found[0].info.run_id
+    run = client.create_run(exp_id, run_name=key.replace("/", " "), tags={"kiln.run_key": key, **tags})
+    return run.info.run_id
+
+
+def train_stage(
+    policy: Policy, snapshot: dict[str, Any], data: dict[str, Any], params: dict[str, Any], key: str,
+    *, log_line=print,
+) -> dict[str, Any]:
+    """Train on the manifest's healthy shards with the local torchrun launcher; resume if interrupted."""
+    from kiln.launchers import LaunchSpec, launch_local, read_result
+
+    manifest = TrainingManifest.read(data["manifest"])
+    if manifest.sha256 != data["manifest_sha256"]:
+        raise ManifestError(f"training manifest {data['manifest']} changed since the data gate wrote it")
+    recipe = policy.resolve_recipe(params.get("recipe"))
+    nodes = int(params.get("nodes") or policy.nodes)
+    spec_dir = run_dir(key) / "train"
+    result_file = spec_dir / "result.json"
+    if result_file.is_file():  # a retry after a finished run: hand back what was committed
+        result = read_result(spec_dir)
+        _verify_checkpoint(result.checkpoint)
+        return result.to_json()
+    overrides = []
+    if params.get("seed") is not None:
+        overrides.append(f"train.seed={int(params['seed'])}")
+    mlflow_run_id = _mlflow_run(
+        policy, key,
+        {"kiln.snapshot_id": snapshot["id"], "kiln.policy": policy.name, "kiln.recipe": str(recipe.name),
+         "kiln.training_manifest_sha256": manifest.sha256},
+    )
+    s = kiln_settings.load()
+    spec = LaunchSpec(
+        run_dir=spec_dir, manifest=Path(data["manifest"]), recipe=recipe, run_key=key, nodes=nodes,
+        nproc_per_node=policy.nproc_per_node, max_restarts=policy.max_restarts, overrides=tuple(overrides),
+        max_steps=params.get("max_steps"), env={"MLFLOW_RUN_ID": mlflow_run_id, "MLFLOW_TRACKING_URI": s.mlflow_uri},
+    )
+    result = launch_local(spec, log=log_line)
+    _verify_checkpoint(result.checkpoint)
+    if not result.mlflow_run_id:
+        result = TrainResult(**{**result.to_json(), "mlflow_run_id": mlflow_run_id})
+    return result.to_json()
+
+
+def _verify_checkpoint(step_dir: str) -> dict[str, Any]:
+    from kiln_trainer.checkpoint_manifest import verify_checkpoint
+
+    try:
+        return verify_checkpoint(step_dir)
+    except (ValueError, OSError) as exc:
+        raise ManifestError(f"checkpoint {step_dir} is not a whole, committed checkpoint: {exc}") from exc
+
+
+# ------------------------------------------------------------------------------------- evaluation
+def evaluate_stage(train: dict[str, Any], data: dict[str, Any], key: str) -> dict[str, Any]:
+    """Held-out bits per byte of the last committed checkpoint (the trainer's evaluate entry point)."""
+    result = TrainResult.from_json(train)
+    out = run_dir(key) / "eval-report.json"
+    if not out.is_file():
+        proc = subprocess.run(
+            [sys.executable, "-m", "kiln_trainer.evaluate", "--checkpoint", result.checkpoint,
+             "--manifest", data["manifest"], "--out", str(out)],
+            capture_output=True, text=True,
+        )
+        for line in (proc.stdout + proc.stderr).splitlines()[-20:]:
+            log.info("[evaluate] %s", line)
+        if proc.returncode != 0:
+            raise LaunchError(f"evaluation of {result.checkpoint} failed (exit {proc.returncode}): {proc.stderr[-1500:]}")
+    report = EvalReport.from_json(json.loads(out.read_text()))
+    if report.weights_sha256 != result.weights_sha256:
+        raise ManifestError("evaluation report is for other weights than the trained checkpoint")
+    return report.to_json()
+
+
+# ------------------------------------------------------------------------------- registry / gates
+def register_stage(
+    policy: Policy, snapshot: dict[str, Any], data: dict[str, Any], train: dict[str, Any],
+    evaluation: dict[str, Any], key: str, lineage: dict[str, str],
+) -> dict[str, Any]:
+    from kiln.registry import register_candidate
+
+    return register_candidate(
+        policy=policy,
+        train=TrainResult.from_json(train),
+        eval_report=EvalReport.from_json(evaluation),
+        snapshot=_snapshot_ref(snapshot),
+        manifest=TrainingManifest.read(data["manifest"]),
+        run_key=key,
+        lineage={
+            "quarantine_report": data["report"],
+            "quarantine_rate": str(data["quarantine_rate"]),
+            **lineage,
+        },
+    )
+
+
+def model_gate_stage(policy: Policy, evaluation: dict[str, Any]) -> dict[str, Any]:
+    """The promotion decision against the current holder of the policy's alias (a value, not an error)."""
+    from kiln.registry import champion_report, decide
+
+    decision = decide(EvalReport.from_json(evaluation), champion_report(policy), policy.gate)
+    return decision.to_json()
+
+
+def promote_stage(
+    policy: Policy, candidate: dict[str, Any], decision: dict[str, Any], approver: str, key: str
+) -> dict[str, Any]:
+    from kiln.refs import Decision
+    from kiln.registry import promote
+
+    record = promote(
+        policy=policy, candidate_version=str(candidate["version"]), decision=Decision.from_json(decision),
+        approver=approver, run_key=key,
+    )
+    return record.to_json()
+
+
+def write_summary(key: str, summary: dict[str, Any]) -> Path:
+    return atomic_write_text(run_dir(key) / "summary.json", json.dumps(summary, indent=2, sort_keys=True, default=str) + "\n")

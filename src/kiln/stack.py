@@ -1,0 +1,275 @@
+"""The embedded stack: Airflow (SQLite + LocalExecutor) and an MLflow server, in the background.
+
+Everything lives under ``KILN_HOME`` (default ``.kiln/``): the Airflow home, the MLflow database and
+artifacts, the DVC workspace and remote, pid files and logs. ``up`` is idempotent (a running service
+is left alone), ``down`` stops exactly the processes whose pid files ``up`` wrote (each in its own
+process group, so the scheduler's task processes go too). Every server binds 127.0.0.1 only; the
+scheduler and triggerer skip their log servers (which would bind all interfaces) because the
+api-server reads task logs straight from the shared log folder.
+
+Logins are generated once per state folder (``airflow/passwords.json``, mode 0600) and printed by
+``up``; nothing secret is tracked in git.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import requests
+
+from kiln import settings as kiln_settings
+from kiln.errors import KilnError
+from kiln.fsutil import atomic_write_text
+from kiln.policy import POLICIES, REPO_ROOT
+
+AIRFLOW_USERS = {
+    "admin": "admin",
+    # The demo's approver: an explicitly named reviewer, never "admin".
+    "demo-reviewer": "op",
+    "reviewer": "op",
+    "sandbox-user": "user",
+}
+POOL_SLOTS = {"kiln_sandbox": 2, "kiln_production": 2}
+
+
+class StackError(KilnError):
+    pass
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Service:
+    name: str
+    argv: list[str]
+    health_url: str | None = None
+
+
+def _bin(name: str) -> str:
+    return str(Path(sys.executable).with_name(name))
+
+
+def airflow_home(s: kiln_settings.Settings) -> Path:
+    return s.home / "airflow"
+
+
+def _secrets(s: kiln_settings.Settings) -> dict[str, str]:
+    """Per-install secrets: JWT signing key shared by all Airflow components, and user passwords."""
+    home = airflow_home(s)
+    home.mkdir(parents=True, exist_ok=True)
+    path = home / "secrets.json"
+    if path.is_file():
+        data = json.loads(path.read_text())
+    else:
+        data = {"jwt_secret": secrets.token_urlsafe(32), "secret_key": secrets.token_urlsafe(32)}
+        atomic_write_text(path, json.dumps(data))
+        path.chmod(0o600)
+    pw_path = home / "passwords.json"
+    passwords = json.loads(pw_path.read_text()) if pw_path.is_file() else {}
+    if set(passwords) != set(AIRFLOW_USERS):
+        passwords = {u: passwords.get(u) or secrets.token_urlsafe(12) for u in AIRFLOW_USERS}
+        atomic_write_text(pw_path, json.dumps(passwords, indent=2))
+        pw_path.chmod(0o600)
+    return data
+
+
+def passwords(s: kiln_settings.Settings | None = None) -> dict[str, str]:
+    s = s or kiln_settings.load()
+    _secrets(s)
+    return json.loads((airflow_home(s) / "passwords.json").read_text())
+
+
+def _port(url: str) -> str:
+    return url.rsplit(":", 1)[1].split("/")[0]
+
+
+def airflow_env(s: kiln_settings.Settings | None = None) -> dict[str, str]:
+    """The environment every Airflow process (and so every task) of the embedded stack runs with."""
+    s = s or kiln_settings.load()
+    sec = _secrets(s)
+    home = airflow_home(s)
+    env = dict(os.environ)
+    env.update(
+        {
+            "AIRFLOW_HOME": str(home),
+            "AIRFLOW__CORE__DAGS_FOLDER": str(REPO_ROOT / "dags"),
+            "AIRFLOW__CORE__PLUGINS_FOLDER": str(REPO_ROOT / "plugins"),
+            "AIRFLOW__CORE__LOAD_EXAMPLES": "False",
+            "AIRFLOW__CORE__EXECUTOR": "LocalExecutor",
+            "AIRFLOW__CORE__PARALLELISM": "6",
+            "AIRFLOW__CORE__DAGS_ARE_PAUSED_AT_CREATION": "False",
+            "AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_USERS": ",".join(f"{u}:{r}" for u, r in AIRFLOW_USERS.items()),
+            "AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_PASSWORDS_FILE": str(home / "passwords.json"),
+            "AIRFLOW__DATABASE__SQL_ALCHEMY_CONN": f"sqlite:///{home / 'airflow.db'}",
+            "AIRFLOW__API__HOST": "127.0.0.1",
+            "AIRFLOW__API__PORT": _port(s.airflow_url),
+            "AIRFLOW__API__BASE_URL": s.airflow_url,
+            "AIRFLOW__API__SECRET_KEY": sec["secret_key"],
+            "AIRFLOW__API_AUTH__JWT_SECRET": sec["jwt_secret"],
+            "AIRFLOW__CORE__EXECUTION_API_SERVER_URL": f"{s.airflow_url}/execution/",
+            "AIRFLOW__DAG_PROCESSOR__REFRESH_INTERVAL": "5",
+            "AIRFLOW__DAG_PROCESSOR__MIN_FILE_PROCESS_INTERVAL": "10",
+            "AIRFLOW__SCHEDULER__ENABLE_HEALTH_CHECK": "False",
+            "AIRFLOW__LOGGING__BASE_LOG_FOLDER": str(home / "logs"),
+            "KILN_HOME": str(s.home),
+            "MLFLOW_TRACKING_URI": s.mlflow_uri,
+            "DVC_NO_ANALYTICS": "1",
+            "GIT_PYTHON_REFRESH": "quiet",
+            "PYTHONUNBUFFERED": "1",
+        }
+    )
+    return env
+
+
+def services(s: kiln_settings.Settings) -> list[Service]:
+    airflow = _bin("airflow")
+    mlflow_home = s.home / "mlflow"
+    return [
+        Service(
+            name="mlflow",
+            argv=[
+                _bin("mlflow"), "server",
+                "--host", "127.0.0.1", "--port", _port(s.mlflow_uri),
+                "--backend-store-uri", f"sqlite:///{mlflow_home / 'mlflow.db'}",
+                "--artifacts-destination", str(mlflow_home / "artifacts"),
+                "--workers", "1",
+            ],
+            health_url=f"{s.mlflow_uri}/health",
+        ),
+        Service(
+            name="api-server",
+            argv=[airflow, "api-server", "--host", "127.0.0.1", "--port", _port(s.airflow_url), "--workers", "1"],
+            health_url=f"{s.airflow_url}/api/v2/monitor/health",
+        ),
+        Service(name="scheduler", argv=[airflow, "scheduler", "--skip-serve-logs"]),
+        Service(name="dag-processor", argv=[airflow, "dag-processor"]),
+        Service(name="triggerer", argv=[airflow, "triggerer", "--skip-serve-logs"]),
+    ]
+
+
+def _pidfile(s: kiln_settings.Settings, name: str) -> Path:
+    return s.home / "run" / f"{name}.pid"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:  # a zombie is not alive
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        return state != "Z"
+    except OSError:
+        return False
+
+
+def running_pid(s: kiln_settings.Settings, name: str) -> int | None:
+    path = _pidfile(s, name)
+    if not path.is_file():
+        return None
+    pid = int(path.read_text().split()[0])
+    return pid if _alive(pid) else None
+
+
+def _run_airflow(args: list[str], env: dict[str, str], log: Path) -> None:
+    with open(log, "ab") as fh:
+        proc = subprocess.run([_bin("airflow"), *args], env=env, stdout=fh, stderr=subprocess.STDOUT)
+    if proc.returncode != 0:
+        raise StackError(f"`airflow {' '.join(args)}` failed (exit {proc.returncode}); see {log}")
+
+
+def _wait_healthy(url: str, name: str, log: Path, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if requests.get(url, timeout=2).status_code == 200:
+                return
+        except requests.RequestException:
+            pass
+        time.sleep(0.5)
+    tail = log.read_text(errors="replace")[-2000:] if log.is_file() else ""
+    raise StackError(f"{name} did not become healthy at {url} within {timeout:.0f}s; log tail:\n{tail}")
+
+
+def up(*, timeout: float = 180.0, quiet: bool = False) -> dict[str, str]:
+    """Start whatever is not running yet; return the URLs. Safe to call again and again."""
+    s = kiln_settings.load()
+    env = airflow_env(s)
+    logs = s.home / "logs"
+    for d in (logs, s.home / "run", s.home / "mlflow", airflow_home(s)):
+        d.mkdir(parents=True, exist_ok=True)
+
+    def say(msg: str) -> None:
+        if not quiet:
+            print(msg, file=sys.stderr, flush=True)
+
+    from kiln.snapshot import ensure_workspace
+
+    ensure_workspace(s)
+    to_start = [svc for svc in services(s) if running_pid(s, svc.name) is None]
+    if any(svc.name != "mlflow" for svc in to_start):
+        say("kiln: migrating the Airflow metadata database (SQLite)")
+        _run_airflow(["db", "migrate"], env, logs / "airflow-setup.log")
+        for pool, slots in POOL_SLOTS.items():
+            policy = next(p for p in POLICIES.values() if p.pool == pool)
+            _run_airflow(["pools", "set", pool, str(slots), f"kiln {policy.name} runs"], env, logs / "airflow-setup.log")
+    for svc in to_start:
+        log = logs / f"{svc.name}.log"
+        with open(log, "ab") as fh:
+            proc = subprocess.Popen(
+                svc.argv, env=env, stdout=fh, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                cwd=s.home, start_new_session=True,
+            )
+        _pidfile(s, svc.name).write_text(f"{proc.pid}\n")
+        say(f"kiln: started {svc.name} (pid {proc.pid}, log {log})")
+    for svc in services(s):
+        if svc.health_url:
+            _wait_healthy(svc.health_url, svc.name, logs / f"{svc.name}.log", timeout)
+    info = {"airflow": s.airflow_url, "mlflow": s.mlflow_uri, "home": str(s.home)}
+    if not quiet:
+        pw = passwords(s)
+        print(f"Airflow UI : {s.airflow_url}   (login admin / {pw['admin']}; reviewer demo-reviewer / {pw['demo-reviewer']})")
+        print(f"MLflow UI  : {s.mlflow_uri}")
+        print(f"state      : {s.home}   (logs in {logs}; `make down` stops it)")
+    return info
+
+
+def down(*, timeout: float = 20.0) -> list[str]:
+    """Stop exactly the processes ``up`` started (their whole process groups)."""
+    s = kiln_settings.load()
+    stopped = []
+    for svc in reversed(services(s)):
+        path = _pidfile(s, svc.name)
+        pid = running_pid(s, svc.name)
+        if pid is not None:
+            _terminate_group(pid, timeout)
+            stopped.append(svc.name)
+        path.unlink(missing_ok=True)
+    return stopped
+
+
+def _terminate_group(pid: int, timeout: float) -> None:
+    try:
+        os.killpg(pid, signal.SIGTERM)
+    except ProcessLookupError:
+        return
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and _alive(pid):
+        time.sleep(0.2)
+    try:
+        os.killpg(pid, signal.SIGKILL)  # the group may hold task processes that outlived the leader
+    except ProcessLookupError:
+        pass
+
+
+def status() -> dict[str, int | None]:
+    s = kiln_settings.load()
+    return {svc.name: running_pid(s, svc.name) for svc in services(s)}

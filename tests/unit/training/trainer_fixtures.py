@@ -1,0 +1,115 @@
+"""Fixtures for the trainer tests: real parquet shards built from the Python stdlib's own source,
+a TrainingManifest in kiln's wire format, and helpers that launch the trainer as real processes.
+
+Imported by the tests as ``trainer_fixtures`` (pytest puts this directory on sys.path)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import socket
+import subprocess
+import sys
+import sysconfig
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+REPO = Path(__file__).resolve().parents[3]
+RECIPES = REPO / "training" / "recipes"
+TINY = RECIPES / "tiny.toml"
+
+
+def _canonical(obj: Any) -> bytes:
+    return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
+
+
+def _sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def stdlib_sources(limit_bytes: int, skip: int = 0) -> list[tuple[str, str]]:
+    """(name, text) of stdlib .py files in a fixed order, totalling about ``limit_bytes``."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    out, total = [], 0
+    for path in sorted(root.glob("*.py"))[skip:]:
+        text = path.read_text(encoding="utf-8", errors="replace")
+        out.append((path.name, text))
+        total += len(text.encode("utf-8"))
+        if total >= limit_bytes:
+            break
+    return out
+
+
+def write_shard(path: Path, docs: list[tuple[str, str]]) -> dict[str, Any]:
+    table = pa.table(
+        {
+            "doc_id": [name for name, _ in docs],
+            "text": [text for _, text in docs],
+            "source": ["stdlib"] * len(docs),
+        }
+    )
+    pq.write_table(table, path)
+    return {"path": str(path), "sha256": _sha256(path), "rows": len(docs)}
+
+
+def write_training_manifest(path: Path, shards: list[dict], eval_shards: list[dict], **extra: Any) -> Path:
+    body = {
+        "snapshot_id": "0123456789abcdef0123456789abcdef.dir",
+        "corpus": "stdlib-py",
+        "contract": "stdlib-py@1",
+        "shards": shards,
+        "eval_shards": eval_shards,
+        "quarantined": [],
+        **extra,
+    }
+    doc = {"kind": "kiln.TrainingManifest", **body, "sha256": hashlib.sha256(_canonical(body)).hexdigest()}
+    path.write_text(json.dumps(doc, indent=1))
+    return path
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def trainer_env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("MLFLOW_", "RANK", "WORLD_SIZE", "LOCAL_"))}
+    env["PYTHONUNBUFFERED"] = "1"
+    env.update(extra)
+    return env
+
+
+def train_cmd(manifest: Path, run_dir: Path, *overrides: str, recipe: Path = TINY, max_steps: int | None = None) -> list[str]:
+    cmd = ["-m", "kiln_trainer.train", "--manifest", str(manifest), "--recipe", str(recipe), "--run-dir", str(run_dir)]
+    for o in overrides:
+        cmd += ["--set", o]
+    if max_steps is not None:
+        cmd += ["--max-steps", str(max_steps)]
+    return cmd
+
+
+def torchrun_cmd(nproc: int, args: list[str]) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", *args]
+
+
+def two_agent_cmds(args: list[str], rdzv_id: str) -> list[list[str]]:
+    port = free_port()
+    base = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=1",
+            "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", f"--rdzv-id={rdzv_id}"]
+    return [base + args, base + args]
+
+
+def run_ok(cmd: list[str], timeout: float = 120, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env or trainer_env(), cwd=REPO)
+    if proc.returncode != 0:
+        raise AssertionError(f"{cmd} exited {proc.returncode}\nstdout:\n{proc.stdout[-3000:]}\nstderr:\n{proc.stderr[-6000:]}")
+    return proc
+
+
+def read_result(run_dir: Path) -> dict[str, Any]:
+    return json.loads((run_dir / "result.json").read_text())

@@ -1,0 +1,361 @@
+"""Saving and restoring the full training state (model, optimizer, scheduler, data position, RNGs).
+
+Save protocol (see ``checkpoint_manifest`` for the on-disk format and the commit rule):
+
+1. Every rank serialises its RNG states (``torch.save`` of plain tensors/ints) and the bytes are
+   gathered on rank 0 with a collective. Gathering avoids the trap where per-rank state written
+   under one key collapses to rank 0's, and it means only rank 0 ever writes shared state.
+2. Rank 0 copies model/optimizer/scheduler state to CPU (the only part training waits for) and
+   hands the copy to one background writer thread.
+3. The writer writes and fsyncs every file, hashes them, writes ``manifest.json`` last and
+   atomically (tmp + fsync + rename + directory fsync), then applies keep-last-K retention.
+
+At most one save is in flight: the next save (or the end of the run) first waits for the previous
+one, and re-raises its error, so a failed write never goes unnoticed.
+
+Loading uses ``torch.load(..., weights_only=True)`` only: no arbitrary object is ever unpickled.
+The optimizer is restored with ``load_state_dict`` of the *saved* full state dict (the Adam moments
+come from the file, not from a fresh optimizer's empty state).
+"""
+
+from __future__ import annotations
+
+import copy
+import datetime as dt
+import hashlib
+import io
+import json
+import logging
+import os
+import random
+import shutil
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from kiln_trainer.checkpoint_manifest import (
+    CHECKPOINT_KIND,
+    CHECKPOINTS_SUBDIR,
+    FORMAT_VERSION,
+    MANIFEST_NAME,
+    atomic_write_bytes,
+    canonical_json,
+    checkpoint_dirs,
+    fsync_dir,
+    read_manifest,
+    rng_file_name,
+    sha256_file,
+    step_dir_name,
+    verify_checkpoint,
+)
+from kiln_trainer.errors import CheckpointError
+
+log = logging.getLogger(__name__)
+
+# Fault injection for chaos tests: sleep this long after writing the state files and before the
+# manifest, which widens the window in which a SIGKILL lands mid-save. Never set in production.
+_WRITE_DELAY_ENV = "KILN_CKPT_WRITE_DELAY_S"
+
+
+def weights_sha256(state_dict: dict[str, torch.Tensor]) -> str:
+    """Deterministic hash of model weights: sorted keys, each with dtype, shape and raw bytes.
+
+    Identical weights give the identical hash regardless of device or memory layout.
+    """
+    digest = hashlib.sha256()
+    for key in sorted(state_dict):
+        tensor = state_dict[key].detach().to("cpu").contiguous()
+        digest.update(key.encode("utf-8"))
+        digest.update(str(tensor.dtype).encode("ascii"))
+        digest.update(json.dumps(list(tensor.shape)).encode("ascii"))
+        # A uint8 view gives the raw bytes for every dtype, bfloat16 included (numpy has no bf16).
+        digest.update(tensor.reshape(-1).view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
+
+
+# --------------------------------------------------------------------------- RNG state
+
+def capture_rng_state() -> dict[str, Any]:
+    """Every RNG the loop can touch, as plain tensors / ints / floats (weights_only-loadable)."""
+    py_version, py_state, py_gauss = random.getstate()
+    np_name, np_keys, np_pos, np_has_gauss, np_gauss = np.random.get_state(legacy=True)
+    state: dict[str, Any] = {
+        "python_version": int(py_version),
+        "python_state": torch.tensor(py_state, dtype=torch.int64),
+        "python_gauss": py_gauss,
+        "numpy_name": str(np_name),
+        "numpy_keys": torch.from_numpy(np.asarray(np_keys, dtype=np.int64).copy()),
+        "numpy_pos": int(np_pos),
+        "numpy_has_gauss": int(np_has_gauss),
+        "numpy_gauss": float(np_gauss),
+        "torch_cpu": torch.get_rng_state(),
+        "cuda": [s.cpu() for s in torch.cuda.get_rng_state_all()] if torch.cuda.is_available() else [],
+    }
+    return state
+
+
+def restore_rng_state(state: dict[str, Any]) -> None:
+    random.setstate((state["python_version"], tuple(int(x) for x in state["python_state"].tolist()), state["python_gauss"]))
+    np.random.set_state(
+        (
+            state["numpy_name"],
+            state["numpy_keys"].numpy().astype(np.uint32),
+            state["numpy_pos"],
+            state["numpy_has_gauss"],
+            state["numpy_gauss"],
+        )
+    )
+    torch.set_rng_state(state["torch_cpu"])
+    if state["cuda"] and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def _torch_save_bytes(obj: Any) -> bytes:
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    return buffer.getvalue()
+
+
+def gather_rng_bytes(device: torch.device) -> list[bytes] | None:
+    """Each rank's serialised RNG state, gathered on rank 0 (None on other ranks)."""
+    blob = _torch_save_bytes(capture_rng_state())
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return [blob]
+    world = dist.get_world_size()
+    size = torch.tensor([len(blob)], dtype=torch.int64, device=device)
+    sizes = [torch.zeros_like(size) for _ in range(world)]
+    dist.all_gather(sizes, size)
+    longest = int(max(s.item() for s in sizes))
+    padded = torch.zeros(longest, dtype=torch.uint8)
+    padded[: len(blob)] = torch.frombuffer(bytearray(blob), dtype=torch.uint8)
+    padded = padded.to(device)
+    gathered = [torch.zeros_like(padded) for _ in range(world)]
+    dist.all_gather(gathered, padded)
+    if dist.get_rank() != 0:
+        return None
+    return [bytes(g.cpu()[: int(s.item())].numpy().tobytes()) for g, s in zip(gathered, sizes)]
+
+
+# --------------------------------------------------------------------------- snapshot + writer
+
+def _to_cpu_copy(obj: Any) -> Any:
+    """Deep copy with every tensor cloned to CPU: the state the writer thread may use while training continues."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().to("cpu", copy=True)
+    if isinstance(obj, dict):
+        return {k: _to_cpu_copy(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_to_cpu_copy(v) for v in obj]
+    if isinstance(obj, tuple):
+        return tuple(_to_cpu_copy(v) for v in obj)
+    return copy.deepcopy(obj)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class CheckpointIdentity:
+    """What every manifest of this run records besides the state itself."""
+
+    world_size: int
+    recipe: dict[str, Any]
+    recipe_sha256: str
+    snapshot_id: str
+    training_manifest_sha256: str
+
+
+@dataclass(kw_only=True, slots=True)
+class _Snapshot:
+    step: int
+    model: dict[str, torch.Tensor]
+    optimizer: dict[str, Any]
+    scheduler: dict[str, Any]
+    trainer_state: dict[str, Any]
+    rng_blobs: list[bytes]
+
+
+def _write_file(path: Path, data: bytes) -> str:
+    with open(path, "wb") as fh:
+        fh.write(data)
+        fh.flush()
+        os.fsync(fh.fileno())
+    return hashlib.sha256(data).hexdigest()
+
+
+def _is_committed_cheap(step_dir: Path) -> bool:
+    try:
+        read_manifest(step_dir)
+    except CheckpointError:
+        return False
+    return True
+
+
+def apply_retention(run_dir: Path, keep_last: int) -> list[Path]:
+    """Delete all but the newest ``keep_last`` committed checkpoints, and uncommitted leftovers
+    older than the newest committed one. The newest committed checkpoint is never deleted."""
+    dirs = checkpoint_dirs(run_dir)
+    committed = [(s, d) for s, d in dirs if _is_committed_cheap(d)]
+    if not committed:
+        return []
+    newest_step = committed[-1][0]
+    keep = {d for _, d in committed[-max(1, keep_last) :]}
+    removed = []
+    for step, step_dir in dirs:
+        if step_dir in keep or step > newest_step:
+            continue
+        shutil.rmtree(step_dir, ignore_errors=True)
+        removed.append(step_dir)
+    if removed:
+        fsync_dir(Path(run_dir) / CHECKPOINTS_SUBDIR)
+    return removed
+
+
+class CheckpointWriter:
+    """Rank 0's checkpoint writer: synchronous state copy, file writes in one background thread."""
+
+    def __init__(self, run_dir: Path, identity: CheckpointIdentity, *, keep_last: int, async_save: bool) -> None:
+        self.run_dir = Path(run_dir)
+        self.identity = identity
+        self.keep_last = keep_last
+        self.async_save = async_save
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt-writer") if async_save else None
+        self._pending: Future[Path] | None = None
+        self._lock = threading.Lock()
+        self.last_committed_step: int | None = None
+        self.last_committed_dir: Path | None = None
+        self.last_weights_sha256: str | None = None
+        self.total_blocking_s = 0.0
+
+    def wait(self) -> Path | None:
+        """Block until the in-flight save (if any) is committed; re-raise its failure."""
+        if self._pending is not None:
+            pending, self._pending = self._pending, None
+            pending.result()
+        return self.last_committed_dir
+
+    def save(self, *, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any,
+             trainer_state: dict[str, Any], rng_blobs: list[bytes]) -> float:
+        """Snapshot the state and write it (in the background when async). Returns the blocking seconds."""
+        t0 = time.perf_counter()
+        self.wait()
+        snapshot = _Snapshot(
+            step=step,
+            model=_to_cpu_copy(model.state_dict()),
+            optimizer=_to_cpu_copy(optimizer.state_dict()),
+            scheduler=_to_cpu_copy(scheduler.state_dict()),
+            trainer_state=_to_cpu_copy(trainer_state),
+            rng_blobs=list(rng_blobs),
+        )
+        if self._executor is not None:
+            self._pending = self._executor.submit(self._write, snapshot)
+        else:
+            self._write(snapshot)
+        blocked = time.perf_counter() - t0
+        self.total_blocking_s += blocked
+        return blocked
+
+    def close(self) -> None:
+        try:
+            self.wait()
+        finally:
+            if self._executor is not None:
+                self._executor.shutdown(wait=True)
+
+    def _write(self, snap: _Snapshot) -> Path:
+        ident = self.identity
+        if len(snap.rng_blobs) != ident.world_size:
+            raise CheckpointError(f"got RNG state of {len(snap.rng_blobs)} ranks, world size is {ident.world_size}")
+        root = self.run_dir / CHECKPOINTS_SUBDIR
+        root.mkdir(parents=True, exist_ok=True)
+        step_dir = root / step_dir_name(snap.step)
+        if step_dir.exists():
+            if _is_committed_cheap(step_dir):
+                raise CheckpointError(f"{step_dir} is already committed; refusing to overwrite it")
+            # A leftover of a save that was interrupted before its commit: never a checkpoint.
+            shutil.rmtree(step_dir)
+        step_dir.mkdir()
+        files: dict[str, str] = {}
+        payloads = {
+            "model.pt": snap.model,
+            "optimizer.pt": snap.optimizer,
+            "scheduler.pt": snap.scheduler,
+            "trainer_state.pt": snap.trainer_state,
+        }
+        for name, obj in payloads.items():
+            files[name] = _write_file(step_dir / name, _torch_save_bytes(obj))
+        for rank, blob in enumerate(snap.rng_blobs):
+            files[rng_file_name(rank)] = _write_file(step_dir / rng_file_name(rank), blob)
+        delay = float(os.environ.get(_WRITE_DELAY_ENV, "0") or 0)
+        if delay > 0:
+            time.sleep(delay)
+        weights = weights_sha256(snap.model)
+        manifest = {
+            "kind": CHECKPOINT_KIND,
+            "format": FORMAT_VERSION,
+            "step": snap.step,
+            "world_size": ident.world_size,
+            "recipe_sha256": ident.recipe_sha256,
+            "recipe": ident.recipe,
+            "snapshot_id": ident.snapshot_id,
+            "training_manifest_sha256": ident.training_manifest_sha256,
+            "files": files,
+            "weights_sha256": weights,
+            "created_at": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        }
+        fsync_dir(step_dir)
+        atomic_write_bytes(step_dir / MANIFEST_NAME, json.dumps(manifest, indent=1, sort_keys=True).encode("utf-8"))
+        with self._lock:
+            self.last_committed_step = snap.step
+            self.last_committed_dir = step_dir
+            self.last_weights_sha256 = weights
+        for removed in apply_retention(self.run_dir, self.keep_last):
+            log.info("retention removed %s", removed)
+        return step_dir
+
+
+# --------------------------------------------------------------------------- loading
+
+@dataclass(kw_only=True, slots=True)
+class LoadedCheckpoint:
+    step_dir: Path
+    manifest: dict[str, Any]
+    model: dict[str, torch.Tensor]
+    optimizer: dict[str, Any]
+    scheduler: dict[str, Any]
+    trainer_state: dict[str, Any]
+    rng: dict[str, Any] | None
+
+
+def _load(path: Path) -> Any:
+    return torch.load(path, map_location="cpu", weights_only=True)
+
+
+def load_checkpoint(step_dir: str | Path, *, rank: int | None, verify: bool = True) -> LoadedCheckpoint:
+    """Read a committed checkpoint (verified unless the caller already did). ``rank=None`` skips RNG."""
+    step_dir = Path(step_dir)
+    manifest = verify_checkpoint(step_dir) if verify else read_manifest(step_dir)
+    rng = None
+    if rank is not None:
+        if rank >= manifest["world_size"]:
+            raise CheckpointError(f"{step_dir}: no RNG state for rank {rank} (world size {manifest['world_size']})")
+        rng = _load(step_dir / rng_file_name(rank))
+    return LoadedCheckpoint(
+        step_dir=step_dir,
+        manifest=manifest,
+        model=_load(step_dir / "model.pt"),
+        optimizer=_load(step_dir / "optimizer.pt"),
+        scheduler=_load(step_dir / "scheduler.pt"),
+        trainer_state=_load(step_dir / "trainer_state.pt"),
+        rng=rng,
+    )
+
+
+def load_model_weights(step_dir: str | Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """(verified manifest, model state_dict) for evaluation and export."""
+    manifest = verify_checkpoint(step_dir)
+    return manifest, _load(Path(step_dir) / "model.pt")

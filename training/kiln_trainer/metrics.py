@@ -1,0 +1,130 @@
+"""Rank 0's metric sinks: ``metrics.jsonl``, a Prometheus textfile, and (optionally) MLflow.
+
+Each sink has the same tiny interface, ``log(step, record)`` / ``close()``. MLflow is used only when
+both ``MLFLOW_TRACKING_URI`` and ``MLFLOW_RUN_ID`` are set; it is imported lazily, so a run without
+them makes no MLflow call at all. The trainer logs into the *existing* run through ``MlflowClient``
+(rather than ``mlflow.start_run``) so that it never changes the run's status: the orchestration side
+owns the run's lifecycle and keeps logging to it (evaluation, registration) after training.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import time
+from pathlib import Path
+from typing import Any, Protocol
+
+from kiln_trainer.checkpoint_manifest import atomic_write_bytes
+
+log = logging.getLogger(__name__)
+
+
+class MetricSink(Protocol):
+    def log(self, step: int, record: dict[str, Any]) -> None: ...
+    def close(self) -> None: ...
+
+
+def _numeric(record: dict[str, Any]) -> dict[str, float]:
+    return {k: float(v) for k, v in record.items() if isinstance(v, (int, float)) and not isinstance(v, bool) and k != "step"}
+
+
+class JsonlSink:
+    """One JSON object per line in ``RUN_DIR/metrics.jsonl`` (appended across resumes)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._fh = open(path, "a", encoding="utf-8")
+
+    def log(self, step: int, record: dict[str, Any]) -> None:
+        clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in record.items()}
+        self._fh.write(json.dumps({"step": step, **clean}, sort_keys=True) + "\n")
+        self._fh.flush()
+
+    def close(self) -> None:
+        self._fh.close()
+
+
+class PrometheusTextfileSink:
+    """The latest values as ``RUN_DIR/metrics.prom`` (node_exporter textfile-collector format)."""
+
+    def __init__(self, path: Path, labels: dict[str, str]) -> None:
+        self.path = path
+        self._labels = ",".join(f'{k}="{v}"' for k, v in sorted(labels.items()))
+
+    def log(self, step: int, record: dict[str, Any]) -> None:
+        if record.get("event"):
+            return
+        lines = [f"kiln_train_step{{{self._labels}}} {step}"]
+        for key, value in sorted(_numeric(record).items()):
+            if math.isfinite(value):
+                lines.append(f"kiln_train_{key}{{{self._labels}}} {value!r}")
+        atomic_write_bytes(self.path, ("\n".join(lines) + "\n").encode("utf-8"))
+
+    def close(self) -> None:
+        pass
+
+
+class MlflowSink:
+    """Metrics to an existing MLflow run in batches (``log_batch``), flushed every ``flush_s`` and at close."""
+
+    def __init__(self, tracking_uri: str, run_id: str, params: dict[str, Any], flush_s: float = 10.0) -> None:
+        from mlflow.entities import Metric, Param
+        from mlflow.tracking import MlflowClient
+
+        self._Metric = Metric
+        self.client = MlflowClient(tracking_uri=tracking_uri)
+        self.run_id = run_id
+        self.flush_s = flush_s
+        self._buffer: list[Any] = []
+        self._last_flush = time.monotonic()
+        param_list = [Param(k, str(v)) for k, v in sorted(params.items())]
+        # log_batch accepts at most 100 params per call.
+        for i in range(0, len(param_list), 100):
+            self.client.log_batch(run_id, params=param_list[i : i + 100])
+
+    def log(self, step: int, record: dict[str, Any]) -> None:
+        if record.get("event"):
+            return  # events (rollbacks) live in metrics.jsonl and result.json, not as metric series
+        now_ms = int(time.time() * 1000)
+        for key, value in _numeric(record).items():
+            if math.isfinite(value):
+                self._buffer.append(self._Metric(key=key, value=value, timestamp=now_ms, step=step))
+        if time.monotonic() - self._last_flush >= self.flush_s:
+            self.flush()
+
+    def flush(self) -> None:
+        # log_batch accepts at most 1000 metrics per call.
+        while self._buffer:
+            chunk, self._buffer = self._buffer[:1000], self._buffer[1000:]
+            self.client.log_batch(self.run_id, metrics=chunk)
+        self._last_flush = time.monotonic()
+
+    def close(self) -> None:
+        self.flush()
+
+
+def flatten_recipe(recipe: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    return {f"{section}.{key}": value for section, table in recipe.items() for key, value in table.items()}
+
+
+class MetricsHub:
+    """Fan-out to every sink; rank 0 only (other ranks get a hub with no sinks)."""
+
+    def __init__(self, sinks: list[MetricSink]) -> None:
+        self.sinks = sinks
+
+    def log(self, step: int, record: dict[str, Any]) -> None:
+        for sink in self.sinks:
+            sink.log(step, record)
+
+    def close(self) -> None:
+        for sink in self.sinks:
+            sink.close()
+
+
+def mlflow_target() -> tuple[str, str] | None:
+    uri, run_id = os.environ.get("MLFLOW_TRACKING_URI", ""), os.environ.get("MLFLOW_RUN_ID", "")
+    return (uri, run_id) if uri and run_id else None
