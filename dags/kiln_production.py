@@ -1,6 +1,6 @@
-"""Regulated production retraining: scheduled and corpus-asset triggered, pinned inputs, human approval.
+"""Regulated production retraining (Airflow DAG): scheduled and corpus-asset triggered, pinned inputs, human approval.
 
-Wiring only — the pipeline is built by ``kiln.dagfactory`` from the production policy (``kiln.policy``).
+Wiring only (the words "airflow" and "dag" in this file also let the dag-processor's safe mode pick it up) — the pipeline is built by ``kiln.dagfactory`` from the production policy (``kiln.policy``).
 """
 
 from kiln.dagfactory import build_dag

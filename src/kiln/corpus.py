@@ -168,26 +168,34 @@ def _chunk_file(root: Path, rel: str) -> list[_Doc]:
 
 
 def _select(root: Path, seed: int, max_bytes: int) -> tuple[list[_Doc], list[_Doc]]:
-    """Seeded split by source file until ``max_bytes`` of text: each file goes whole to eval while
-    eval holds less than ``EVAL_FRACTION`` of the text so far, otherwise to train."""
+    """Seeded split by source file (a file goes whole to one side) until ``max_bytes`` of text.
+
+    A file goes to eval when eval would then still hold at most ``EVAL_FRACTION`` of the text taken
+    so far; once train has its share of ``max_bytes``, only files that fit eval's remaining budget
+    are taken, until eval holds at least half its budget.
+    """
     files = _source_files(root)
     if not files:
         raise ConfigError(f"no .py files found under the stdlib directory {root}")
     random.Random(seed).shuffle(files)
+    eval_budget = EVAL_FRACTION * max_bytes
+    train_budget = max_bytes - eval_budget
     eval_docs: list[_Doc] = []
     train_docs: list[_Doc] = []
     eval_bytes = train_bytes = 0
     for rel in files:
-        if eval_bytes + train_bytes >= max_bytes:
+        train_full = train_bytes >= train_budget
+        if train_full and eval_bytes >= eval_budget / 2:
             break
         docs = _chunk_file(root, rel)
         size = sum(len(d.text.encode("utf-8")) for d in docs)
         if not docs:
             continue
-        if eval_bytes < EVAL_FRACTION * (eval_bytes + train_bytes + size):
+        fits_share = eval_bytes + size <= EVAL_FRACTION * (eval_bytes + train_bytes + size)
+        if fits_share or (train_full and eval_bytes + size <= eval_budget):
             eval_docs.extend(docs)
             eval_bytes += size
-        else:
+        elif not train_full:
             train_docs.extend(docs)
             train_bytes += size
     return train_docs, eval_docs
@@ -368,6 +376,8 @@ def build_corpus(
 
     root = Path(stdlib_dir) if stdlib_dir is not None else stdlib_root()
     train_docs, eval_docs = _select(root, seed, max_bytes)
+    if not eval_docs:
+        raise ConfigError(f"max_bytes={max_bytes} leaves no file for the eval split: raise max_bytes")
     per_shard_min = 6 if poison else 1  # the row-level poisons touch up to 6 distinct rows
     if len(train_docs) < shards * per_shard_min:
         raise ConfigError(

@@ -1,0 +1,445 @@
+"""kiln.registry against a real ``mlflow server`` (fixture in conftest.py).
+
+The checkpoints here are real step directories in the trainer's commit format (files + a
+``manifest.json`` with per-file sha256, written last) checked by the trainer's own
+``verify_checkpoint``. Their payload bytes are not loadable torch weights, so the model logged for
+them is a tiny real MLflow pyfunc model standing in for ``kiln_trainer.export.log_model`` (the
+real export is exercised by the end-to-end DAG test, which trains a real checkpoint).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import hashlib
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kiln import registry
+from kiln.errors import ManifestError, PolicyError, RegistryError
+from kiln.policy import POLICIES, PRODUCTION, PRODUCTION_MODEL, SANDBOX, Policy
+from kiln.refs import EvalReport, SnapshotRef, TrainingManifest, TrainResult, sha256_file
+
+pytestmark = pytest.mark.slow
+
+checkpoint_manifest = pytest.importorskip("kiln_trainer.checkpoint_manifest")
+
+SNAPSHOT_ID = "0123456789abcdef0123456789abcdef.dir"
+DVC_TEXT = f"outs:\n- md5: {SNAPSHOT_ID}\n  size: 1024\n  nfiles: 4\n  hash: md5\n  path: stdlib-py\n"
+
+
+# ------------------------------------------------------------------------------------------ builders
+
+
+def build_manifest(tmp: Path) -> TrainingManifest:
+    # Signed by hand rather than TrainingManifest.build (which passes "kind" back into __init__).
+    unsigned = TrainingManifest(
+        snapshot_id=SNAPSHOT_ID,
+        corpus="stdlib-py",
+        contract="stdlib-py@1",
+        shards=[{"path": str(tmp / "shard-000.parquet"), "sha256": "a" * 64, "rows": 10}],
+        eval_shards=[{"path": str(tmp / "eval-000.parquet"), "sha256": "b" * 64, "rows": 5}],
+        quarantined=[str(tmp / "shard-001.parquet"), str(tmp / "shard-002.parquet")],
+    )
+    return dataclasses.replace(unsigned, sha256=unsigned.content_hash())
+
+
+def write_checkpoint(run_dir: Path, manifest: TrainingManifest, *, step: int = 10, seed: str = "a") -> Path:
+    """A committed step directory in the trainer's format: payload files first, manifest last."""
+    step_dir = run_dir / "checkpoints" / checkpoint_manifest.step_dir_name(step)
+    step_dir.mkdir(parents=True)
+    files = {}
+    for name in sorted(checkpoint_manifest.expected_files(1)):
+        (step_dir / name).write_bytes(hashlib.sha256(f"{seed}/{name}".encode()).digest() * 64)
+        files[name] = sha256_file(step_dir / name)
+    recipe = {"model": {"n_layer": 1}, "train": {"steps": step}}
+    body = {
+        "kind": checkpoint_manifest.CHECKPOINT_KIND,
+        "format": 1,
+        "step": step,
+        "world_size": 1,
+        "recipe_sha256": hashlib.sha256(checkpoint_manifest.canonical_json(recipe)).hexdigest(),
+        "recipe": recipe,
+        "snapshot_id": manifest.snapshot_id,
+        "training_manifest_sha256": manifest.sha256,
+        "files": files,
+        "weights_sha256": files["model.pt"],
+        "created_at": "2026-11-29T17:00:00+00:00",
+    }
+    checkpoint_manifest.atomic_write_bytes(step_dir / "manifest.json", json.dumps(body).encode())
+    return step_dir
+
+
+@dataclasses.dataclass
+class Candidate:
+    train: TrainResult
+    eval_report: EvalReport
+    snapshot: SnapshotRef
+    manifest: TrainingManifest
+
+    def kwargs(self) -> dict[str, Any]:
+        return {"train": self.train, "eval_report": self.eval_report, "snapshot": self.snapshot,
+                "manifest": self.manifest}  # fmt: skip
+
+
+def make_candidate(tmp: Path, name: str, bits_per_byte: float, *, mlflow_run_id: str = "") -> Candidate:
+    manifest = build_manifest(tmp)
+    step_dir = write_checkpoint(tmp / name, manifest, seed=name)
+    verified = checkpoint_manifest.verify_checkpoint(step_dir)
+    train = TrainResult(
+        run_dir=str(tmp / name),
+        checkpoint=str(step_dir),
+        checkpoint_manifest_sha256=sha256_file(step_dir / "manifest.json"),
+        weights_sha256=verified["weights_sha256"],
+        step=verified["step"],
+        metrics={"final_loss": 2.1},
+        mlflow_run_id=mlflow_run_id,
+    )
+    report = EvalReport(checkpoint=str(step_dir), weights_sha256=verified["weights_sha256"], split="eval",
+                        bits_per_byte=bits_per_byte, loss=bits_per_byte * math.log(2), tokens=4096)  # fmt: skip
+    snapshot = SnapshotRef(id=SNAPSHOT_ID, corpus="stdlib-py", files=4, bytes=1024, dvc=DVC_TEXT,
+                           remote="/tmp/dvc-remote", path="/tmp/dvc-repo/stdlib-py")  # fmt: skip
+    return Candidate(train=train, eval_report=report, snapshot=snapshot, manifest=manifest)
+
+
+def sandbox_policy(suffix: str) -> Policy:
+    name = f"sandbox.test-{suffix}"
+    return dataclasses.replace(SANDBOX, candidate_model=name, target_model=name, writable_models=(name,))
+
+
+def production_policy(suffix: str) -> Policy:
+    target = f"test-{suffix}"
+    return dataclasses.replace(PRODUCTION, candidate_model=f"{target}.candidates", target_model=target,
+                               writable_models=(f"{target}.candidates", target))  # fmt: skip
+
+
+# ------------------------------------------------------------------------------------------ fixtures
+
+
+@pytest.fixture
+def logged_models(monkeypatch) -> list[str]:
+    """Stand-in for kiln_trainer.export.log_model: a tiny real pyfunc model in the active run."""
+    import mlflow
+
+    class ByteEcho(mlflow.pyfunc.PythonModel):
+        def predict(self, context, model_input, params=None):
+            return model_input
+
+    calls: list[str] = []
+
+    def log_tiny_model(step_dir: str) -> str:
+        calls.append(step_dir)
+        info = mlflow.pyfunc.log_model(name=registry.MODEL_ARTIFACT_NAME, python_model=ByteEcho(),
+                                       pip_requirements=[])  # fmt: skip
+        return info.model_uri
+
+    monkeypatch.setattr(registry, "_log_checkpoint_model", log_tiny_model)
+    return calls
+
+
+class RecordingClient:
+    """Wraps the registry's MlflowClient and records every registry write, in order."""
+
+    WRITES = ("set_model_version_tag", "set_registered_model_alias", "copy_model_version",
+              "create_model_version", "delete_registered_model_alias")  # fmt: skip
+
+    def __init__(self, inner: Any, log: list[tuple]) -> None:
+        self._inner, self._log = inner, log
+
+    def __getattr__(self, name: str) -> Any:
+        attr = getattr(self._inner, name)
+        if name not in self.WRITES:
+            return attr
+
+        def recorded(*args: Any, **kwargs: Any) -> Any:
+            self._log.append((name, *map(str, args)))
+            return attr(*args, **kwargs)
+
+        return recorded
+
+
+@pytest.fixture
+def writes(monkeypatch) -> list[tuple]:
+    log: list[tuple] = []
+    real_client = registry._client
+    monkeypatch.setattr(registry, "_client", lambda: RecordingClient(real_client(), log))
+    return log
+
+
+@pytest.fixture
+def client(mlflow_uri):
+    from mlflow import MlflowClient
+
+    return MlflowClient(tracking_uri=mlflow_uri)
+
+
+def versions(client, model: str) -> list:
+    return list(client.search_model_versions(f"name = '{model}'"))
+
+
+# --------------------------------------------------------------------------------------------- tests
+
+
+def test_register_twice_with_the_same_run_key_makes_one_version(tmp_path, client, unique_name, logged_models):
+    policy = sandbox_policy(unique_name)
+    cand = make_candidate(tmp_path, "a", 3.0)
+    run_key = f"kiln_sandbox/manual__{unique_name}"
+    lineage = {"quarantine_report": "/runs/x/quarantine.json", "kiln.extra": "yes"}
+
+    first = registry.register_candidate(policy=policy, run_key=run_key, lineage=lineage, **cand.kwargs())
+    second = registry.register_candidate(policy=policy, run_key=run_key, lineage=lineage, **cand.kwargs())
+
+    assert first["created"] is True and second["created"] is False
+    assert (first["model_name"], first["version"]) == (second["model_name"], second["version"]) == (
+        policy.candidate_model, "1",
+    )  # fmt: skip
+    assert first["decision"]["action"] == "promote" and second["decision"] == first["decision"]
+    assert json.loads(json.dumps(first)) == first  # JSON-safe for XCom
+    assert len(versions(client, policy.candidate_model)) == 1
+    assert len(logged_models) == 1, "a retry must not log a second model"
+
+    mv = client.get_model_version(policy.candidate_model, "1")
+    tags = mv.tags
+    assert tags["kiln.run_key"] == run_key
+    assert tags["kiln.snapshot_id"] == SNAPSHOT_ID and tags["kiln.dvc"] == DVC_TEXT
+    assert tags["kiln.training_manifest_sha256"] == cand.manifest.sha256
+    assert tags["kiln.contract"] == "stdlib-py@1" and tags["kiln.quarantined_shards"] == "2"
+    assert len(tags["kiln.recipe_sha256"]) == 64
+    assert tags["kiln.git_sha"]
+    assert (tags["kiln.airflow.dag_id"], tags["kiln.airflow.run_id"]) == ("kiln_sandbox", f"manual__{unique_name}")
+    assert tags["kiln.weights_sha256"] == cand.train.weights_sha256
+    assert tags["kiln.checkpoint"] == cand.train.checkpoint
+    assert float(tags["kiln.eval.bits_per_byte"]) == 3.0 and tags["kiln.eval.split"] == "eval"
+    assert tags["kiln.decision"] == "promote" and json.loads(tags["kiln.decision.reasons"])
+    assert tags["kiln.quarantine_report"] == "/runs/x/quarantine.json" and tags["kiln.extra"] == "yes"
+    assert "Gate: **promote**" in mv.description
+
+    run = client.get_run(first["run_id"])
+    assert run.data.tags["kiln.run_key"] == run_key
+    assert run.data.metrics["eval_bits_per_byte"] == 3.0
+    artifacts = {a.path for a in client.list_artifacts(first["run_id"], "evaluation")}
+    assert {"evaluation/eval_report.json", "evaluation/decision.json", "evaluation/report.md"} <= artifacts
+    assert run.info.status == "FINISHED"
+
+
+def test_registration_logs_into_the_training_run_and_keeps_its_status(tmp_path, client, unique_name, logged_models):
+    policy = sandbox_policy(unique_name)
+    experiment_id = client.create_experiment(f"train-{unique_name}")
+    train_run = client.create_run(experiment_id, tags={"kiln.run_key": f"kiln_sandbox/r-{unique_name}"})
+    cand = make_candidate(tmp_path, "a", 3.0, mlflow_run_id=train_run.info.run_id)
+
+    ref = registry.register_candidate(policy=policy, run_key=f"kiln_sandbox/r-{unique_name}", **cand.kwargs())
+
+    assert ref["run_id"] == train_run.info.run_id
+    assert client.get_model_version(policy.candidate_model, ref["version"]).run_id == train_run.info.run_id
+    assert client.get_run(train_run.info.run_id).info.status == "RUNNING", "the DAG owns the run's lifecycle"
+
+
+def _tamper_byte(step_dir: Path) -> None:
+    path = step_dir / "model.pt"
+    data = bytearray(path.read_bytes())
+    data[100] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+def _drop_manifest(step_dir: Path) -> None:
+    (step_dir / "manifest.json").unlink()
+
+
+def _drop_file(step_dir: Path) -> None:
+    (step_dir / "optimizer.pt").unlink()
+
+
+def _stray_file(step_dir: Path) -> None:
+    (step_dir / "model.pt.tmp").write_bytes(b"half a save")
+
+
+@pytest.mark.parametrize(
+    ("tamper", "reason"),
+    [(_tamper_byte, "sha256 mismatch"), (_drop_manifest, "no manifest.json"), (_drop_file, "missing"),
+     (_stray_file, "extra files")],
+    ids=["edited-byte", "uncommitted", "partial", "stray-file"],
+)  # fmt: skip
+def test_bad_checkpoint_refused_before_anything_is_registered(
+    tmp_path, client, unique_name, logged_models, writes, monkeypatch, tamper, reason
+):
+    policy = sandbox_policy(unique_name)
+    cand = make_candidate(tmp_path, "a", 3.0)
+    tamper(Path(cand.train.checkpoint))
+    clients: list[int] = []
+    real_client = registry._client
+    monkeypatch.setattr(registry, "_client", lambda: clients.append(1) or real_client())
+
+    with pytest.raises(ManifestError, match=reason) as err:
+        registry.register_candidate(policy=policy, run_key=f"kiln_sandbox/{unique_name}", **cand.kwargs())
+
+    assert cand.train.checkpoint in str(err.value)
+    assert clients == [] and writes == [] and logged_models == []
+    assert versions(client, policy.candidate_model) == []
+    assert client.get_experiment_by_name(registry.experiment_name(policy)) is None or not client.search_runs(
+        [client.get_experiment_by_name(registry.experiment_name(policy)).experiment_id],
+        filter_string=f"tags.`kiln.run_key` = 'kiln_sandbox/{unique_name}'",
+    )
+
+
+def test_refs_describing_other_weights_are_refused(tmp_path, client, unique_name, logged_models):
+    policy = sandbox_policy(unique_name)
+    cand = make_candidate(tmp_path, "a", 3.0)
+    other = dataclasses.replace(cand.eval_report, weights_sha256="f" * 64)
+
+    with pytest.raises(ManifestError, match="weights_sha256"):
+        registry.register_candidate(policy=policy, run_key=f"kiln_sandbox/{unique_name}", train=cand.train,
+                                    eval_report=other, snapshot=cand.snapshot, manifest=cand.manifest)  # fmt: skip
+    assert versions(client, policy.candidate_model) == [] and logged_models == []
+
+
+def test_sandbox_policy_cannot_write_the_production_model(mlflow_uri, client, writes, monkeypatch):
+    def no_client():
+        raise AssertionError("a request was about to be sent")
+
+    monkeypatch.setattr(registry, "_client", no_client)
+    with pytest.raises(PolicyError, match="sandbox"):
+        registry.rollback(PRODUCTION_MODEL, SANDBOX, "mallory")
+    with pytest.raises(PolicyError):
+        dataclasses.replace(SANDBOX, target_model=PRODUCTION_MODEL, writable_models=(PRODUCTION_MODEL,))
+    assert writes == []
+    assert versions(client, PRODUCTION_MODEL) == []
+
+
+def test_promote_copies_tags_then_moves_alias_last_and_is_idempotent(
+    tmp_path, client, unique_name, logged_models, writes, monkeypatch, capsys
+):
+    policy = production_policy(unique_name)
+    target = policy.target_model
+    assert registry.champion_report(policy) is None  # no model, no alias: first model
+
+    # First model: no champion, no `previous`.
+    a = make_candidate(tmp_path, "a", 3.0)
+    ref_a = registry.register_candidate(policy=policy, run_key=f"kiln_production/a-{unique_name}", **a.kwargs())
+    decision_a = registry.decide(a.eval_report, registry.champion_report(policy), policy.gate)
+    record_a = registry.promote(policy=policy, candidate_version=ref_a["version"], decision=decision_a,
+                                approver="alice", run_key=f"kiln_production/a-{unique_name}")  # fmt: skip
+    assert (record_a.registered_model, record_a.version, record_a.alias) == (target, "1", "champion")
+    assert record_a.previous_version is None
+    assert registry.champion_report(policy).bits_per_byte == 3.0
+
+    # Second model beats the champion.
+    b = make_candidate(tmp_path, "b", 2.9)
+    key_b = f"kiln_production/b-{unique_name}"
+    ref_b = registry.register_candidate(policy=policy, run_key=key_b, **b.kwargs())
+    decision_b = registry.decide(b.eval_report, registry.champion_report(policy), policy.gate)
+    assert decision_b.action == "promote" and decision_b.champion_bits_per_byte == 3.0
+    writes.clear()
+    record_b = registry.promote(policy=policy, candidate_version=ref_b["version"], decision=decision_b,
+                                approver="bob", run_key=key_b)  # fmt: skip
+
+    assert (record_b.version, record_b.previous_version, record_b.approver) == ("2", "1", "bob")
+    kinds = [w[0] for w in writes]
+    assert kinds[0] == "copy_model_version"
+    assert writes[-1] == ("set_registered_model_alias", target, "champion", "2"), "the alias moves last"
+    assert writes[-2] == ("set_registered_model_alias", target, "previous", "1")
+    assert set(kinds[1:-2]) == {"set_model_version_tag"}
+    assert client.get_model_version_by_alias(target, "champion").version == "2"
+    assert client.get_model_version_by_alias(target, "previous").version == "1"
+    tags = client.get_model_version(target, "2").tags
+    assert tags["kiln.promotion.approver"] == "bob" and tags["kiln.promotion.approved_at"] == record_b.at
+    assert json.loads(tags["kiln.decision.reasons"]) == decision_b.reasons
+    assert tags["kiln.run_key"] == key_b and tags["kiln.snapshot_id"] == SNAPSHOT_ID  # lineage copied along
+    assert tags["kiln.source_version"] == f"{policy.candidate_model}/{ref_b['version']}"
+
+    # Re-run after success: nothing changes.
+    writes.clear()
+    again = registry.promote(policy=policy, candidate_version=ref_b["version"], decision=decision_b,
+                             approver="bob", run_key=key_b)  # fmt: skip
+    assert again == record_b and writes == []
+    assert len(versions(client, target)) == 2
+
+    # A crash right after the copy (before any tag or alias): the retry reuses the copy.
+    c = make_candidate(tmp_path, "c", 2.8)
+    key_c = f"kiln_production/c-{unique_name}"
+    ref_c = registry.register_candidate(policy=policy, run_key=key_c, **c.kwargs())
+    client.copy_model_version(f"models:/{policy.candidate_model}/{ref_c['version']}", target)
+    decision_c = registry.decide(c.eval_report, registry.champion_report(policy), policy.gate)
+    record_c = registry.promote(policy=policy, candidate_version=ref_c["version"], decision=decision_c,
+                                approver="carol", run_key=key_c)  # fmt: skip
+    assert (record_c.version, record_c.previous_version) == ("3", "2")
+    assert len(versions(client, target)) == 3
+
+    # Rollback: champion back to the `previous` holder, audited; a second rollback changes nothing.
+    writes.clear()
+    rolled = registry.rollback(target, policy, "dave")
+    assert (rolled.version, rolled.previous_version, rolled.approver) == ("2", "3", "dave")
+    assert writes[-1] == ("set_registered_model_alias", target, "champion", "2")
+    assert client.get_model_version_by_alias(target, "champion").version == "2"
+    assert client.get_model_version(target, "2").tags["kiln.rollback.actor"] == "dave"
+    assert client.get_model_version(target, "3").tags["kiln.rolled_back.by"] == "dave"
+    writes.clear()
+    assert registry.rollback(target, policy, "dave") == rolled and writes == []
+
+    # The operator CLI: roll forward to version 3 of the target model (gate: 2.8 vs champion 2.9).
+    from kiln.cli import registry as cli
+
+    monkeypatch.setitem(POLICIES, "production", policy)
+    parser = argparse.ArgumentParser()
+    cli.add_parser(parser.add_subparsers(dest="command"))
+    args = parser.parse_args(["promote", target, "3", "--policy", "production", "--approver", "erin"])
+    assert args.func(args) == 0
+    assert json.loads(capsys.readouterr().out)["version"] == "3"
+    assert client.get_model_version_by_alias(target, "champion").version == "3"
+    args = parser.parse_args(["rollback", target, "--policy", "production", "--actor", "erin"])
+    assert args.func(args) == 0
+    assert client.get_model_version_by_alias(target, "champion").version == "2"
+
+
+def test_promote_refuses_a_decision_about_other_metrics(tmp_path, client, unique_name, logged_models, writes):
+    policy = production_policy(unique_name)
+    a = make_candidate(tmp_path, "a", 3.0)
+    ref = registry.register_candidate(policy=policy, run_key=f"kiln_production/{unique_name}", **a.kwargs())
+    wrong = registry.decide(dataclasses.replace(a.eval_report, bits_per_byte=1.0), None, policy.gate)
+    writes.clear()
+    with pytest.raises(PolicyError, match="evaluated at"):
+        registry.promote(policy=policy, candidate_version=ref["version"], decision=wrong, approver="alice",
+                         run_key=f"kiln_production/{unique_name}")  # fmt: skip
+    assert writes == []
+    assert versions(client, policy.target_model) == []
+
+
+def test_cli_promote_of_a_held_candidate_exits_3(tmp_path, client, unique_name, logged_models, monkeypatch):
+    from kiln.cli import registry as cli
+
+    policy = production_policy(unique_name)
+    bad = make_candidate(tmp_path, "bad", 9.0)  # above the 7.5 bits/byte ceiling
+    ref = registry.register_candidate(policy=policy, run_key=f"kiln_production/{unique_name}", **bad.kwargs())
+    assert ref["decision"]["action"] == "hold"
+    monkeypatch.setitem(POLICIES, "production", policy)
+    parser = argparse.ArgumentParser()
+    cli.add_parser(parser.add_subparsers(dest="command"))
+    args = parser.parse_args(["promote", policy.candidate_model, ref["version"], "--approver", "alice"])
+    assert args.func(args) == cli.GATE_SAID_NO
+    assert versions(client, policy.target_model) == []
+
+
+def test_rollback_without_previous_is_an_error(mlflow_uri, unique_name):
+    policy = production_policy(unique_name)
+    with pytest.raises(RegistryError, match="nothing to roll back to"):
+        registry.rollback(policy.target_model, policy, "dave")
+
+
+def test_server_down_is_a_registry_error(tmp_path, unique_name, monkeypatch):
+    from kiln.mlflow_server import free_port
+
+    import mlflow
+
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"http://127.0.0.1:{free_port()}")
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
+    previous = mlflow.get_tracking_uri()
+    try:
+        with pytest.raises(RegistryError) as err:
+            registry.champion_report(production_policy(unique_name))
+    finally:
+        mlflow.set_tracking_uri(previous)
+    assert err.value.retryable and err.value.__cause__ is not None
