@@ -21,7 +21,7 @@ from kiln.errors import KilnError
 from kiln.policy import PRODUCTION
 
 DEMO_REVIEWER = "demo-reviewer"
-DEMO_POISON = ("secret_aws_key", "truncated_parquet")
+DEMO_POISON = ("secret", "truncated")
 """Two of eight shards poisoned: within production's 25% quarantine threshold, so the run proceeds."""
 
 TERMINAL = {"success", "failed", "skipped", "upstream_failed", "removed"}

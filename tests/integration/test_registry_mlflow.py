@@ -388,7 +388,8 @@ def test_promote_copies_tags_then_moves_alias_last_and_is_idempotent(
     cli.add_parser(parser.add_subparsers(dest="command"))
     args = parser.parse_args(["promote", target, "3", "--policy", "production", "--approver", "erin"])
     assert args.func(args) == 0
-    assert json.loads(capsys.readouterr().out)["version"] == "3"
+    out = capsys.readouterr().out
+    assert json.loads(out[out.index("{"):])["version"] == "3", out
     assert client.get_model_version_by_alias(target, "champion").version == "3"
     args = parser.parse_args(["rollback", target, "--policy", "production", "--actor", "erin"])
     assert args.func(args) == 0

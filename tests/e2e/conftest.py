@@ -1,0 +1,50 @@
+"""A real embedded stack for end-to-end tests: Airflow scheduler + api-server + dag-processor +
+triggerer and an MLflow server, under a throwaway KILN_HOME on free ports. Started once per session."""
+
+from __future__ import annotations
+
+import os
+import socket
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def stack(tmp_path_factory) -> Iterator[dict[str, str]]:
+    from kiln import stack as kiln_stack
+
+    home: Path = tmp_path_factory.mktemp("e2e") / "kiln"
+    saved = {k: os.environ.get(k) for k in ("KILN_HOME", "KILN_AIRFLOW_PORT", "KILN_MLFLOW_PORT", "MLFLOW_TRACKING_URI")}
+    os.environ["KILN_HOME"] = str(home)
+    os.environ["KILN_AIRFLOW_PORT"] = str(_free_port())
+    os.environ["KILN_MLFLOW_PORT"] = str(_free_port())
+    os.environ.pop("MLFLOW_TRACKING_URI", None)
+    try:
+        info = kiln_stack.up(timeout=240, quiet=True)
+        os.environ["MLFLOW_TRACKING_URI"] = info["mlflow"]
+        yield info
+    finally:
+        try:
+            kiln_stack.down()
+        finally:
+            for key, value in saved.items():
+                if value is None:
+                    os.environ.pop(key, None)
+                else:
+                    os.environ[key] = value
+
+
+@pytest.fixture(scope="session")
+def admin(stack):
+    from kiln import stack as kiln_stack
+    from kiln.airflow_client import AirflowClient
+
+    return AirflowClient(stack["airflow"], "admin", kiln_stack.passwords()["admin"])
