@@ -92,6 +92,7 @@ def launch_local(spec: LaunchSpec, *, log: Callable[[str], None] = print) -> Tra
         **os.environ,
         **spec.env,
         "OMP_NUM_THREADS": str(threads),
+        "KILN_TORCH_THREADS": str(threads),  # agents share this host: split the cores, never oversubscribe
         # Whole-group restarts on one host succeed reliably only without the shared TCP store
         # (FIELD-NOTES: 2/7 with it, 6/6 without).
         "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",

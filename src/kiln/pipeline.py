@@ -166,6 +166,8 @@ def train_stage(
     overrides = []
     if params.get("seed") is not None:
         overrides.append(f"train.seed={int(params['seed'])}")
+    if params.get("max_steps") is not None:
+        overrides.append(f"train.steps={int(params['max_steps'])}")
     mlflow_run_id = _mlflow_run(
         policy, key,
         {"kiln.snapshot_id": snapshot["id"], "kiln.policy": policy.name, "kiln.recipe": str(recipe.name),
@@ -175,7 +177,7 @@ def train_stage(
     spec = LaunchSpec(
         run_dir=spec_dir, manifest=Path(data["manifest"]), recipe=recipe, run_key=key, nodes=nodes,
         nproc_per_node=policy.nproc_per_node, max_restarts=policy.max_restarts, overrides=tuple(overrides),
-        max_steps=params.get("max_steps"), env={"MLFLOW_RUN_ID": mlflow_run_id, "MLFLOW_TRACKING_URI": s.mlflow_uri},
+        env={"MLFLOW_RUN_ID": mlflow_run_id, "MLFLOW_TRACKING_URI": s.mlflow_uri},
     )
     result = launch_local(spec, log=log_line)
     _verify_checkpoint(result.checkpoint)

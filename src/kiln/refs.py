@@ -115,14 +115,14 @@ class TrainingManifest(_Ref):
     sha256: str = ""
 
     def content_hash(self) -> str:
-        body = self.to_json()
+        body = asdict(self)
         body.pop("sha256")
         return hashlib.sha256(canonical_json(body)).hexdigest()
 
     @classmethod
     def build(cls, **kwargs: Any) -> "TrainingManifest":
         unsigned = cls(**kwargs)
-        return cls(**{**unsigned.to_json(), "sha256": unsigned.content_hash()})
+        return cls(**{**asdict(unsigned), "sha256": unsigned.content_hash()})
 
     def verify(self) -> "TrainingManifest":
         if self.sha256 != self.content_hash():
@@ -157,6 +157,15 @@ class TrainResult(_Ref):
     step: int
     metrics: dict[str, float]
     mlflow_run_id: str = ""
+    world_size: int = 1
+    total_steps: int = 0
+    """Steps the recipe asks for; ``step == total_steps`` when ``completed``."""
+    completed: bool = True
+    recipe_sha256: str = ""
+    snapshot_id: str = ""
+    training_manifest_sha256: str = ""
+    events: list[dict[str, Any]] = field(default_factory=list)
+    """Notable trainer events (resumes, rollbacks after a loss spike), in order."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

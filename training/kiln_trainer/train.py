@@ -358,6 +358,11 @@ class Run:
         self.optimizer.load_state_dict(ck.optimizer)
         self.scheduler.load_state_dict(ck.scheduler)
         self.state = TrainState.from_dict(ck.trainer_state)
+        saved_threads = ck.trainer_state.get("torch_threads")
+        if saved_threads is not None and saved_threads != self.threads:
+            # Intra-op reductions split work by thread count, so the bits differ (not the maths).
+            log.warning("resuming with %d torch threads per rank, the checkpoint was made with %s: "
+                        "the run continues correctly but not bit-identically", self.threads, saved_threads)
         assert ck.rng is not None
         # Last, after everything that might draw random numbers while being set up.
         restore_rng_state(ck.rng)
@@ -429,8 +434,9 @@ class Run:
         if self.writer is None:
             return 0.0
         assert rng_blobs is not None
+        trainer_state = self.state.to_dict() | {"torch_threads": self.threads}
         return self.writer.save(step=step, model=self.model, optimizer=self.optimizer, scheduler=self.scheduler,
-                                trainer_state=self.state.to_dict(), rng_blobs=rng_blobs)
+                                trainer_state=trainer_state, rng_blobs=rng_blobs)
 
     def train(self) -> dict[str, Any]:
         cfg = self.recipe

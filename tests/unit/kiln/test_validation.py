@@ -1,0 +1,378 @@
+"""``kiln.validation``: quarantine per poison kind, unreadable shards, the gate, manifest, report, CLI."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from kiln import validation
+from kiln.corpus import POISON_KINDS, parquet_bytes
+from kiln.errors import ContractError, DataGateError, ManifestError
+from kiln.refs import ShardReport, SnapshotRef, TrainingManifest, sha256_file
+from kiln.validation import (
+    CROSS_SHARD_RULE,
+    READABLE_RULE,
+    build_training_manifest,
+    cross_shard_duplicates,
+    gate,
+    load_eval_doc_hashes,
+    validate_directory,
+    validate_shard,
+    write_quarantine_report,
+)
+
+
+def _shard_of(summary: dict[str, Any], kind: str) -> str:
+    rel = next(rel for rel, k in summary["poisoned"].items() if k == kind)
+    return str(Path(summary["out"]) / rel)
+
+
+def _by_path(reports: list[ShardReport]) -> dict[str, ShardReport]:
+    return {r.path: r for r in reports}
+
+
+def _report(name: str, verdict: str = "healthy", contract: str = "stdlib-py@1") -> ShardReport:
+    return ShardReport(path=f"/c/train/{name}", sha256="0" * 64, rows=10, verdict=verdict, reasons=[], contract=contract)  # type: ignore[arg-type]
+
+
+def test_importing_the_library_modules_stays_cheap() -> None:
+    code = (
+        "import sys, kiln.validation, kiln.contracts, kiln.corpus, kiln.cli.validate, kiln.cli.corpus\n"
+        "heavy = [m for m in ('great_expectations', 'pandas', 'torch', 'airflow', 'pyarrow') if m in sys.modules]\n"
+        "assert not heavy, heavy\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+# -- clean and poisoned corpora ---------------------------------------------------------------------
+
+
+def test_clean_corpus_quarantines_nothing(clean_corpus: dict[str, Any], stdlib_contract) -> None:  # type: ignore[no-untyped-def]
+    reports = validate_directory(clean_corpus["out"], stdlib_contract)
+    assert [Path(r.path).name for r in reports] == [Path(p).name for p in clean_corpus["train"]]
+    assert all(r.verdict == "healthy" and r.reasons == [] for r in reports), [r.reasons for r in reports]
+    assert sum(r.rows for r in reports) == clean_corpus["documents"]["train"]
+    for r in reports:
+        assert r.sha256 == sha256_file(r.path) and r.contract == "stdlib-py@1" and Path(r.path).is_absolute()
+
+
+@pytest.mark.parametrize("kind", list(POISON_KINDS))
+def test_each_poison_is_quarantined_for_exactly_its_rule(kind: str, poisoned_corpus, poisoned_reports) -> None:  # type: ignore[no-untyped-def]
+    report = _by_path(poisoned_reports)[_shard_of(poisoned_corpus, kind)]
+    assert report.verdict == "quarantined"
+    assert {r["expectation"] for r in report.reasons} == {POISON_KINDS[kind].rule}, report.reasons
+    for reason in report.reasons:
+        if reason["expectation"] == READABLE_RULE:
+            assert reason["error"] and report.rows == 0
+        else:
+            assert reason["unexpected_count"] >= 1
+            assert 1 <= len(reason["sample"]) <= validation.SAMPLE_SIZE
+            assert all(isinstance(s, str) and len(s) <= 2 * validation.SAMPLE_CHARS for s in reason["sample"])
+
+
+@pytest.mark.parametrize(
+    "kind, column, count",
+    [
+        ("null_ids", "doc_id", 3),
+        ("null_text", "text", 3),
+        ("duplicate_ids", "doc_id", 6),  # both rows of each of the 3 colliding pairs
+        ("tiny_doc", "text", 3),
+        ("oversized_doc", "text", 1),
+        ("secret", "text", 3),
+        ("eval_contamination", "kiln_text_in_eval_split", 3),
+        ("invalid_utf8", "kiln_text_bad_char_share", 1),
+        ("control_chars", "kiln_text_bad_char_share", 1),
+        ("wrong_type", "doc_id", None),
+        ("duplicate_ids_across_shards", "doc_id", 3),
+    ],
+)
+def test_reasons_name_the_column_and_count(kind: str, column: str, count: int | None, poisoned_corpus, poisoned_reports) -> None:  # type: ignore[no-untyped-def]
+    report = _by_path(poisoned_reports)[_shard_of(poisoned_corpus, kind)]
+    (reason,) = report.reasons
+    assert reason["column"] == column
+    assert reason["unexpected_count"] == (report.rows if count is None else count)
+
+
+def test_missing_column_reason_names_the_column(poisoned_corpus, poisoned_reports) -> None:  # type: ignore[no-untyped-def]
+    (reason,) = _by_path(poisoned_reports)[_shard_of(poisoned_corpus, "missing_column")].reasons
+    assert reason["sample"] == ["missing column 'text'"]
+
+
+def test_unpoisoned_shards_of_a_poisoned_corpus_stay_healthy(poisoned_corpus, poisoned_reports) -> None:  # type: ignore[no-untyped-def]
+    poisoned = {str(Path(poisoned_corpus["out"]) / rel) for rel in poisoned_corpus["poisoned"]}
+    clean = [r for r in poisoned_reports if r.path not in poisoned]
+    assert len(clean) == len(poisoned_reports) - len(POISON_KINDS) > 0
+    assert all(r.verdict == "healthy" for r in clean)
+
+
+def test_reports_never_contain_the_secrets(poisoned_corpus, poisoned_reports, stdlib_contract, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    texts = pq.read_table(_shard_of(poisoned_corpus, "secret")).column("text").to_pylist()
+    secret_lines = [
+        line.strip().strip('"')
+        for t in texts
+        for line in t.splitlines()
+        if any(re.search(p, line) for p in stdlib_contract.secret_patterns) or re.fullmatch(r"[A-Za-z0-9+/]{64}", line)
+    ]
+    assert len(secret_lines) >= 3 + 6  # PEM header, AWS key, token + the 6 key body lines
+    path = write_quarantine_report(poisoned_reports, tmp_path / "report.json")
+    dumped = path.read_text()
+    assert "[REDACTED]" in dumped
+    for pattern in stdlib_contract.secret_patterns:
+        assert not re.search(pattern, dumped), pattern
+    for line in secret_lines:
+        assert line not in dumped
+
+
+def test_contamination_uses_the_eval_split(poisoned_corpus, stdlib_contract) -> None:  # type: ignore[no-untyped-def]
+    hashes = load_eval_doc_hashes(poisoned_corpus["out"])
+    assert len(hashes) == poisoned_corpus["documents"]["eval"]
+    shard = _shard_of(poisoned_corpus, "eval_contamination")
+    assert validate_shard(shard, stdlib_contract, frozenset()).verdict == "healthy"  # no eval split known → undetectable
+    assert validate_shard(shard, stdlib_contract, hashes).verdict == "quarantined"
+
+
+def test_one_ge_context_per_process(clean_corpus, stdlib_contract) -> None:  # type: ignore[no-untyped-def]
+    first = validation._great_expectations()
+    validate_shard(clean_corpus["train"][0], stdlib_contract)
+    validate_shard(clean_corpus["train"][1], "stdlib-py@1")
+    assert validation._great_expectations() is first
+    context = first.batch_definition.data_asset.datasource.data_context
+    assert [ds.name for ds in context.data_sources.all().values()] == ["kiln_shards"]
+
+
+# -- unreadable shards never raise -------------------------------------------------------------------
+
+
+def _write(path: Path, data: bytes) -> Path:
+    path.write_bytes(data)
+    return path
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda d: _write(d / "zero.parquet", b""),
+        lambda d: _write(d / "garbage.parquet", b"PAR1" + bytes(range(256)) * 8 + b"PAR1"),
+        lambda d: _write(d / "csv.parquet", b"doc_id,text,source\na,b,c\n"),
+        lambda d: _write(d / "trunc.parquet", parquet_bytes(pa.table({"doc_id": ["a"] * 50, "text": ["x" * 40] * 50, "source": ["s"] * 50}))[:-9]),
+        lambda d: d / "does-not-exist.parquet",
+        lambda d: d,  # a directory
+    ],
+    ids=["zero-bytes", "garbage-with-magic", "csv", "footer-cut", "missing", "directory"],
+)
+def test_unreadable_shards_are_quarantined_not_raised(make, tmp_path: Path, stdlib_contract) -> None:  # type: ignore[no-untyped-def]
+    report = validate_shard(make(tmp_path), stdlib_contract)
+    assert report.verdict == "quarantined"
+    assert [r["expectation"] for r in report.reasons] == [READABLE_RULE]
+    assert report.reasons[0]["error"]
+
+
+@pytest.mark.parametrize(
+    "table, rules",
+    [
+        (pa.table({"doc_id": ["a", "b"], "text": [["x" * 20], ["y" * 20]], "source": ["s", "s"]}), {"expect_column_values_to_be_of_type"}),
+        (pa.table({"doc_id": ["a"], "text": [b"x" * 20], "source": ["s"]}), {"expect_column_values_to_be_of_type"}),
+        (pa.table({"other": [1, 2]}), {"expect_table_columns_to_match_set"}),
+        (pa.table({"doc_id": pa.array([], pa.string()), "text": pa.array([], pa.string()), "source": pa.array([], pa.string())}), {"expect_table_row_count_to_be_between"}),
+    ],
+    ids=["text-is-a-list", "text-is-binary", "no-expected-columns", "zero-rows"],
+)
+def test_unexpected_schemas_are_quarantined_with_schema_reasons(table, rules, tmp_path: Path, stdlib_contract) -> None:  # type: ignore[no-untyped-def]
+    report = validate_shard(_write(tmp_path / "odd.parquet", parquet_bytes(table)), stdlib_contract)
+    assert report.verdict == "quarantined"
+    assert {r["expectation"] for r in report.reasons} == rules, report.reasons
+
+
+def test_a_broken_contract_is_a_fault_not_a_quarantine(clean_corpus, stdlib_contract) -> None:  # type: ignore[no-untyped-def]
+    suite = json.loads(json.dumps(stdlib_contract.suite))
+    suite["expectations"][8]["kwargs"]["no_such_kwarg"] = 1
+    broken = dataclasses.replace(stdlib_contract, suite=suite)
+    with pytest.raises(ContractError, match="not a valid GE suite"):
+        validate_shard(clean_corpus["train"][0], broken)
+
+
+# -- cross-shard rule and the gate -------------------------------------------------------------------
+
+
+def test_cross_shard_duplicates_blame_the_later_shard_in_any_input_order(poisoned_corpus, poisoned_reports) -> None:  # type: ignore[no-untyped-def]
+    dup = _shard_of(poisoned_corpus, "duplicate_ids_across_shards")
+    (reason,) = _by_path(poisoned_reports)[dup].reasons
+    donor = Path(reason["sample"][0].split("(also in ")[1].rstrip(")")).name
+    assert donor < Path(dup).name
+    assert _by_path(poisoned_reports)[str(Path(dup).with_name(donor))].verdict == "healthy"
+    # Order of arrival does not matter: feed the un-crossed reports reversed.
+    uncrossed = [dataclasses.replace(r, verdict="healthy", reasons=[]) if r.path == dup else r for r in poisoned_reports]
+    again = cross_shard_duplicates(list(reversed(uncrossed)))
+    assert [r.path for r in again] == [r.path for r in reversed(uncrossed)]
+    assert {r.path: r.verdict for r in again} == {r.path: r.verdict for r in poisoned_reports}
+
+
+def test_cross_shard_duplicates_ignore_quarantined_shards(clean_corpus, stdlib_contract, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    first = validate_shard(clean_corpus["train"][0], stdlib_contract)
+    copy = Path(tmp_path / "shard-99999.parquet")
+    copy.write_bytes(Path(first.path).read_bytes())
+    second = dataclasses.replace(first, path=str(copy))
+    crossed = cross_shard_duplicates([first, second])
+    assert [r.verdict for r in crossed] == ["healthy", "quarantined"]
+    assert crossed[1].reasons[0]["expectation"] == CROSS_SHARD_RULE
+    assert crossed[1].reasons[0]["unexpected_count"] == first.rows
+    quarantined_first = dataclasses.replace(first, verdict="quarantined", reasons=[{"expectation": "x"}])
+    assert [r.verdict for r in cross_shard_duplicates([quarantined_first, second])] == ["quarantined", "healthy"]
+
+
+def test_gate_passes_at_or_below_the_threshold() -> None:
+    reports = [_report(f"s{i}") for i in range(3)] + [_report("s3", "quarantined")]
+    gate(reports, 0.25)
+    gate(reports, 0.5)
+
+
+def test_gate_fails_above_the_threshold_naming_shards_and_share() -> None:
+    reports = [_report("s0"), _report("bad-1", "quarantined"), _report("bad-2", "quarantined")]
+    with pytest.raises(DataGateError, match=r"2/3 shards quarantined \(66\.7%\) exceeds the maximum 50\.0%: bad-1, bad-2") as info:
+        gate(reports, 0.5)
+    assert info.value.retryable is False
+
+
+@pytest.mark.parametrize(
+    "reports, kwargs, message",
+    [
+        ([], {}, "no shards were validated"),
+        ([_report("bad", "quarantined")], {}, "no healthy shard"),
+        ([_report("s0")], {"expected_paths": ["/c/train/s0", "/c/train/s1"]}, "never validated: s1"),
+    ],
+)
+def test_gate_fails_without_healthy_or_unvalidated_shards(reports, kwargs, message) -> None:  # type: ignore[no-untyped-def]
+    with pytest.raises(DataGateError, match=message):
+        gate(reports, 1.0, **kwargs)
+
+
+def test_gate_rejects_a_bad_threshold() -> None:
+    with pytest.raises(DataGateError, match="within"):
+        gate([_report("s0")], 1.5)
+
+
+# -- manifest and report -----------------------------------------------------------------------------
+
+
+def test_manifest_lists_only_healthy_shards_and_verifies(poisoned_corpus, poisoned_reports, stdlib_contract, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    eval_path = poisoned_corpus["eval"][0]
+    manifest = build_training_manifest("d" * 32 + ".dir", "stdlib-py", stdlib_contract, poisoned_reports, [eval_path])
+    healthy = sorted(r.path for r in poisoned_reports if r.verdict == "healthy")
+    assert [s["path"] for s in manifest.shards] == healthy
+    assert sorted(manifest.quarantined) == sorted(r.path for r in poisoned_reports if r.verdict == "quarantined")
+    for entry in manifest.shards:
+        assert entry["sha256"] == sha256_file(entry["path"]) and entry["rows"] == pq.read_metadata(entry["path"]).num_rows
+    assert manifest.eval_shards == [{"path": eval_path, "sha256": sha256_file(eval_path), "rows": poisoned_corpus["documents"]["eval"]}]
+    assert manifest.contract == "stdlib-py@1" and manifest.sha256 == manifest.content_hash()
+    path = manifest.write(tmp_path / "manifest.json")
+    assert TrainingManifest.read(path) == manifest
+    tampered = json.loads(path.read_text())
+    tampered["shards"].append(tampered["shards"][0])
+    path.write_text(json.dumps(tampered))
+    with pytest.raises(ManifestError):
+        TrainingManifest.read(path)
+
+
+def test_manifest_refuses_reports_of_another_contract_version() -> None:
+    with pytest.raises(ContractError, match="stdlib-py@2"):
+        build_training_manifest("x.dir", "stdlib-py", "stdlib-py@1", [_report("a"), _report("b", contract="stdlib-py@2")])
+
+
+def test_quarantine_report_lists_every_shard_and_is_reproducible(poisoned_reports, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    first = write_quarantine_report(poisoned_reports, tmp_path / "a.json", snapshot_id="x.dir", max_quarantine_share=0.25)
+    second = write_quarantine_report(list(reversed(poisoned_reports)), tmp_path / "b.json", snapshot_id="x.dir", max_quarantine_share=0.25)
+    assert first.read_bytes() == second.read_bytes()
+    body = json.loads(first.read_text())
+    assert body["shards"] == len(poisoned_reports) == len(body["reports"])
+    assert len(body["quarantined"]) == len(POISON_KINDS) and body["gate"] == "fail"
+    assert body["quarantined_share"] == pytest.approx(len(POISON_KINDS) / len(poisoned_reports), abs=1e-6)
+    assert {"path", "sha256", "verdict", "reasons", "contract", "rows"} <= set(body["reports"][0])
+
+
+# -- kiln validate -----------------------------------------------------------------------------------
+
+
+def test_cli_clean_corpus_exits_0_and_writes_the_manifest(kiln_cli, clean_corpus, tmp_path: Path, capsys) -> None:  # type: ignore[no-untyped-def]
+    code = kiln_cli(
+        ["validate", clean_corpus["out"], "--contract", "stdlib-py@1", "--report", str(tmp_path / "r.json"),
+         "--manifest-out", str(tmp_path / "m.json")]
+    )
+    assert code == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["gate"] == "pass" and summary["healthy"] == 8 and summary["quarantined"] == []
+    manifest = TrainingManifest.read(tmp_path / "m.json")
+    assert len(manifest.shards) == 8 and manifest.snapshot_id.startswith("unversioned:")
+    assert summary["manifest_sha256"] == manifest.sha256
+    assert len(json.loads((tmp_path / "r.json").read_text())["reports"]) == 8
+
+
+def test_cli_poisoned_corpus_exits_3_without_a_manifest(kiln_cli, poisoned_corpus, tmp_path: Path, capsys) -> None:  # type: ignore[no-untyped-def]
+    argv = ["validate", poisoned_corpus["out"], "--contract", "stdlib-py", "--report", str(tmp_path / "r.json"),
+            "--manifest-out", str(tmp_path / "m.json")]
+    assert kiln_cli(argv) == 3
+    captured = capsys.readouterr()
+    assert json.loads(captured.out)["gate"] == "fail" and "data gate" in captured.err
+    assert not (tmp_path / "m.json").exists()
+    report = json.loads((tmp_path / "r.json").read_text())
+    assert report["shards"] == 20 and len(report["quarantined"]) == len(POISON_KINDS)
+    # The same corpus passes under a lenient enough threshold.
+    assert kiln_cli([*argv, "--max-quarantine-share", "0.9"]) == 0
+    assert len(TrainingManifest.read(tmp_path / "m.json").shards) == 20 - len(POISON_KINDS)
+
+
+def test_cli_resolves_a_snapshot_id(kiln_cli, clean_corpus, tmp_path: Path, monkeypatch, capsys) -> None:  # type: ignore[no-untyped-def]
+    import kiln.snapshot
+
+    snapshot_id = "0123456789abcdef0123456789abcdef.dir"
+    seen = []
+
+    def fake_checkout(sid: str) -> SnapshotRef:
+        seen.append(sid)
+        return SnapshotRef(id=sid, corpus="stdlib-py", files=9, bytes=1, dvc="", remote="", path=clean_corpus["out"])
+
+    monkeypatch.setattr(kiln.snapshot, "checkout_snapshot", fake_checkout)
+    code = kiln_cli(["validate", snapshot_id, "--contract", "stdlib-py@1", "--report", str(tmp_path / "r.json"),
+                     "--manifest-out", str(tmp_path / "m.json")])
+    assert (code, seen) == (0, [snapshot_id])
+    manifest = TrainingManifest.read(tmp_path / "m.json")
+    assert (manifest.snapshot_id, manifest.corpus) == (snapshot_id, "stdlib-py")
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["validate", "{corpus}", "--report", "{tmp}/r.json"],  # --contract missing
+        ["validate", "{corpus}", "--contract", "stdlib-py@1"],  # --report missing
+        ["validate", "{corpus}", "--contract", "stdlib-py@1", "--report", "{tmp}/r.json", "--max-quarantine-share", "1.5"],
+    ],
+)
+def test_cli_argparse_usage_errors_exit_2(kiln_cli, argv, clean_corpus, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    with pytest.raises(SystemExit) as info:
+        kiln_cli([a.format(corpus=clean_corpus["out"], tmp=tmp_path) for a in argv])
+    assert info.value.code == 2
+
+
+@pytest.mark.parametrize(
+    "target, contract, message",
+    [
+        ("{corpus}", "no-such-contract@1", "unknown contract"),
+        ("{corpus}", "stdlib-py@9", "no version 9"),
+        ("{tmp}/nowhere", "stdlib-py@1", "neither a corpus directory nor a snapshot id"),
+        ("{tmp}", "stdlib-py@1", "no training shards"),
+    ],
+)
+def test_cli_bad_targets_and_contracts_exit_2(kiln_cli, target, contract, message, clean_corpus, tmp_path: Path, capsys) -> None:  # type: ignore[no-untyped-def]
+    code = kiln_cli(["validate", target.format(corpus=clean_corpus["out"], tmp=tmp_path), "--contract", contract,
+                     "--report", str(tmp_path / "r.json")])
+    assert code == 2
+    assert message in capsys.readouterr().err
+    assert not (tmp_path / "r.json").exists()
