@@ -58,33 +58,45 @@ class PoisonKind:
     name: str
     rule: str
     """The contract rule (expectation type, or kiln rule id) this poison must trip, and only it."""
+    column: str | None
+    """The column that rule is checked on (None for table-level and read rules)."""
     description: str
 
+    @property
+    def trips(self) -> str:
+        return f"{self.rule}({self.column})" if self.column else self.rule
 
+
+_SHARE = "kiln_text_bad_char_share"
 POISON_KINDS: dict[str, PoisonKind] = {
     p.name: p
     for p in (
-        PoisonKind("missing_column", "expect_table_columns_to_match_set", "the `text` column is dropped"),
-        PoisonKind("wrong_type", "expect_column_values_to_be_of_type", "`doc_id` is stored as int64, not string"),
-        PoisonKind("null_ids", "expect_column_values_to_not_be_null", "three rows have a null `doc_id`"),
-        PoisonKind("null_text", "expect_column_values_to_not_be_null", "three rows have a null `text`"),
-        PoisonKind("duplicate_ids", "expect_column_values_to_be_unique", "three rows reuse other rows' `doc_id`s in the same shard"),
+        PoisonKind("missing_column", "expect_table_columns_to_match_set", None, "the `text` column is dropped"),
+        PoisonKind("wrong_type", "expect_column_values_to_be_of_type", "doc_id", "`doc_id` is stored as int64, not string"),
+        PoisonKind("null_ids", "expect_column_values_to_not_be_null", "doc_id", "three rows have a null `doc_id`"),
+        PoisonKind("null_text", "expect_column_values_to_not_be_null", "text", "three rows have a null `text`"),
+        PoisonKind("duplicate_ids", "expect_column_values_to_be_unique", "doc_id", "three rows reuse other rows' ids in the same shard"),
         PoisonKind(
-            "duplicate_ids_across_shards",
-            "doc_id_unique_across_shards",
-            "three rows reuse `doc_id`s of an earlier healthy shard",
+            "duplicate_ids_across_shards", "doc_id_unique_across_shards", "doc_id", "three rows reuse ids of an earlier healthy shard"
         ),
-        PoisonKind("oversized_doc", "expect_column_value_lengths_to_be_between", "one document of ~64 KiB"),
-        PoisonKind("tiny_doc", "expect_column_value_lengths_to_be_between", "three documents of under 16 characters"),
-        PoisonKind("invalid_utf8", "expect_column_values_to_be_between", "raw invalid UTF-8 bytes inside one document's text"),
-        PoisonKind("control_chars", "expect_column_values_to_be_between", "one document full of NUL/ESC/U+FFFD characters"),
-        PoisonKind("secret", "expect_column_values_to_not_match_regex_list", "a private key block, an AWS access key and a GitHub token in three documents"),
-        PoisonKind("eval_contamination", "expect_column_values_to_be_in_set", "three documents copied from the held-out eval split"),
-        PoisonKind("zero_rows", "expect_table_row_count_to_be_between", "right schema, no rows (too few rows)"),
-        PoisonKind("truncated", "readable_parquet", "a valid shard cut in half (no footer)"),
-        PoisonKind("garbage_bytes", "readable_parquet", "random bytes named .parquet"),
-        PoisonKind("zero_bytes", "readable_parquet", "an empty file"),
-        PoisonKind("csv_file", "readable_parquet", "the shard's rows written as CSV, named .parquet"),
+        PoisonKind("oversized_doc", "expect_column_value_lengths_to_be_between", "text", "one document of 64 KiB"),
+        PoisonKind("tiny_doc", "expect_column_value_lengths_to_be_between", "text", "three documents of under 16 characters"),
+        PoisonKind("invalid_utf8", "expect_column_values_to_be_between", _SHARE, "invalid UTF-8 bytes inside one document"),
+        PoisonKind("control_chars", "expect_column_values_to_be_between", _SHARE, "one document full of NUL/ESC/U+FFFD characters"),
+        PoisonKind(
+            "secret",
+            "expect_column_values_to_not_match_regex_list",
+            "text",
+            "a private key block, an AWS access key id and a GitHub token in three documents",
+        ),
+        PoisonKind(
+            "eval_contamination", "expect_column_values_to_be_in_set", "kiln_text_in_eval_split", "three documents copied from the eval split"
+        ),
+        PoisonKind("zero_rows", "expect_table_row_count_to_be_between", None, "right schema, no rows (too few rows)"),
+        PoisonKind("truncated", "readable_parquet", None, "a valid shard cut in half (no footer)"),
+        PoisonKind("garbage_bytes", "readable_parquet", None, "random bytes named .parquet"),
+        PoisonKind("zero_bytes", "readable_parquet", None, "an empty file"),
+        PoisonKind("csv_file", "readable_parquet", None, "the shard's rows as CSV, named .parquet"),
     )
 }
 

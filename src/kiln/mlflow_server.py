@@ -32,7 +32,7 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kiln.errors import ConfigError, RegistryError
+from kiln.errors import ConfigError, KilnError, RegistryError
 
 HOST = "127.0.0.1"
 LOG_NAME = "mlflow.log"
@@ -253,8 +253,12 @@ def main(argv: list[str] | None = None) -> int:
     stop.add_argument("--home", type=Path, required=True)
     args = parser.parse_args(argv)
     if args.command == "start":
-        handle = start_server(args.home, args.port, args.backend_uri, args.artifacts,
-                              workers=args.workers, timeout_s=args.timeout)  # fmt: skip
+        try:
+            handle = start_server(args.home, args.port, args.backend_uri, args.artifacts,
+                                  workers=args.workers, timeout_s=args.timeout)  # fmt: skip
+        except KilnError as exc:
+            print(f"mlflow server: error: {exc}", file=sys.stderr)
+            return 1
         print(f"mlflow server pid {handle.pid} on {handle.url} (log {handle.log_path})")
         return 0
     stopped = stop_from_pidfile(args.home)

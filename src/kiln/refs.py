@@ -30,18 +30,25 @@ def sha256_file(path: str | Path, chunk: int = 1 << 20) -> str:
 
 
 class _Ref:
-    """JSON round-trip shared by every ref (dataclass fields only, unknown keys rejected)."""
+    """JSON round-trip shared by every ref.
+
+    ``from_json`` ignores keys it does not know: the trainer (a separate package and process) may
+    add facts to its results before this side learns to use them. Integrity never rests on that:
+    manifests are verified by their content hash, checkpoints by their per-file sha256.
+    """
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)  # type: ignore[call-overload]
 
     @classmethod
     def from_json(cls, data: dict[str, Any]):  # type: ignore[no-untyped-def]
+        if not isinstance(data, dict):
+            raise ManifestError(f"{cls.__name__}: expected a JSON object, got {type(data).__name__}")
         names = {f.name for f in fields(cls)}  # type: ignore[arg-type]
-        unknown = set(data) - names - {"kind"}
-        if unknown:
-            raise ManifestError(f"{cls.__name__}: unknown keys {sorted(unknown)}")
-        return cls(**{k: v for k, v in data.items() if k in names})
+        try:
+            return cls(**{k: v for k, v in data.items() if k in names})
+        except TypeError as exc:  # a required field is missing
+            raise ManifestError(f"{cls.__name__}: {exc}") from exc
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -178,6 +185,11 @@ class EvalReport(_Ref):
     bits_per_byte: float
     loss: float
     tokens: int
+    step: int = 0
+    windows: int = 0
+    snapshot_id: str = ""
+    training_manifest_sha256: str = ""
+    checkpoint_manifest_sha256: str = ""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -72,6 +72,8 @@ TAGS = {
     "checkpoint_step": "kiln.checkpoint.step",
     "checkpoint_manifest_sha256": "kiln.checkpoint.manifest_sha256",
     "world_size": "kiln.checkpoint.world_size",
+    "train_completed": "kiln.train.completed",
+    "train_steps": "kiln.train.steps",
     "eval_split": "kiln.eval.split",
     "eval_bits_per_byte": "kiln.eval.bits_per_byte",
     "eval_loss": "kiln.eval.loss",
@@ -302,6 +304,11 @@ def _check_consistency(
         "snapshot_id": (verified.get("snapshot_id"), snapshot.id),
         "training_manifest_sha256": (verified.get("training_manifest_sha256"), manifest.sha256),
     }
+    # Newer TrainResults carry the trainer's own view of these too; when present they must agree.
+    for field_name in ("recipe_sha256", "snapshot_id", "training_manifest_sha256"):
+        claimed = getattr(train, field_name)
+        if claimed:
+            expected[f"{field_name} (TrainResult)"] = (verified.get(field_name), claimed)
     manifest_file = Path(train.checkpoint) / CHECKPOINT_MANIFEST_NAME
     expected["checkpoint_manifest_sha256 (TrainResult)"] = (sha256_file(manifest_file), train.checkpoint_manifest_sha256)
     for what, (on_disk, claimed) in expected.items():
@@ -342,6 +349,8 @@ def lineage_tags(
         TAGS["checkpoint_step"]: str(verified.get("step", train.step)),
         TAGS["checkpoint_manifest_sha256"]: train.checkpoint_manifest_sha256,
         TAGS["world_size"]: str(verified.get("world_size", "")),
+        TAGS["train_completed"]: str(train.completed).lower(),
+        TAGS["train_steps"]: f"{train.step}/{train.total_steps or train.step}",
         **_eval_tags(eval_report),
     }
     for key, value in lineage.items():
@@ -382,7 +391,7 @@ def _report_markdown(eval_report: EvalReport, champion: EvalReport | None, decis
         f"# Evaluation report — {tags[RUN_KEY_TAG]}\n\n"
         f"## Candidate vs champion\n\n| metric | candidate | champion |\n|---|---|---|\n{table}\n\n"
         f"## Gate decision: {decision.action}\n\n{reasons}\n\n"
-        f"The loss curve is the run's `loss` metric (Model metrics tab of this run).\n\n"
+        f"The loss curve: the training metrics of this run (Model metrics tab).\n\n"
         f"## Lineage\n\n| tag | value |\n|---|---|\n{lineage}\n\n"
         f"## DVC snapshot\n\n```yaml\n{tags[TAGS['dvc']]}\n```\n"
     )

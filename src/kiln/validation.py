@@ -516,3 +516,56 @@ def write_quarantine_report(
     """Write ``quarantine_report(...)`` atomically; same reports → same bytes (no timestamps)."""
     body = quarantine_report(reports, snapshot_id=snapshot_id, max_quarantine_share=max_quarantine_share)
     return atomic_write_text(path, json.dumps(body, indent=2, sort_keys=True, ensure_ascii=False) + "\n")
+
+
+def render_quarantine_html(
+    reports: Sequence[ShardReport], *, snapshot_id: str | None = None, max_quarantine_share: float | None = None
+) -> str:
+    """A self-contained HTML page of the quarantine report (for the Airflow task link / MLflow)."""
+    from html import escape
+
+    body = quarantine_report(reports, snapshot_id=snapshot_id, max_quarantine_share=max_quarantine_share)
+    rows = []
+    for r in body["reports"]:
+        reasons = "".join(
+            "<li><code>{}</code>{}{}{}</li>".format(
+                escape(str(reason.get("expectation"))),
+                f" on <code>{escape(str(reason['column']))}</code>" if reason.get("column") else "",
+                f" — {reason['unexpected_count']} unexpected" if "unexpected_count" in reason else "",
+                "".join(f"<br><code>{escape(str(s))}</code>" for s in reason.get("sample", []))
+                + (f"<br><code>{escape(str(reason['error']))}</code>" if reason.get("error") else ""),
+            )
+            for reason in r["reasons"]
+        )
+        rows.append(
+            f"<tr class='{escape(r['verdict'])}'><td>{escape(Path(r['path']).name)}</td><td>{escape(r['verdict'])}</td>"
+            f"<td>{r['rows']}</td><td><code>{escape(r['sha256'][:12])}</code></td><td><ul>{reasons}</ul></td></tr>"
+        )
+    gate_line = (
+        f"<p>Data gate: <b>{escape(body['gate'])}</b> (max quarantined share {body['max_quarantine_share']:.1%})</p>"
+        if "gate" in body
+        else ""
+    )
+    return (
+        "<!doctype html><html><head><meta charset='utf-8'><title>kiln quarantine report</title><style>"
+        "body{font-family:sans-serif;margin:2em}table{border-collapse:collapse}td,th{border:1px solid #ccc;"
+        "padding:4px 8px;vertical-align:top}tr.quarantined td:nth-child(2){color:#b00;font-weight:bold}"
+        "tr.healthy td:nth-child(2){color:#070}code{font-size:90%}</style></head><body>"
+        f"<h1>Quarantine report</h1><p>Snapshot: <code>{escape(str(body.get('snapshot_id', '-')))}</code> · "
+        f"contract: <code>{escape(', '.join(body['contract']))}</code> · {body['healthy']}/{body['shards']} shards healthy · "
+        f"quarantined share {body['quarantined_share']:.1%}</p>{gate_line}"
+        "<table><tr><th>shard</th><th>verdict</th><th>rows</th><th>sha256</th><th>reasons</th></tr>"
+        + "".join(rows)
+        + "</table></body></html>\n"
+    )
+
+
+def write_quarantine_html(
+    reports: Sequence[ShardReport],
+    path: str | Path,
+    *,
+    snapshot_id: str | None = None,
+    max_quarantine_share: float | None = None,
+) -> Path:
+    html = render_quarantine_html(reports, snapshot_id=snapshot_id, max_quarantine_share=max_quarantine_share)
+    return atomic_write_text(path, html)

@@ -98,6 +98,12 @@ def make_candidate(tmp: Path, name: str, bits_per_byte: float, *, mlflow_run_id:
         step=verified["step"],
         metrics={"final_loss": 2.1},
         mlflow_run_id=mlflow_run_id,
+        world_size=verified["world_size"],
+        total_steps=verified["step"],
+        completed=True,
+        recipe_sha256=verified["recipe_sha256"],
+        snapshot_id=verified["snapshot_id"],
+        training_manifest_sha256=verified["training_manifest_sha256"],
     )
     report = EvalReport(checkpoint=str(step_dir), weights_sha256=verified["weights_sha256"], split="eval",
                         bits_per_byte=bits_per_byte, loss=bits_per_byte * math.log(2), tokens=4096)  # fmt: skip
@@ -213,6 +219,7 @@ def test_register_twice_with_the_same_run_key_makes_one_version(tmp_path, client
     assert (tags["kiln.airflow.dag_id"], tags["kiln.airflow.run_id"]) == ("kiln_sandbox", f"manual__{unique_name}")
     assert tags["kiln.weights_sha256"] == cand.train.weights_sha256
     assert tags["kiln.checkpoint"] == cand.train.checkpoint
+    assert tags["kiln.train.completed"] == "true" and tags["kiln.train.steps"] == "10/10"
     assert float(tags["kiln.eval.bits_per_byte"]) == 3.0 and tags["kiln.eval.split"] == "eval"
     assert tags["kiln.decision"] == "promote" and json.loads(tags["kiln.decision.reasons"])
     assert tags["kiln.quarantine_report"] == "/runs/x/quarantine.json" and tags["kiln.extra"] == "yes"
@@ -286,14 +293,23 @@ def test_bad_checkpoint_refused_before_anything_is_registered(
     )
 
 
-def test_refs_describing_other_weights_are_refused(tmp_path, client, unique_name, logged_models):
+@pytest.mark.parametrize(
+    ("ref", "change", "named"),
+    [("eval_report", {"weights_sha256": "f" * 64}, "weights_sha256 (EvalReport)"),
+     ("train", {"weights_sha256": "f" * 64}, "weights_sha256 (TrainResult)"),
+     ("train", {"snapshot_id": "f" * 32 + ".dir"}, "snapshot_id (TrainResult)"),
+     ("train", {"checkpoint_manifest_sha256": "f" * 64}, "checkpoint_manifest_sha256"),
+     ("snapshot", {"id": "f" * 32 + ".dir"}, "snapshot_id")],
+)  # fmt: skip
+def test_refs_that_do_not_describe_the_checkpoint_are_refused(
+    tmp_path, client, unique_name, logged_models, ref, change, named
+):
     policy = sandbox_policy(unique_name)
     cand = make_candidate(tmp_path, "a", 3.0)
-    other = dataclasses.replace(cand.eval_report, weights_sha256="f" * 64)
+    refs = {**cand.kwargs(), ref: dataclasses.replace(cand.kwargs()[ref], **change)}
 
-    with pytest.raises(ManifestError, match="weights_sha256"):
-        registry.register_candidate(policy=policy, run_key=f"kiln_sandbox/{unique_name}", train=cand.train,
-                                    eval_report=other, snapshot=cand.snapshot, manifest=cand.manifest)  # fmt: skip
+    with pytest.raises(ManifestError, match=named.replace("(", r"\(").replace(")", r"\)")):
+        registry.register_candidate(policy=policy, run_key=f"kiln_sandbox/{unique_name}", **refs)
     assert versions(client, policy.candidate_model) == [] and logged_models == []
 
 

@@ -13,8 +13,11 @@ from kiln.errors import ConfigError
 
 def _poison_help() -> str:
     width = max(len(k) for k in POISON_KINDS)
-    lines = [f"  {k.name:<{width}}  {k.description}  [trips: {k.rule}]" for k in POISON_KINDS.values()]
-    return "poison kinds (each makes one shard break exactly one rule of the stdlib-py contract):\n" + "\n".join(lines)
+    lines = [f"  {k.name:<{width}}  {k.description}\n  {'':<{width}}    trips {k.trips}" for k in POISON_KINDS.values()]
+    return (
+        "poison kinds (each makes one shard break exactly one rule of the stdlib-py contract;\n"
+        "see data_contracts/stdlib-py/README.md):\n" + "\n".join(lines)
+    )
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]

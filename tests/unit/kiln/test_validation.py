@@ -69,7 +69,9 @@ def test_clean_corpus_quarantines_nothing(clean_corpus: dict[str, Any], stdlib_c
 def test_each_poison_is_quarantined_for_exactly_its_rule(kind: str, poisoned_corpus, poisoned_reports) -> None:  # type: ignore[no-untyped-def]
     report = _by_path(poisoned_reports)[_shard_of(poisoned_corpus, kind)]
     assert report.verdict == "quarantined"
-    assert {r["expectation"] for r in report.reasons} == {POISON_KINDS[kind].rule}, report.reasons
+    poison = POISON_KINDS[kind]
+    assert {r["expectation"] for r in report.reasons} == {poison.rule}, report.reasons
+    assert {r.get("column") for r in report.reasons} == {poison.column}, report.reasons
     for reason in report.reasons:
         if reason["expectation"] == READABLE_RULE:
             assert reason["error"] and report.rows == 0
@@ -376,3 +378,16 @@ def test_cli_bad_targets_and_contracts_exit_2(kiln_cli, target, contract, messag
     assert code == 2
     assert message in capsys.readouterr().err
     assert not (tmp_path / "r.json").exists()
+
+
+def test_html_report_shows_every_shard_and_escapes_samples(poisoned_reports, stdlib_contract, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    path = validation.write_quarantine_html(poisoned_reports, tmp_path / "q.html", snapshot_id="x.dir", max_quarantine_share=0.25)
+    page = path.read_text()
+    assert page.count("<tr class=") == len(poisoned_reports)
+    assert page.count("<tr class='quarantined'>") == len(POISON_KINDS)
+    assert "Data gate: <b>fail</b>" in page and "[REDACTED]" in page
+    for pattern in stdlib_contract.secret_patterns:
+        assert not re.search(pattern, page)
+    odd = _report("<script>.parquet", "quarantined")
+    odd = dataclasses.replace(odd, reasons=[{"expectation": "x", "column": "text", "unexpected_count": 1, "sample": ["<b>"]}])
+    assert "<script>" not in validation.render_quarantine_html([odd]) and "&lt;b&gt;" in validation.render_quarantine_html([odd])

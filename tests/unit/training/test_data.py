@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from trainer_fixtures import _canonical, stdlib_sources, write_shard, write_training_manifest
+from trainer_fixtures import canonical_json, stdlib_sources, write_shard, write_training_manifest
 
 from kiln_trainer.data import (
     WindowSampler,
@@ -39,7 +39,7 @@ def test_manifest_hash_mismatch_is_rejected(corpus: Path, tmp_path: Path) -> Non
 def _reissue(doc: dict, path: Path) -> Path:
     """Write ``doc`` with a correct content hash, as a (buggy) issuer would."""
     body = {k: v for k, v in doc.items() if k not in ("kind", "sha256")}
-    doc["sha256"] = hashlib.sha256(_canonical(body)).hexdigest()
+    doc["sha256"] = hashlib.sha256(canonical_json(body)).hexdigest()
     path.write_text(json.dumps(doc))
     return path
 

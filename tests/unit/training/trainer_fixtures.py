@@ -23,7 +23,7 @@ RECIPES = REPO / "training" / "recipes"
 TINY = RECIPES / "tiny.toml"
 
 
-def _canonical(obj: Any) -> bytes:
+def canonical_json(obj: Any) -> bytes:
     return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
 
 
@@ -66,7 +66,7 @@ def write_training_manifest(path: Path, shards: list[dict], eval_shards: list[di
         "quarantined": [],
         **extra,
     }
-    doc = {"kind": "kiln.TrainingManifest", **body, "sha256": hashlib.sha256(_canonical(body)).hexdigest()}
+    doc = {"kind": "kiln.TrainingManifest", **body, "sha256": hashlib.sha256(canonical_json(body)).hexdigest()}
     path.write_text(json.dumps(doc, indent=1))
     return path
 
@@ -113,3 +113,69 @@ def run_ok(cmd: list[str], timeout: float = 120, env: dict[str, str] | None = No
 
 def read_result(run_dir: Path) -> dict[str, Any]:
     return json.loads((run_dir / "result.json").read_text())
+
+
+def write_checkpoints(run_dir: Path, steps: list[int], world_size: int = 1, keep_last: int = 10) -> Any:
+    """Real checkpoints of a tiny model, written synchronously by the production writer."""
+    import torch
+
+    from kiln_trainer.checkpoint import CheckpointIdentity, CheckpointWriter, _torch_save_bytes, capture_rng_state
+    from kiln_trainer.config import ModelConfig, Recipe
+    from kiln_trainer.model import GPT
+
+    recipe = Recipe()
+    writer = CheckpointWriter(
+        run_dir,
+        CheckpointIdentity(world_size=world_size, recipe=recipe.to_dict(), recipe_sha256=recipe.sha256,
+                           snapshot_id="abc.dir", training_manifest_sha256="0" * 64),
+        keep_last=keep_last,
+        async_save=False,
+    )
+    torch.manual_seed(0)
+    model = GPT(ModelConfig(n_layer=1, n_head=1, n_embd=8, block_size=8))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda i: 1.0)
+    rng = _torch_save_bytes(capture_rng_state())
+    for step in steps:
+        model(torch.zeros(1, 8, dtype=torch.long), torch.zeros(1, 8, dtype=torch.long))[1].backward()
+        optimizer.step()
+        scheduler.step()
+        writer.save(step=step, model=model, optimizer=optimizer, scheduler=scheduler,
+                    trainer_state={"step": step}, rng_blobs=[rng] * world_size)
+    writer.close()
+    return writer
+
+
+SHORT = ("train.steps=24", "checkpoint.every_steps=8", "train.log_every=4", "optim.warmup_steps=4", "checkpoint.keep_last=2")
+"""Overrides that shrink the tiny recipe to a few seconds: 24 steps, a checkpoint every 8."""
+
+THREADS = {"KILN_TORCH_THREADS": "1"}
+"""One torch thread per rank in every test: fast on a shared 2-core box, and the same bits each run."""
+
+
+def descendants(pid: int) -> list[int]:
+    """All descendant pids (Linux /proc): torchrun starts its workers in their own sessions."""
+    out, todo = [], [pid]
+    while todo:
+        current = todo.pop()
+        try:
+            children = Path(f"/proc/{current}/task/{current}/children").read_text().split()
+        except OSError:
+            continue
+        for child in map(int, children):
+            out.append(child)
+            todo.append(child)
+    return out
+
+
+def sigkill_tree(proc: subprocess.Popen) -> None:
+    """SIGKILL a launcher and every process under it, as a node loss would."""
+    import signal
+
+    victims = [proc.pid, *descendants(proc.pid)]
+    for pid in victims:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    proc.wait(timeout=30)

@@ -1,0 +1,138 @@
+"""The commit protocol: verify_checkpoint catches every way a directory can fail to be a checkpoint."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from trainer_fixtures import write_checkpoints
+
+from kiln_trainer.checkpoint_manifest import (
+    CheckpointError,
+    checkpoint_dirs,
+    latest_committed,
+    manifest_sha256,
+    verify_checkpoint,
+)
+from kiln_trainer.config import Recipe
+
+
+@pytest.fixture
+def committed(tmp_path: Path) -> Path:
+    write_checkpoints(tmp_path, [5])
+    return tmp_path / "checkpoints" / "step-00000005"
+
+
+def test_checkpoint_manifest_is_torch_free() -> None:
+    code = "import sys, kiln_trainer.checkpoint_manifest; assert 'torch' not in sys.modules, 'torch imported'"
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_committed_checkpoint_verifies(committed: Path) -> None:
+    manifest = verify_checkpoint(committed)
+    assert manifest["kind"] == "kiln.CheckpointManifest"
+    assert manifest["step"] == 5 and manifest["world_size"] == 1
+    assert set(manifest["files"]) == {"model.pt", "optimizer.pt", "scheduler.pt", "trainer_state.pt", "rng-rank00000.pt"}
+    assert len(manifest["weights_sha256"]) == 64 and manifest["snapshot_id"] == "abc.dir"
+    assert manifest["recipe"] == Recipe().to_dict() and manifest["recipe_sha256"] == Recipe().sha256
+    assert len(manifest_sha256(committed)) == 64
+
+
+def test_missing_manifest(committed: Path) -> None:
+    (committed / "manifest.json").unlink()
+    with pytest.raises(CheckpointError, match="no manifest.json"):
+        verify_checkpoint(committed)
+
+
+def test_tampered_file(committed: Path) -> None:
+    path = committed / "model.pt"
+    data = bytearray(path.read_bytes())
+    data[-100] ^= 0x01
+    path.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match="'model.pt' sha256 mismatch"):
+        verify_checkpoint(committed)
+
+
+def test_truncated_file(committed: Path) -> None:
+    path = committed / "optimizer.pt"
+    with open(path, "r+b") as fh:
+        fh.truncate(path.stat().st_size // 2)
+    with pytest.raises(CheckpointError, match="'optimizer.pt' sha256 mismatch"):
+        verify_checkpoint(committed)
+
+
+def test_missing_file(committed: Path) -> None:
+    (committed / "rng-rank00000.pt").unlink()
+    with pytest.raises(CheckpointError, match="'rng-rank00000.pt' listed in the manifest is missing"):
+        verify_checkpoint(committed)
+
+
+def test_extra_file(committed: Path) -> None:
+    (committed / ".model.pt.tmp").write_bytes(b"leftover")
+    with pytest.raises(CheckpointError, match="extra files"):
+        verify_checkpoint(committed)
+
+
+def test_partial_state_in_manifest(committed: Path) -> None:
+    manifest = json.loads((committed / "manifest.json").read_text())
+    del manifest["files"]["optimizer.pt"]
+    (committed / "optimizer.pt").unlink()
+    (committed / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(CheckpointError, match="partial state.*optimizer.pt"):
+        verify_checkpoint(committed)
+
+
+def test_world_size_demands_one_rng_file_per_rank(committed: Path) -> None:
+    manifest = json.loads((committed / "manifest.json").read_text())
+    manifest["world_size"] = 2
+    (committed / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(CheckpointError, match="rng-rank00001.pt"):
+        verify_checkpoint(committed)
+
+
+@pytest.mark.parametrize(
+    ("edit", "message"),
+    [
+        (lambda m: m.update(kind="x"), "kind"),
+        (lambda m: m.update(step=6), "directory is step-00000005"),
+        (lambda m: m.pop("weights_sha256"), "weights_sha256"),
+        (lambda m: m.update(step=True), "'step'"),
+    ],
+)
+def test_bad_manifest_fields(committed: Path, edit, message: str) -> None:
+    manifest = json.loads((committed / "manifest.json").read_text())
+    edit(manifest)
+    (committed / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(CheckpointError, match=message):
+        verify_checkpoint(committed)
+
+
+def test_unparseable_manifest(committed: Path) -> None:
+    (committed / "manifest.json").write_text('{"kind": "kiln.Checkpo')
+    with pytest.raises(CheckpointError, match="unreadable manifest"):
+        verify_checkpoint(committed)
+
+
+def test_latest_committed_skips_and_reports_invalid(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    assert latest_committed(tmp_path) is None
+    write_checkpoints(tmp_path, [2, 4, 6])
+    root = tmp_path / "checkpoints"
+    (root / "step-00000006" / "manifest.json").unlink()  # interrupted save
+    (root / "step-00000008").mkdir()  # crashed before writing anything
+    (root / "not-a-step").mkdir()
+    with caplog.at_level(logging.WARNING):
+        assert latest_committed(tmp_path) == root / "step-00000004"
+    assert "step 6" in caplog.text and "step 8" in caplog.text
+    assert [s for s, _ in checkpoint_dirs(tmp_path)] == [2, 4, 6, 8]
+
+
+def test_manifest_written_last_and_atomically(committed: Path) -> None:
+    names = {p.name for p in committed.iterdir()}
+    assert not [n for n in names if n.endswith(".tmp")]
+    manifest_mtime = os.stat(committed / "manifest.json").st_mtime_ns
+    assert all(os.stat(committed / n).st_mtime_ns <= manifest_mtime for n in names)
