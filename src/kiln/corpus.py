@@ -23,6 +23,7 @@ CLI) but never written inside ``out``: that would put the answers into the snaps
 from __future__ import annotations
 
 import csv
+import hashlib
 import io
 import random
 import sysconfig
@@ -182,6 +183,8 @@ def _chunk_file(root: Path, rel: str) -> list[_Doc]:
 def _select(root: Path, seed: int, max_bytes: int) -> tuple[list[_Doc], list[_Doc]]:
     """Seeded split by source file (a file goes whole to one side) until ``max_bytes`` of text.
 
+    Documents whose exact text was already taken (from any file) are dropped.
+
     A file goes to eval when eval would then still hold at most ``EVAL_FRACTION`` of the text taken
     so far; once train has its share of ``max_bytes``, only files that fit eval's remaining budget
     are taken, until eval holds at least half its budget.
@@ -195,11 +198,19 @@ def _select(root: Path, seed: int, max_bytes: int) -> tuple[list[_Doc], list[_Do
     eval_docs: list[_Doc] = []
     train_docs: list[_Doc] = []
     eval_bytes = train_bytes = 0
+    seen: set[str] = set()
     for rel in files:
         train_full = train_bytes >= train_budget
         if train_full and eval_bytes >= eval_budget / 2:
             break
-        docs = _chunk_file(root, rel)
+        # Exact duplicates across files exist (the generated codec tables share whole chunks): keep
+        # the first copy only, or a document could sit in both splits and contaminate evaluation.
+        docs = []
+        for doc in _chunk_file(root, rel):
+            digest = hashlib.sha256(doc.text.encode("utf-8")).hexdigest()
+            if digest not in seen:
+                seen.add(digest)
+                docs.append(doc)
         size = sum(len(d.text.encode("utf-8")) for d in docs)
         if not docs:
             continue

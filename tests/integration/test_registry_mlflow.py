@@ -1,10 +1,12 @@
 """kiln.registry against a real ``mlflow server`` (fixture in conftest.py).
 
-The checkpoints here are real step directories in the trainer's commit format (files + a
-``manifest.json`` with per-file sha256, written last) checked by the trainer's own
-``verify_checkpoint``. Their payload bytes are not loadable torch weights, so the model logged for
-them is a tiny real MLflow pyfunc model standing in for ``kiln_trainer.export.log_model`` (the
-real export is exercised by the end-to-end DAG test, which trains a real checkpoint).
+Most checkpoints here are step directories in the trainer's commit format (payload files + a
+``manifest.json`` with per-file sha256, written last), checked by the trainer's own
+``verify_checkpoint``. Their payload bytes are not torch weights, so those tests log a tiny real
+MLflow pyfunc model in place of ``kiln_trainer.export.log_model`` (fixture ``logged_models``); that
+keeps the registry logic fast to test. One test writes a real tiny-GPT checkpoint with the trainer's
+``CheckpointWriter`` and goes through the real export: the version loads with
+``mlflow.pytorch.load_model`` and generates.
 """
 
 from __future__ import annotations
@@ -23,10 +25,10 @@ from kiln import registry
 from kiln.errors import ManifestError, PolicyError, RegistryError
 from kiln.policy import POLICIES, PRODUCTION, PRODUCTION_MODEL, SANDBOX, Policy
 from kiln.refs import EvalReport, SnapshotRef, TrainingManifest, TrainResult, sha256_file
+from kiln_trainer import checkpoint_manifest
 
 pytestmark = pytest.mark.slow
 
-checkpoint_manifest = pytest.importorskip("kiln_trainer.checkpoint_manifest")
 
 SNAPSHOT_ID = "0123456789abcdef0123456789abcdef.dir"
 DVC_TEXT = f"outs:\n- md5: {SNAPSHOT_ID}\n  size: 1024\n  nfiles: 4\n  hash: md5\n  path: stdlib-py\n"
@@ -460,3 +462,60 @@ def test_server_down_is_a_registry_error(tmp_path, unique_name, monkeypatch):
     finally:
         mlflow.set_tracking_uri(previous)
     assert err.value.retryable and err.value.__cause__ is not None
+
+
+def write_real_checkpoint(run_dir: Path, manifest: TrainingManifest, step: int = 4) -> Path:
+    """A real committed checkpoint of a tiny GPT, written by the trainer's own CheckpointWriter."""
+    import io
+
+    import torch
+
+    from kiln_trainer.checkpoint import CheckpointIdentity, CheckpointWriter
+    from kiln_trainer.config import ModelConfig, Recipe
+    from kiln_trainer.model import GPT
+
+    recipe = Recipe(model=ModelConfig(n_layer=1, n_head=1, n_embd=8, block_size=8))
+    writer = CheckpointWriter(
+        run_dir,
+        CheckpointIdentity(world_size=1, recipe=recipe.to_dict(), recipe_sha256=recipe.sha256,
+                           snapshot_id=manifest.snapshot_id, training_manifest_sha256=manifest.sha256),
+        keep_last=1, async_save=False,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = GPT(recipe.model)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda i: 1.0)
+    rng = io.BytesIO()
+    torch.save({}, rng)
+    writer.save(step=step, model=model, optimizer=optimizer, scheduler=scheduler,
+                trainer_state={"step": step}, rng_blobs=[rng.getvalue()])  # fmt: skip
+    writer.close()
+    return checkpoint_manifest.latest_committed(run_dir)
+
+
+def test_real_checkpoint_is_registered_as_a_pytorch_model_that_generates(tmp_path, client, unique_name):
+    """No stand-in: kiln_trainer.export logs the real checkpoint; the registered version loads and generates."""
+    import mlflow.pytorch
+
+    manifest = build_manifest(tmp_path)
+    step_dir = write_real_checkpoint(tmp_path / "run", manifest)
+    verified = checkpoint_manifest.verify_checkpoint(step_dir)
+    train = TrainResult(run_dir=str(tmp_path / "run"), checkpoint=str(step_dir),
+                        checkpoint_manifest_sha256=sha256_file(step_dir / "manifest.json"),
+                        weights_sha256=verified["weights_sha256"], step=verified["step"], metrics={})  # fmt: skip
+    report = EvalReport(checkpoint=str(step_dir), weights_sha256=verified["weights_sha256"], split="eval",
+                        bits_per_byte=7.9, loss=5.5, tokens=64)  # fmt: skip
+    snapshot = SnapshotRef(id=SNAPSHOT_ID, corpus="stdlib-py", files=4, bytes=1024, dvc=DVC_TEXT,
+                           remote="/tmp/dvc-remote", path="/tmp/dvc-repo/stdlib-py")  # fmt: skip
+    policy = sandbox_policy(unique_name)
+
+    ref = registry.register_candidate(policy=policy, train=train, eval_report=report, snapshot=snapshot,
+                                      manifest=manifest, run_key=f"kiln_sandbox/{unique_name}")  # fmt: skip
+
+    assert ref["decision"]["action"] == "promote"  # sandbox gate: 8.0 bits/byte ceiling
+    model = mlflow.pytorch.load_model(ref["model_uri"])
+    generated = model.generate(b"def ", max_new_tokens=8)
+    assert isinstance(generated, bytes) and len(generated) == 8
+    tags = client.get_model_version(policy.candidate_model, ref["version"]).tags
+    assert tags["kiln.weights_sha256"] == verified["weights_sha256"]
+    assert tags["kiln.recipe_sha256"] == verified["recipe_sha256"]

@@ -184,9 +184,10 @@ class GuardConfig:
     """Loss guard: roll back to the last committed checkpoint on a non-finite loss or a spike."""
 
     spike_factor: float = 0.0
-    """Roll back when loss > spike_factor * the mean of the last logged losses; 0 disables spike checks."""
+    """Roll back when loss > spike_factor * the mean of the last 20 step losses (needs 5); 0 disables."""
     max_rollbacks: int = 3
-    """Rollbacks allowed per invocation before the run fails with TrainingDivergedError."""
+    """Rollbacks allowed over the run (counted in the checkpointed event history plus this
+    invocation) before it fails with TrainingDivergedError."""
 
     def __post_init__(self) -> None:
         s = "guard"

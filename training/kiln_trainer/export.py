@@ -17,7 +17,8 @@ model loads where ``kiln_trainer`` is not installed. Loading a pickle runs code:
 from a registry you trust (the registry's permissions are the control, see docs/operations).
 
 The model carries, as MLmodel metadata and as files next to it (``extra_files``): the tokenizer
-facts (byte-level, vocabulary 256), the resolved recipe, and the checkpoint manifest (lineage:
+facts (byte-level, vocabulary 256), the resolved recipe, and the checkpoint manifest, under
+``extra_files/`` in the model directory (lineage:
 weights/recipe/training-manifest hashes, snapshot id, step).
 """
 

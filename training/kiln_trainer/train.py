@@ -226,6 +226,17 @@ class TrainState:
         )
 
 
+def guard_verdict(loss: float, recent_losses: list[float], spike_factor: float) -> str | None:
+    """Why this step's (rank-averaged) loss must not be applied, or None if it may."""
+    if not math.isfinite(loss):
+        return "non-finite loss"
+    if spike_factor > 0 and len(recent_losses) >= 5:
+        mean = sum(recent_losses) / len(recent_losses)
+        if loss > spike_factor * mean:
+            return f"loss spike ({loss:.4g} > {spike_factor} x recent mean {mean:.4g})"
+    return None
+
+
 _RECENT_WINDOW = 20
 
 
@@ -420,15 +431,6 @@ class Run:
 
     # ----------------------------------------------------------------- the loop
 
-    def _guard_trips(self, loss: float) -> str | None:
-        if not math.isfinite(loss):
-            return "non-finite loss"
-        factor = self.recipe.guard.spike_factor
-        recent = self.state.recent_losses
-        if factor > 0 and len(recent) >= 5 and loss > factor * (sum(recent) / len(recent)):
-            return f"loss spike > {factor}x the recent mean"
-        return None
-
     def save(self, step: int) -> float:
         rng_blobs = gather_rng_bytes(self.env.device)
         if self.writer is None:
@@ -475,7 +477,7 @@ class Run:
                 dist.all_reduce(loss_sum, op=dist.ReduceOp.SUM)
                 loss_sum /= self.env.world_size
             loss_value = float(loss_sum.item())
-            reason = self._guard_trips(loss_value)
+            reason = guard_verdict(loss_value, self.state.recent_losses, cfg.guard.spike_factor)
             if reason is not None:
                 self.rollback(reason, loss_value)
                 continue

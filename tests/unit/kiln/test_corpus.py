@@ -159,3 +159,24 @@ def test_cli_usage_errors_exit_2(kiln_cli, tmp_path: Path, capsys: pytest.Captur
     assert exit_info.value.code == 2
     assert kiln_cli(["corpus", "build", "--out", str(tmp_path / "c"), "--shards", "0"]) == 2
     assert "shards must be" in capsys.readouterr().err
+
+
+def test_exact_duplicate_documents_are_kept_once(tmp_path: Path) -> None:
+    # Generated stdlib modules (codec tables) share whole chunks; a copy in each split would be
+    # contamination by construction. Any text may appear only once in the whole corpus.
+    stdlib = tmp_path / "stdlib"
+    stdlib.mkdir()
+    shared = "".join(f"VALUE_{i} = {i}  # a line that is long enough to matter\n" for i in range(40))
+    for i in range(60):
+        unique = "".join(f"def f_{i}_{j}():\n    return {i * j}\n" for j in range(40))
+        (stdlib / f"mod_{i:02d}.py").write_text(shared + unique)
+    summary = build_corpus(tmp_path / "c", shards=2, max_bytes=10**7, stdlib_dir=stdlib)
+    texts = [r["text"] for p in summary["train"] + summary["eval"] for r in _rows(p)]
+    assert len(texts) == len(set(texts))
+    assert sum(t == shared for t in texts) == 1
+    assert summary["documents"]["eval"] > 0 and summary["documents"]["train"] > 0
+
+
+def test_every_document_text_is_unique(clean_corpus: dict[str, Any]) -> None:
+    texts = [r["text"] for p in clean_corpus["train"] + clean_corpus["eval"] for r in _rows(p)]
+    assert len(texts) == len(set(texts))

@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from trainer_fixtures import write_checkpoints
+from trainer_fixtures import FIXTURE_MODEL, write_checkpoints
 
 from kiln_trainer.checkpoint_manifest import (
     CheckpointError,
@@ -19,7 +19,7 @@ from kiln_trainer.checkpoint_manifest import (
     manifest_sha256,
     verify_checkpoint,
 )
-from kiln_trainer.config import Recipe
+from kiln_trainer.config import load_recipe
 
 
 @pytest.fixture
@@ -39,7 +39,8 @@ def test_committed_checkpoint_verifies(committed: Path) -> None:
     assert manifest["step"] == 5 and manifest["world_size"] == 1
     assert set(manifest["files"]) == {"model.pt", "optimizer.pt", "scheduler.pt", "trainer_state.pt", "rng-rank00000.pt"}
     assert len(manifest["weights_sha256"]) == 64 and manifest["snapshot_id"] == "abc.dir"
-    assert manifest["recipe"] == Recipe().to_dict() and manifest["recipe_sha256"] == Recipe().sha256
+    recipe = load_recipe(None, FIXTURE_MODEL)
+    assert manifest["recipe"] == recipe.to_dict() and manifest["recipe_sha256"] == recipe.sha256
     assert len(manifest_sha256(committed)) == 64
 
 

@@ -195,15 +195,32 @@ def test_edited_training_manifest_is_refused(corpus: Path, tmp_path: Path, caplo
 
 @pytest.mark.usefixtures("in_process")
 def test_guard_rolls_back_then_gives_up(corpus: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
-    """A spike threshold barely above 1 trips on ordinary noise: each trip rolls back and re-draws the
-    windows (new data salt); past guard.max_rollbacks the run fails clearly."""
+    """An absurd learning rate drives the loss to NaN: each time the guard rolls back (here to the
+    in-memory step-0 state, nothing is committed yet) and re-draws the windows with a new data salt;
+    past guard.max_rollbacks the run fails clearly instead of training on garbage."""
     run_dir = tmp_path / "run"
-    assert _main(corpus, run_dir, "guard.spike_factor=1.0001", "guard.max_rollbacks=2") == 2
-    assert "TrainingDivergedError" in caplog.text
+    assert _main(corpus, run_dir, "optim.lr=50.0", "optim.min_lr=0", "guard.max_rollbacks=2") == 2
+    assert "TrainingDivergedError" in caplog.text and "non-finite loss" in caplog.text
     events = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     rollbacks = [e for e in events if e.get("event") == "rollback"]
     assert [e["data_salt"] for e in rollbacks] == [1, 2]
-    assert all(e["to_step"] < e["at_step"] and e["to_step"] % 8 == 0 for e in rollbacks)
+    assert all(e["to_step"] == 0 and e["at_step"] > 0 for e in rollbacks)
+
+
+@pytest.mark.parametrize(
+    ("loss", "recent", "tripped"),
+    [
+        (float("nan"), [], "non-finite"),
+        (float("inf"), [1.0] * 5, "non-finite"),
+        (2.5, [1.0] * 5, "spike"),
+        (2.5, [1.0] * 4, None),  # too little history to call anything a spike
+        (1.9, [1.0] * 5, None),
+    ],
+)
+def test_guard_verdict(loss: float, recent: list[float], tripped: str | None) -> None:
+    verdict = train_module.guard_verdict(loss, recent, spike_factor=2.0)
+    assert (verdict is None) if tripped is None else (tripped in verdict)
+    assert train_module.guard_verdict(100.0, [1.0] * 5, spike_factor=0.0) is None  # 0 disables
 
 
 @pytest.mark.usefixtures("in_process")

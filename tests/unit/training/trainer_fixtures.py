@@ -115,15 +115,19 @@ def read_result(run_dir: Path) -> dict[str, Any]:
     return json.loads((run_dir / "result.json").read_text())
 
 
+FIXTURE_MODEL = ("model.n_layer=1", "model.n_head=1", "model.n_embd=8", "model.block_size=8", "optim.warmup_steps=0")
+"""The recipe of the checkpoints write_checkpoints makes (a model small enough to write in ms)."""
+
+
 def write_checkpoints(run_dir: Path, steps: list[int], world_size: int = 1, keep_last: int = 10) -> Any:
     """Real checkpoints of a tiny model, written synchronously by the production writer."""
     import torch
 
     from kiln_trainer.checkpoint import CheckpointIdentity, CheckpointWriter, _torch_save_bytes, capture_rng_state
-    from kiln_trainer.config import ModelConfig, Recipe
+    from kiln_trainer.config import load_recipe
     from kiln_trainer.model import GPT
 
-    recipe = Recipe()
+    recipe = load_recipe(None, FIXTURE_MODEL)
     writer = CheckpointWriter(
         run_dir,
         CheckpointIdentity(world_size=world_size, recipe=recipe.to_dict(), recipe_sha256=recipe.sha256,
@@ -132,7 +136,7 @@ def write_checkpoints(run_dir: Path, steps: list[int], world_size: int = 1, keep
         async_save=False,
     )
     torch.manual_seed(0)
-    model = GPT(ModelConfig(n_layer=1, n_head=1, n_embd=8, block_size=8))
+    model = GPT(recipe.model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda i: 1.0)
     rng = _torch_save_bytes(capture_rng_state())
