@@ -43,7 +43,8 @@ MIN_DOC_CHARS = 64
 ROW_GROUP_SIZE = 128
 """Fixed row-group size: part of what makes the bytes reproducible."""
 DEFAULT_MAX_BYTES = 4 * 1024 * 1024
-"""Text budget of the whole corpus (train + eval): ~4 MiB of source, ~1.3 MB of Parquet."""
+"""Text budget of the whole corpus (train + eval), approximate since files are taken whole:
+~4 MiB of source, ~1.3 MB of Parquet."""
 EVAL_FRACTION = 0.1
 """Share of ``max_bytes`` given to the held-out evaluation split."""
 COMPRESSION = "zstd"
@@ -69,35 +70,39 @@ class PoisonKind:
 
 
 _SHARE = "kiln_text_bad_char_share"
+_EVAL = "kiln_text_in_eval_split"
+_NOT_NULL = "expect_column_values_to_not_be_null"
+_LENGTH = "expect_column_value_lengths_to_be_between"
+_BETWEEN = "expect_column_values_to_be_between"
+_READABLE = "readable_parquet"
+
 POISON_KINDS: dict[str, PoisonKind] = {
     p.name: p
     for p in (
         PoisonKind("missing_column", "expect_table_columns_to_match_set", None, "the `text` column is dropped"),
-        PoisonKind("wrong_type", "expect_column_values_to_be_of_type", "doc_id", "`doc_id` is stored as int64, not string"),
-        PoisonKind("null_ids", "expect_column_values_to_not_be_null", "doc_id", "three rows have a null `doc_id`"),
-        PoisonKind("null_text", "expect_column_values_to_not_be_null", "text", "three rows have a null `text`"),
-        PoisonKind("duplicate_ids", "expect_column_values_to_be_unique", "doc_id", "three rows reuse other rows' ids in the same shard"),
+        PoisonKind("wrong_type", "expect_column_values_to_be_of_type", "doc_id", "`doc_id` is int64, not string"),
+        PoisonKind("null_ids", _NOT_NULL, "doc_id", "three rows have a null `doc_id`"),
+        PoisonKind("null_text", _NOT_NULL, "text", "three rows have a null `text`"),
+        PoisonKind("duplicate_ids", "expect_column_values_to_be_unique", "doc_id", "three rows reuse ids of the same shard"),
         PoisonKind(
-            "duplicate_ids_across_shards", "doc_id_unique_across_shards", "doc_id", "three rows reuse ids of an earlier healthy shard"
+            "duplicate_ids_across_shards", "doc_id_unique_across_shards", "doc_id", "three rows reuse ids of an earlier shard"
         ),
-        PoisonKind("oversized_doc", "expect_column_value_lengths_to_be_between", "text", "one document of 64 KiB"),
-        PoisonKind("tiny_doc", "expect_column_value_lengths_to_be_between", "text", "three documents of under 16 characters"),
-        PoisonKind("invalid_utf8", "expect_column_values_to_be_between", _SHARE, "invalid UTF-8 bytes inside one document"),
-        PoisonKind("control_chars", "expect_column_values_to_be_between", _SHARE, "one document full of NUL/ESC/U+FFFD characters"),
+        PoisonKind("oversized_doc", _LENGTH, "text", "one document of 64 KiB"),
+        PoisonKind("tiny_doc", _LENGTH, "text", "three documents of under 16 characters"),
+        PoisonKind("invalid_utf8", _BETWEEN, _SHARE, "invalid UTF-8 bytes inside one document"),
+        PoisonKind("control_chars", _BETWEEN, _SHARE, "one document full of NUL/ESC/U+FFFD characters"),
         PoisonKind(
             "secret",
             "expect_column_values_to_not_match_regex_list",
             "text",
             "a private key block, an AWS access key id and a GitHub token in three documents",
         ),
-        PoisonKind(
-            "eval_contamination", "expect_column_values_to_be_in_set", "kiln_text_in_eval_split", "three documents copied from the eval split"
-        ),
+        PoisonKind("eval_contamination", "expect_column_values_to_be_in_set", _EVAL, "three documents copied from the eval split"),
         PoisonKind("zero_rows", "expect_table_row_count_to_be_between", None, "right schema, no rows (too few rows)"),
-        PoisonKind("truncated", "readable_parquet", None, "a valid shard cut in half (no footer)"),
-        PoisonKind("garbage_bytes", "readable_parquet", None, "random bytes named .parquet"),
-        PoisonKind("zero_bytes", "readable_parquet", None, "an empty file"),
-        PoisonKind("csv_file", "readable_parquet", None, "the shard's rows as CSV, named .parquet"),
+        PoisonKind("truncated", _READABLE, None, "a valid shard cut in half (no footer)"),
+        PoisonKind("garbage_bytes", _READABLE, None, "random bytes named .parquet"),
+        PoisonKind("zero_bytes", _READABLE, None, "an empty file"),
+        PoisonKind("csv_file", _READABLE, None, "the shard's rows as CSV, named .parquet"),
     )
 }
 
@@ -330,7 +335,8 @@ def _poisoned_shard(kind: str, docs: list[_Doc], ctx: dict[str, Any], rng: rando
         return parquet_bytes(_table(docs))
     if kind == "eval_contamination":
         eval_docs: list[_Doc] = ctx["eval_docs"]
-        for i, original in zip(rng.sample(range(len(docs)), 3), rng.sample(range(len(eval_docs)), 3)):
+        copies = min(3, len(eval_docs))
+        for i, original in zip(rng.sample(range(len(docs)), copies), rng.sample(range(len(eval_docs)), copies)):
             docs[i] = eval_docs[original]
         return parquet_bytes(_table(docs))
     if kind == "zero_rows":
@@ -436,8 +442,8 @@ def build_corpus(
         path = train_dir / f"shard-{i:05d}.parquet"
         if i in chosen:
             kind = chosen[i]
-            ctx = {"eval_docs": eval_docs, "donor_docs": parts[max(c for c in clean_positions if c < i)]
-                   if kind == "duplicate_ids_across_shards" else []}
+            donor = max((c for c in clean_positions if c < i), default=None)
+            ctx = {"eval_docs": eval_docs, "donor_docs": parts[donor] if donor is not None else []}
             data = _poisoned_shard(kind, docs, ctx, random.Random(f"kiln-poison:{seed}:{i}:{kind}"))
             poisoned[path.relative_to(out).as_posix()] = kind
         else:

@@ -12,7 +12,7 @@ tampered manifest) fails the task without retry.
 from __future__ import annotations
 
 import logging
-from datetime import datetime, timedelta, timezone
+from datetime import timedelta
 from typing import Any
 
 from airflow.providers.standard.operators.hitl import ApprovalOperator
@@ -76,7 +76,7 @@ def _key() -> str:
 
 
 APPROVAL_BODY = """\
-### Promote `{{ ti.xcom_pull(task_ids='register_candidate')['model'] }}` version {{ ti.xcom_pull(task_ids='register_candidate')['version'] }} to `{policy.target_model}@{policy.alias}`?
+### Promote `{{ ti.xcom_pull(task_ids='register_candidate')['model_name'] }}` version {{ ti.xcom_pull(task_ids='register_candidate')['version'] }} to `{policy.target_model}@{policy.alias}`?
 
 **Decision:** {{ ti.xcom_pull(task_ids='model_gate')['action'] }} — {{ ti.xcom_pull(task_ids='model_gate')['reasons'] | join('; ') }}
 
@@ -116,7 +116,9 @@ def build_dag(policy: Policy):  # noqa: C901 - one function so the wiring reads 
         dag_id=policy.dag_id,
         description=policy.description,
         schedule=schedule,
-        start_date=datetime(2026, 1, 1, tzinfo=timezone.utc),
+        # No start_date: with one, the cron timetable would start a run for the most recent past
+        # Monday as soon as the DAG is unpaused. Without one (and run_immediately=False, the
+        # default) the first scheduled run is the next Monday.
         catchup=False,
         max_active_runs=1 if production else 8,
         default_args=default_args,
@@ -173,16 +175,14 @@ def build_dag(policy: Policy):  # noqa: C901 - one function so the wiring reads 
         def register_candidate(snapshot, data, train_result, evaluation) -> dict[str, Any]:
             from kiln.pipeline import register_stage
 
-            ctx = get_current_context()
-            lineage = {"airflow_dag_id": ctx["dag"].dag_id, "airflow_run_id": ctx["run_id"]}
-            return _run(register_stage, policy, snapshot, data, train_result, evaluation, _key(), lineage)
+            return _run(register_stage, policy, snapshot, data, train_result, evaluation, _key(), {})
 
         @task.short_circuit
-        def model_gate(evaluation: dict[str, Any]) -> dict[str, Any] | bool:
+        def model_gate(candidate: dict[str, Any]) -> dict[str, Any] | bool:
             """Continue to promotion only when the gate says promote; a hold ends the run here, with reasons."""
             from kiln.pipeline import model_gate_stage
 
-            decision = _run(model_gate_stage, policy, evaluation)
+            decision = _run(model_gate_stage, candidate)
             print(f"promotion decision: {decision['action']}: " + "; ".join(decision["reasons"]))
             return decision if decision["action"] == "promote" else False
 
@@ -203,8 +203,7 @@ def build_dag(policy: Policy):  # noqa: C901 - one function so the wiring reads 
         trained = train(snap, data)
         evaluation = evaluate(trained, data)
         candidate = register_candidate(snap, data, trained, evaluation)
-        decision = model_gate(evaluation)
-        candidate >> decision
+        decision = model_gate(candidate)
         if policy.requires_approval:
             approval = ApprovalOperator(
                 task_id="approval",

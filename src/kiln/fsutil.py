@@ -21,6 +21,11 @@ def atomic_write_bytes(path: str | Path, data: bytes) -> Path:
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
     try:
+        # mkstemp creates 0600; give the file the mode a plain open() would (umask applied), so
+        # workers running as another user can read shards, reports and manifests.
+        umask = os.umask(0)
+        os.umask(umask)
+        os.fchmod(fd, 0o666 & ~umask)
         with os.fdopen(fd, "wb") as fh:
             fh.write(data)
             fh.flush()

@@ -223,7 +223,7 @@ def register_stage(
 ) -> dict[str, Any]:
     from kiln.registry import register_candidate
 
-    return register_candidate(
+    candidate = register_candidate(
         policy=policy,
         train=TrainResult.from_json(train),
         eval_report=EvalReport.from_json(evaluation),
@@ -236,14 +236,16 @@ def register_stage(
             **lineage,
         },
     )
+    ui = kiln_settings.load().mlflow_uri
+    return {**candidate, "ui_url": f"{ui}/#/models/{candidate['model_name']}/versions/{candidate['version']}"}
 
 
-def model_gate_stage(policy: Policy, evaluation: dict[str, Any]) -> dict[str, Any]:
-    """The promotion decision against the current holder of the policy's alias (a value, not an error)."""
-    from kiln.registry import champion_report, decide
+def model_gate_stage(candidate: dict[str, Any]) -> dict[str, Any]:
+    """The promotion decision (a value, not an error): the one ``decide`` made against the champion
+    when the candidate was registered, and that is tagged on its model version."""
+    from kiln.refs import Decision
 
-    decision = decide(EvalReport.from_json(evaluation), champion_report(policy), policy.gate)
-    return decision.to_json()
+    return Decision.from_json(candidate["decision"]).to_json()
 
 
 def promote_stage(

@@ -48,7 +48,7 @@ def test_sandbox_run_end_to_end(stack, admin):
     version = client.get_model_version_by_alias(SANDBOX.target_model, SANDBOX.alias)
     assert version.tags["kiln.snapshot_id"] == snap["id"]
     assert version.tags["kiln.training_manifest_sha256"] == gate["manifest_sha256"]
-    assert version.tags["kiln.airflow_run_id"] == run["dag_run_id"]
+    assert version.tags["kiln.airflow.run_id"] == run["dag_run_id"]
     train = admin.xcom(SANDBOX.dag_id, run["dag_run_id"], "train")
     assert version.tags["kiln.weights_sha256"] == train["weights_sha256"]
     assert not client.search_registered_models(filter_string=f"name = '{PRODUCTION_MODEL}'"), \

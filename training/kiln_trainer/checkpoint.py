@@ -46,12 +46,10 @@ from kiln_trainer.checkpoint_manifest import (
     FORMAT_VERSION,
     MANIFEST_NAME,
     atomic_write_bytes,
-    canonical_json,
     checkpoint_dirs,
     fsync_dir,
     read_manifest,
     rng_file_name,
-    sha256_file,
     step_dir_name,
     verify_checkpoint,
 )
@@ -82,6 +80,7 @@ def weights_sha256(state_dict: dict[str, torch.Tensor]) -> str:
 
 # --------------------------------------------------------------------------- RNG state
 
+
 def capture_rng_state() -> dict[str, Any]:
     """Every RNG the loop can touch, as plain tensors / ints / floats (weights_only-loadable)."""
     py_version, py_state, py_gauss = random.getstate()
@@ -102,7 +101,9 @@ def capture_rng_state() -> dict[str, Any]:
 
 
 def restore_rng_state(state: dict[str, Any]) -> None:
-    random.setstate((state["python_version"], tuple(int(x) for x in state["python_state"].tolist()), state["python_gauss"]))
+    random.setstate(
+        (state["python_version"], tuple(int(x) for x in state["python_state"].tolist()), state["python_gauss"])
+    )
     np.random.set_state(
         (
             state["numpy_name"],
@@ -140,10 +141,11 @@ def gather_rng_bytes(device: torch.device) -> list[bytes] | None:
     dist.all_gather(gathered, padded)
     if dist.get_rank() != 0:
         return None
-    return [bytes(g.cpu()[: int(s.item())].numpy().tobytes()) for g, s in zip(gathered, sizes)]
+    return [bytes(g.cpu()[: int(s.item())].numpy().tobytes()) for g, s in zip(gathered, sizes, strict=True)]
 
 
 # --------------------------------------------------------------------------- snapshot + writer
+
 
 def _to_cpu_copy(obj: Any) -> Any:
     """Deep copy with every tensor cloned to CPU: the state the writer thread may use while training continues."""
@@ -238,8 +240,16 @@ class CheckpointWriter:
             pending.result()
         return self.last_committed_dir
 
-    def save(self, *, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any,
-             trainer_state: dict[str, Any], rng_blobs: list[bytes]) -> float:
+    def save(
+        self,
+        *,
+        step: int,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        scheduler: Any,
+        trainer_state: dict[str, Any],
+        rng_blobs: list[bytes],
+    ) -> float:
         """Snapshot the state and write it (in the background when async). Returns the blocking seconds."""
         t0 = time.perf_counter()
         self.wait()
@@ -305,7 +315,7 @@ class CheckpointWriter:
             "training_manifest_sha256": ident.training_manifest_sha256,
             "files": files,
             "weights_sha256": weights,
-            "created_at": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+            "created_at": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
         }
         fsync_dir(step_dir)
         atomic_write_bytes(step_dir / MANIFEST_NAME, json.dumps(manifest, indent=1, sort_keys=True).encode("utf-8"))
@@ -319,6 +329,7 @@ class CheckpointWriter:
 
 
 # --------------------------------------------------------------------------- loading
+
 
 @dataclass(kw_only=True, slots=True)
 class LoadedCheckpoint:

@@ -160,13 +160,13 @@ def read_manifest(step_dir: str | Path) -> dict[str, Any]:
         # bool is an int subclass; a step of `true` is a corrupt manifest, not step 1.
         if not isinstance(value, typ) or isinstance(value, bool):
             raise CheckpointError(f"{path}: field {key!r} missing or not {getattr(typ, '__name__', typ)}")
+    if manifest.get("format", FORMAT_VERSION) != FORMAT_VERSION:
+        raise CheckpointError(f"{path}: unsupported checkpoint format {manifest.get('format')!r}")
     if manifest["world_size"] < 1:
         raise CheckpointError(f"{path}: field 'world_size' must be >= 1")
     match = _STEP_DIR_RE.match(step_dir.name)
     if match and int(match.group(1)) != manifest["step"]:
-        raise CheckpointError(
-            f"{path}: field 'step' is {manifest['step']} but the directory is {step_dir.name}"
-        )
+        raise CheckpointError(f"{path}: field 'step' is {manifest['step']} but the directory is {step_dir.name}")
     return manifest
 
 
@@ -181,9 +181,7 @@ def verify_checkpoint(step_dir: str | Path) -> dict[str, Any]:
     required = expected_files(manifest["world_size"])
     missing_from_manifest = required - set(listed)
     if missing_from_manifest:
-        raise CheckpointError(
-            f"{step_dir}: partial state, manifest does not list {sorted(missing_from_manifest)}"
-        )
+        raise CheckpointError(f"{step_dir}: partial state, manifest does not list {sorted(missing_from_manifest)}")
     unknown_listed = set(listed) - required
     if unknown_listed:
         raise CheckpointError(f"{step_dir}: manifest lists unexpected files {sorted(unknown_listed)}")
@@ -198,9 +196,7 @@ def verify_checkpoint(step_dir: str | Path) -> dict[str, Any]:
             raise CheckpointError(f"{step_dir}: file {name!r} listed in the manifest is missing")
         actual = sha256_file(path)
         if actual != expected:
-            raise CheckpointError(
-                f"{step_dir}: file {name!r} sha256 mismatch (manifest {expected}, on disk {actual})"
-            )
+            raise CheckpointError(f"{step_dir}: file {name!r} sha256 mismatch (manifest {expected}, on disk {actual})")
     return manifest
 
 

@@ -78,10 +78,20 @@ class ModelConfig:
         for name in ("n_layer", "n_head", "n_embd", "block_size"):
             _require(getattr(self, name) >= 1, s, name, "must be >= 1", getattr(self, name))
         _require(
-            self.n_embd % self.n_head == 0, s, "n_embd", f"must be divisible by model.n_head ({self.n_head})", self.n_embd
+            self.n_embd % self.n_head == 0,
+            s,
+            "n_embd",
+            f"must be divisible by model.n_head ({self.n_head})",
+            self.n_embd,
         )
         _require(0.0 <= self.dropout < 1.0, s, "dropout", "must be in [0, 1)", self.dropout)
-        _require(self.vocab_size == BYTE_VOCAB_SIZE, s, "vocab_size", "the byte tokenizer has exactly 256 ids", self.vocab_size)
+        _require(
+            self.vocab_size == BYTE_VOCAB_SIZE,
+            s,
+            "vocab_size",
+            "the byte tokenizer has exactly 256 ids",
+            self.vocab_size,
+        )
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -157,7 +167,9 @@ class TrainConfig:
         _require(self.steps >= 1, s, "steps", "must be >= 1", self.steps)
         _require(0 <= self.seed < 2**63, s, "seed", "must be in [0, 2**63)", self.seed)
         _require(self.device in ("auto", "cpu", "cuda"), s, "device", "must be auto, cpu or cuda", self.device)
-        _require(self.dtype in ("auto", "float32", "bfloat16"), s, "dtype", "must be auto, float32 or bfloat16", self.dtype)
+        _require(
+            self.dtype in ("auto", "float32", "bfloat16"), s, "dtype", "must be auto, float32 or bfloat16", self.dtype
+        )
         _require(self.log_every >= 1, s, "log_every", "must be >= 1", self.log_every)
 
 
@@ -192,7 +204,13 @@ class GuardConfig:
     def __post_init__(self) -> None:
         s = "guard"
         _check_types(self, s)
-        _require(self.spike_factor == 0 or self.spike_factor > 1, s, "spike_factor", "must be 0 (off) or > 1", self.spike_factor)
+        _require(
+            self.spike_factor == 0 or self.spike_factor > 1,
+            s,
+            "spike_factor",
+            "must be 0 (off) or > 1",
+            self.spike_factor,
+        )
         _require(self.max_rollbacks >= 0, s, "max_rollbacks", "must be >= 0", self.max_rollbacks)
 
 

@@ -158,7 +158,9 @@ def _step_seed(seed: int, rank: int, step: int, salt: int) -> int:
 class WindowSampler:
     """Random windows of one rank's stream; the batch of a step depends only on (seed, rank, step, salt)."""
 
-    def __init__(self, stream: np.ndarray, *, block_size: int, batch_size: int, accum_steps: int, seed: int, rank: int) -> None:
+    def __init__(
+        self, stream: np.ndarray, *, block_size: int, batch_size: int, accum_steps: int, seed: int, rank: int
+    ) -> None:
         if len(stream) < block_size + 2:
             raise ShardIntegrityError(
                 f"rank {rank} has only {len(stream)} bytes of training data; need > block_size+1 "

@@ -113,7 +113,13 @@ def main(argv: list[str] | None = None) -> int:
         log.error("%s: %s", type(exc).__name__, exc)
         return 2
     atomic_write_bytes(args.out, (json.dumps(report, indent=1, sort_keys=True) + "\n").encode())
-    log.info("bits/byte %.4f (loss %.4f over %d bytes) -> %s", report["bits_per_byte"], report["loss"], report["tokens"], args.out)
+    log.info(
+        "bits/byte %.4f (loss %.4f over %d bytes) -> %s",
+        report["bits_per_byte"],
+        report["loss"],
+        report["tokens"],
+        args.out,
+    )
     print(json.dumps(report, sort_keys=True))
     return 0
 

@@ -28,7 +28,11 @@ class MetricSink(Protocol):
 
 
 def _numeric(record: dict[str, Any]) -> dict[str, float]:
-    return {k: float(v) for k, v in record.items() if isinstance(v, (int, float)) and not isinstance(v, bool) and k != "step"}
+    return {
+        k: float(v)
+        for k, v in record.items()
+        if isinstance(v, (int, float)) and not isinstance(v, bool) and k != "step"
+    }
 
 
 class JsonlSink:

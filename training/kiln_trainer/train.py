@@ -60,11 +60,24 @@ from kiln_trainer.checkpoint import (
     load_checkpoint,
     restore_rng_state,
 )
-from kiln_trainer.checkpoint_manifest import atomic_write_bytes, latest_committed, manifest_sha256
+from kiln_trainer.checkpoint_manifest import (
+    CHECKPOINTS_SUBDIR,
+    atomic_write_bytes,
+    latest_committed,
+    manifest_sha256,
+    step_dir_name,
+)
 from kiln_trainer.config import OptimConfig, Recipe, load_recipe
 from kiln_trainer.data import WindowSampler, build_byte_stream, load_training_manifest, rank_slice
 from kiln_trainer.errors import ResumeMismatchError, TrainerError, TrainingDivergedError
-from kiln_trainer.metrics import JsonlSink, MetricsHub, MlflowSink, PrometheusTextfileSink, flatten_recipe, mlflow_target
+from kiln_trainer.metrics import (
+    JsonlSink,
+    MetricsHub,
+    MlflowSink,
+    PrometheusTextfileSink,
+    flatten_recipe,
+    mlflow_target,
+)
 from kiln_trainer.model import GPT
 
 log = logging.getLogger("kiln_trainer.train")
@@ -77,18 +90,26 @@ _PEAK_BF16_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "L4": 121e12
 
 # --------------------------------------------------------------------------- arguments
 
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m kiln_trainer.train", description=__doc__.split("\n")[0])
     parser.add_argument("--manifest", required=True, type=Path, help="TrainingManifest JSON")
     parser.add_argument("--recipe", required=True, type=Path, help="recipe TOML (training/recipes/*.toml)")
     parser.add_argument("--run-dir", required=True, type=Path, help="run directory (checkpoints, metrics, result)")
-    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
-                        help="override a recipe field (repeatable)")
+    parser.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="SECTION.KEY=VALUE",
+        help="override a recipe field (repeatable)",
+    )
     parser.add_argument("--max-steps", type=int, default=None, help="stop this invocation after this step")
     return parser.parse_args(argv)
 
 
 # --------------------------------------------------------------------------- distributed setup
+
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class DistEnv:
@@ -160,6 +181,7 @@ def broadcast_int(value: int, env: DistEnv) -> int:
 
 # --------------------------------------------------------------------------- optimisation
 
+
 def make_optimizer(model: GPT, cfg: OptimConfig) -> torch.optim.AdamW:
     params = [p for p in model.parameters() if p.requires_grad]
     decay = [p for p in params if p.dim() >= 2]
@@ -187,6 +209,7 @@ def lr_multiplier(recipe: Recipe):  # type: ignore[no-untyped-def]
 
 
 # --------------------------------------------------------------------------- trainer state
+
 
 @dataclass(kw_only=True, slots=True)
 class TrainState:
@@ -253,6 +276,7 @@ class _InitialState:
 
 # --------------------------------------------------------------------------- the run
 
+
 class Run:
     def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
@@ -313,6 +337,7 @@ class Run:
 
         self.writer: CheckpointWriter | None = None
         self.metrics = MetricsHub([])
+        self.mlflow_run_id = ""
         if self.env.is_main:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             self.writer = CheckpointWriter(
@@ -332,12 +357,19 @@ class Run:
                 PrometheusTextfileSink(self.run_dir / "metrics.prom", {"run_dir": str(self.run_dir)}),
             ]
             target = mlflow_target()
-            self.mlflow_run_id = ""
             if target is not None:
-                sinks.append(MlflowSink(target[0], target[1], flatten_recipe(self.recipe_dict)
-                                        | {"kiln.recipe_sha256": self.recipe_sha256,
-                                           "kiln.training_manifest_sha256": self.manifest.sha256,
-                                           "kiln.world_size": self.env.world_size}))
+                sinks.append(
+                    MlflowSink(
+                        target[0],
+                        target[1],
+                        flatten_recipe(self.recipe_dict)
+                        | {
+                            "kiln.recipe_sha256": self.recipe_sha256,
+                            "kiln.training_manifest_sha256": self.manifest.sha256,
+                            "kiln.world_size": self.env.world_size,
+                        },
+                    )
+                )
                 self.mlflow_run_id = target[1]
             self.metrics = MetricsHub(sinks)
 
@@ -349,8 +381,6 @@ class Run:
         step = broadcast_int(-1 if found is None else int(found.name.split("-")[1]), self.env)
         if step < 0:
             return None
-        from kiln_trainer.checkpoint_manifest import CHECKPOINTS_SUBDIR, step_dir_name
-
         return self.run_dir / CHECKPOINTS_SUBDIR / step_dir_name(step)
 
     def _restore_from(self, step_dir: Path) -> None:
@@ -372,8 +402,12 @@ class Run:
         saved_threads = ck.trainer_state.get("torch_threads")
         if saved_threads is not None and saved_threads != self.threads:
             # Intra-op reductions split work by thread count, so the bits differ (not the maths).
-            log.warning("resuming with %d torch threads per rank, the checkpoint was made with %s: "
-                        "the run continues correctly but not bit-identically", self.threads, saved_threads)
+            log.warning(
+                "resuming with %d torch threads per rank, the checkpoint was made with %s: "
+                "the run continues correctly but not bit-identically",
+                self.threads,
+                saved_threads,
+            )
         assert ck.rng is not None
         # Last, after everything that might draw random numbers while being set up.
         restore_rng_state(ck.rng)
@@ -421,12 +455,23 @@ class Run:
             self.state = TrainState.from_dict(self.initial.train_state)
             restore_rng_state(self.initial.rng)
         self.optimizer.zero_grad(set_to_none=True)
-        event = {"kind": "rollback", "reason": reason, "at_step": at_step, "to_step": self.state.step,
-                 "loss": loss if math.isfinite(loss) else str(loss), "data_salt": salt + 1}
+        event = {
+            "kind": "rollback",
+            "reason": reason,
+            "at_step": at_step,
+            "to_step": self.state.step,
+            "loss": loss if math.isfinite(loss) else str(loss),
+            "data_salt": salt + 1,
+        }
         self.state.events = events + [event]
         self.state.data_salt = salt + 1
-        log.warning("guard: %s at step %d (loss %s): rolled back to step %d, skipping its windows",
-                    reason, at_step, loss, self.state.step)
+        log.warning(
+            "guard: %s at step %d (loss %s): rolled back to step %d, skipping its windows",
+            reason,
+            at_step,
+            loss,
+            self.state.step,
+        )
         self.metrics.log(at_step, {"event": "rollback", **event})
 
     # ----------------------------------------------------------------- the loop
@@ -437,8 +482,14 @@ class Run:
             return 0.0
         assert rng_blobs is not None
         trainer_state = self.state.to_dict() | {"torch_threads": self.threads}
-        return self.writer.save(step=step, model=self.model, optimizer=self.optimizer, scheduler=self.scheduler,
-                                trainer_state=trainer_state, rng_blobs=rng_blobs)
+        return self.writer.save(
+            step=step,
+            model=self.model,
+            optimizer=self.optimizer,
+            scheduler=self.scheduler,
+            trainer_state=trainer_state,
+            rng_blobs=rng_blobs,
+        )
 
     def train(self) -> dict[str, Any]:
         cfg = self.recipe
@@ -448,8 +499,15 @@ class Run:
         peak = _peak_flops(self.env.device)
         log.info(
             "rank %d/%d device %s threads %d | %.2fM params | %d bytes of training data | recipe %s | steps %d -> %d",
-            self.env.rank, self.env.world_size, self.env.device, self.threads, self.model.num_parameters() / 1e6,
-            self.stream_bytes, self.recipe_sha256[:12], self.state.step, target,
+            self.env.rank,
+            self.env.world_size,
+            self.env.device,
+            self.threads,
+            self.model.num_parameters() / 1e6,
+            self.stream_bytes,
+            self.recipe_sha256[:12],
+            self.state.step,
+            target,
         )
         self.train_model.train()
         loop_t0 = time.perf_counter()
@@ -524,8 +582,15 @@ class Run:
                 self.metrics.log(step, record)
                 log.info(
                     "step %d/%d loss %.4f lr %.2e %.0f tok/s %.1f ms/step data %.1f%% ckpt %.1f ms lag %d",
-                    step, target, loss_value, record["lr"], tokens_per_s, 1000 * record["step_time"],
-                    100 * record["data_wait_frac"], 1000 * interval["ckpt_s"], record["checkpoint_lag_steps"],
+                    step,
+                    target,
+                    loss_value,
+                    record["lr"],
+                    tokens_per_s,
+                    1000 * record["step_time"],
+                    100 * record["data_wait_frac"],
+                    1000 * interval["ckpt_s"],
+                    record["checkpoint_lag_steps"],
                 )
                 interval = {"t0": time.perf_counter(), "steps": 0, "data_s": 0.0, "ckpt_s": 0.0, "tokens": 0}
         loop_s = time.perf_counter() - loop_t0
@@ -573,9 +638,16 @@ class Run:
                 "events": st.events,
                 "mlflow_run_id": self.mlflow_run_id,
             }
-            atomic_write_bytes(self.run_dir / "result.json", (json.dumps(result, indent=1, sort_keys=True) + "\n").encode())
-            log.info("result: step %d loss %s weights %s -> %s", result["step"], result["metrics"]["final_loss"],
-                     result["weights_sha256"][:16], self.run_dir / "result.json")
+            atomic_write_bytes(
+                self.run_dir / "result.json", (json.dumps(result, indent=1, sort_keys=True) + "\n").encode()
+            )
+            log.info(
+                "result: step %d loss %s weights %s -> %s",
+                result["step"],
+                result["metrics"]["final_loss"],
+                result["weights_sha256"][:16],
+                self.run_dir / "result.json",
+            )
         if self.env.distributed:
             dist.barrier()
         return result

@@ -20,7 +20,7 @@ POISONED_SHARDS = 20
 
 
 @pytest.fixture(scope="session")
-def stdlib_contract():  # type: ignore[no-untyped-def]
+def stdlib_contract():
     from kiln.contracts import load_contract
 
     return load_contract("stdlib-py@1")
@@ -41,7 +41,7 @@ def poisoned_corpus(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 
 
 @pytest.fixture(scope="session")
-def poisoned_reports(poisoned_corpus: dict[str, Any], stdlib_contract):  # type: ignore[no-untyped-def]
+def poisoned_reports(poisoned_corpus: dict[str, Any], stdlib_contract):
     from kiln.validation import validate_directory
 
     return validate_directory(poisoned_corpus["out"], stdlib_contract)

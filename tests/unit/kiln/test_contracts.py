@@ -83,7 +83,7 @@ def test_parse_contract_ref() -> None:
     assert parse_contract_ref("stdlib-py") == ("stdlib-py", None)
 
 
-def _broken(mutate) -> Any:  # type: ignore[no-untyped-def]
+def _broken(mutate) -> Any:
     suite = _suite()
     mutate(suite)
     return suite

@@ -133,7 +133,7 @@ def test_bad_arguments_are_config_errors(tmp_path: Path, kwargs: dict[str, Any],
         build_corpus(tmp_path / "bad", **kwargs)
 
 
-def test_cli_help_lists_every_poison_kind(kiln_cli, capsys: pytest.CaptureFixture[str]) -> None:  # type: ignore[no-untyped-def]
+def test_cli_help_lists_every_poison_kind(kiln_cli, capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as exit_info:
         kiln_cli(["corpus", "build", "--help"])
     assert exit_info.value.code == 0
@@ -142,7 +142,7 @@ def test_cli_help_lists_every_poison_kind(kiln_cli, capsys: pytest.CaptureFixtur
         assert kind.name in text and kind.description in text
 
 
-def test_cli_build_prints_the_summary(kiln_cli, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:  # type: ignore[no-untyped-def]
+def test_cli_build_prints_the_summary(kiln_cli, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     code = kiln_cli(
         ["corpus", "build", "--out", str(tmp_path / "c"), "--shards", "4", "--seed", "2", "--max-bytes", "200000",
          "--poison", "secret", "zero_rows", "--poison", "truncated"]
@@ -153,7 +153,7 @@ def test_cli_build_prints_the_summary(kiln_cli, tmp_path: Path, capsys: pytest.C
     assert sorted(summary["poisoned"].values()) == ["secret", "truncated", "zero_rows"]
 
 
-def test_cli_usage_errors_exit_2(kiln_cli, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:  # type: ignore[no-untyped-def]
+def test_cli_usage_errors_exit_2(kiln_cli, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as exit_info:
         kiln_cli(["corpus", "build", "--out", str(tmp_path), "--poison", "nonsense"])
     assert exit_info.value.code == 2
@@ -166,9 +166,11 @@ def test_exact_duplicate_documents_are_kept_once(tmp_path: Path) -> None:
     # contamination by construction. Any text may appear only once in the whole corpus.
     stdlib = tmp_path / "stdlib"
     stdlib.mkdir()
-    shared = "".join(f"VALUE_{i} = {i}  # a line that is long enough to matter\n" for i in range(40))
+    shared = ""
+    while len(shared) < 4000:  # one whole chunk: the next (long) line no longer fits in 4 KiB
+        shared += f"VALUE_{len(shared)} = 1  # a line that is long enough to matter\n"
     for i in range(60):
-        unique = "".join(f"def f_{i}_{j}():\n    return {i * j}\n" for j in range(40))
+        unique = "".join(f"def function_{i}_{j}_with_a_rather_long_name_for_padding():  # pad pad pad pad\n" for j in range(40))
         (stdlib / f"mod_{i:02d}.py").write_text(shared + unique)
     summary = build_corpus(tmp_path / "c", shards=2, max_bytes=10**7, stdlib_dir=stdlib)
     texts = [r["text"] for p in summary["train"] + summary["eval"] for r in _rows(p)]

@@ -9,8 +9,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from trainer_fixtures import write_checkpoints
-
 from kiln_trainer.checkpoint import (
     CheckpointIdentity,
     CheckpointWriter,
@@ -23,6 +21,7 @@ from kiln_trainer.checkpoint import (
 from kiln_trainer.checkpoint_manifest import CheckpointError, latest_committed, verify_checkpoint
 from kiln_trainer.config import ModelConfig, Recipe
 from kiln_trainer.model import GPT
+from trainer_fixtures import write_checkpoints
 
 
 def test_weights_hash_is_deterministic_and_sensitive() -> None:
@@ -78,8 +77,13 @@ def test_async_writer_snapshots_state_before_training_continues(tmp_path: Path) 
     recipe = Recipe()
     writer = CheckpointWriter(
         tmp_path,
-        CheckpointIdentity(world_size=1, recipe=recipe.to_dict(), recipe_sha256=recipe.sha256,
-                           snapshot_id="s", training_manifest_sha256="0" * 64),
+        CheckpointIdentity(
+            world_size=1,
+            recipe=recipe.to_dict(),
+            recipe_sha256=recipe.sha256,
+            snapshot_id="s",
+            training_manifest_sha256="0" * 64,
+        ),
         keep_last=3,
         async_save=True,
     )

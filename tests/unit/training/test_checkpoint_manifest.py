@@ -10,8 +10,6 @@ import sys
 from pathlib import Path
 
 import pytest
-from trainer_fixtures import FIXTURE_MODEL, write_checkpoints
-
 from kiln_trainer.checkpoint_manifest import (
     CheckpointError,
     checkpoint_dirs,
@@ -20,6 +18,7 @@ from kiln_trainer.checkpoint_manifest import (
     verify_checkpoint,
 )
 from kiln_trainer.config import load_recipe
+from trainer_fixtures import FIXTURE_MODEL, write_checkpoints
 
 
 @pytest.fixture
@@ -37,7 +36,13 @@ def test_committed_checkpoint_verifies(committed: Path) -> None:
     manifest = verify_checkpoint(committed)
     assert manifest["kind"] == "kiln.CheckpointManifest"
     assert manifest["step"] == 5 and manifest["world_size"] == 1
-    assert set(manifest["files"]) == {"model.pt", "optimizer.pt", "scheduler.pt", "trainer_state.pt", "rng-rank00000.pt"}
+    assert set(manifest["files"]) == {
+        "model.pt",
+        "optimizer.pt",
+        "scheduler.pt",
+        "trainer_state.pt",
+        "rng-rank00000.pt",
+    }
     assert len(manifest["weights_sha256"]) == 64 and manifest["snapshot_id"] == "abc.dir"
     recipe = load_recipe(None, FIXTURE_MODEL)
     assert manifest["recipe"] == recipe.to_dict() and manifest["recipe_sha256"] == recipe.sha256

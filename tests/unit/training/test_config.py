@@ -5,10 +5,9 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from trainer_fixtures import RECIPES
-
 from kiln_trainer.config import Recipe, load_recipe, parse_override, recipe_sha256
 from kiln_trainer.errors import ConfigError
+from trainer_fixtures import RECIPES
 
 
 def test_precedence_defaults_then_toml_then_overrides(tmp_path: Path) -> None:

@@ -9,8 +9,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from trainer_fixtures import canonical_json, stdlib_sources, write_shard, write_training_manifest
-
 from kiln_trainer.data import (
     WindowSampler,
     build_byte_stream,
@@ -19,6 +17,7 @@ from kiln_trainer.data import (
     rank_slice,
 )
 from kiln_trainer.errors import ManifestError, ShardIntegrityError
+from trainer_fixtures import canonical_json, stdlib_sources, write_shard, write_training_manifest
 
 
 def test_manifest_loads_and_hash_matches(corpus: Path) -> None:
@@ -103,14 +102,17 @@ def test_rank_slices_are_disjoint_and_cover_the_stream() -> None:
 
 def test_sampler_batches_depend_only_on_seed_rank_step_salt() -> None:
     stream = np.frombuffer(bytes(range(256)) * 40, dtype=np.uint8).copy()
-    make = lambda rank=0, seed=7: WindowSampler(stream, block_size=16, batch_size=4, accum_steps=2, seed=seed, rank=rank)  # noqa: E731
+
+    def make(rank: int = 0) -> WindowSampler:
+        return WindowSampler(stream, block_size=16, batch_size=4, accum_steps=2, seed=7, rank=rank)
+
     a, b = make(), make()
     torch.manual_seed(0)  # the global RNG must not matter
     first = a.step_batches(5)
     torch.manual_seed(123)
     again = b.step_batches(5)
     assert len(first) == 2
-    for (x1, y1), (x2, y2) in zip(first, again):
+    for (x1, y1), (x2, y2) in zip(first, again, strict=True):
         assert torch.equal(x1, x2) and torch.equal(y1, y2)
         assert x1.shape == (4, 16) and x1.dtype == torch.int64
         assert torch.equal(x1[:, 1:], y1[:, :-1])  # targets are inputs shifted by one byte

@@ -8,10 +8,9 @@ import shutil
 from pathlib import Path
 
 import pytest
-from trainer_fixtures import write_checkpoints
-
 from kiln_trainer import evaluate
 from kiln_trainer.checkpoint_manifest import CheckpointError, manifest_sha256
+from trainer_fixtures import write_checkpoints
 
 
 @pytest.fixture(scope="module")
@@ -23,7 +22,12 @@ def step_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def test_report_is_finite_deterministic_and_bounded(step_dir: Path, corpus: Path, tmp_path: Path) -> None:
     out = tmp_path / "eval.json"
-    assert evaluate.main(["--checkpoint", str(step_dir), "--manifest", str(corpus), "--out", str(out), "--max-windows", "16"]) == 0
+    assert (
+        evaluate.main(
+            ["--checkpoint", str(step_dir), "--manifest", str(corpus), "--out", str(out), "--max-windows", "16"]
+        )
+        == 0
+    )
     report = json.loads(out.read_text())
     assert report["kind"] == "kiln.EvalReport" and report["split"] == "eval"
     assert report["checkpoint"] == str(step_dir.resolve())

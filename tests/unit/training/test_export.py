@@ -6,9 +6,8 @@ import json
 from pathlib import Path
 
 import pytest
-from trainer_fixtures import write_checkpoints
-
 from kiln_trainer.errors import TrainerError
+from trainer_fixtures import write_checkpoints
 
 pytestmark = pytest.mark.slow
 
@@ -16,7 +15,6 @@ pytestmark = pytest.mark.slow
 def test_log_model_load_model_generate_round_trip(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     import mlflow
     import mlflow.pytorch
-
     from kiln_trainer.export import log_model
 
     write_checkpoints(tmp_path / "run", [2])

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from kiln_trainer.config import ModelConfig
 from kiln_trainer.model import GPT
 

@@ -13,6 +13,8 @@ import time
 from pathlib import Path
 
 import pytest
+from kiln_trainer import train as train_module
+from kiln_trainer.checkpoint_manifest import latest_committed, manifest_sha256, verify_checkpoint
 from trainer_fixtures import (
     REPO,
     SHORT,
@@ -26,9 +28,6 @@ from trainer_fixtures import (
     trainer_env,
     two_agent_cmds,
 )
-
-from kiln_trainer import train as train_module
-from kiln_trainer.checkpoint_manifest import latest_committed, manifest_sha256, verify_checkpoint
 
 pytestmark = pytest.mark.slow
 
@@ -64,7 +63,9 @@ def test_result_checkpoints_and_metrics_of_a_run(ref_1rank: Path, corpus: Path) 
     assert sorted(p.name for p in (ref_1rank / "checkpoints").iterdir()) == ["step-00000016", "step-00000024"]
     lines = [json.loads(line) for line in (ref_1rank / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in lines] == [4, 8, 12, 16, 20, 24]
-    assert {"loss", "tokens_per_s", "step_time", "data_wait_frac", "ckpt_block_s", "checkpoint_lag_steps"} <= set(lines[-1])
+    assert {"loss", "tokens_per_s", "step_time", "data_wait_frac", "ckpt_block_s", "checkpoint_lag_steps"} <= set(
+        lines[-1]
+    )
     assert "kiln_train_loss" in (ref_1rank / "metrics.prom").read_text()
 
 
@@ -77,7 +78,9 @@ def test_two_ranks_are_deterministic_across_launch_modes(ref_2rank: Path, corpus
     """--nproc-per-node=2 (reference) and two single-rank agents (the 2-node layout) agree bit for bit."""
     run_dir = tmp_path / "run"
     procs = [
-        subprocess.Popen(cmd, cwd=REPO, env=trainer_env(**THREADS), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        subprocess.Popen(
+            cmd, cwd=REPO, env=trainer_env(**THREADS), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        )
         for cmd in two_agent_cmds(train_cmd(corpus, run_dir, *SHORT), rdzv_id="determinism")
     ]
     outputs = [p.communicate(timeout=180)[0] for p in procs]
@@ -103,7 +106,7 @@ def test_stop_at_max_steps_then_resume_matches_uninterrupted(ref_1rank: Path, co
 def _kill_during_save(cmd: list[str], run_dir: Path, step_dir_name: str) -> None:
     """Start ``cmd`` with a slowed checkpoint writer; SIGKILL the whole tree once ``step_dir_name``
     exists, i.e. while that save is in flight (files written, manifest not yet)."""
-    env = trainer_env(**THREADS, KILN_CKPT_WRITE_DELAY_S="3")
+    env = trainer_env(**THREADS, KILN_CKPT_WRITE_DELAY_S="1.5")
     proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     target = run_dir / "checkpoints" / step_dir_name
     deadline = time.monotonic() + 120
@@ -156,7 +159,9 @@ def _main(corpus: Path, run_dir: Path, *overrides: str, manifest: Path | None = 
 
 
 @pytest.mark.usefixtures("in_process")
-def test_resume_refuses_another_recipe(ref_1rank: Path, corpus: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+def test_resume_refuses_another_recipe(
+    ref_1rank: Path, corpus: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     run_dir = tmp_path / "run"
     shutil.copytree(ref_1rank, run_dir)
     assert _main(corpus, run_dir, "train.seed=7") == 2
@@ -174,7 +179,9 @@ def test_tampered_shard_is_refused(corpus: Path, tmp_path: Path, caplog: pytest.
     import hashlib
 
     body = {k: v for k, v in doc.items() if k not in ("kind", "sha256")}
-    doc["sha256"] = hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode()).hexdigest()
+    doc["sha256"] = hashlib.sha256(
+        json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode()
+    ).hexdigest()
     manifest = tmp_path / "m.json"
     manifest.write_text(json.dumps(doc))
     assert _main(corpus, tmp_path / "run", manifest=manifest) == 2

@@ -84,7 +84,9 @@ def trainer_env(**extra: str) -> dict[str, str]:
     return env
 
 
-def train_cmd(manifest: Path, run_dir: Path, *overrides: str, recipe: Path = TINY, max_steps: int | None = None) -> list[str]:
+def train_cmd(
+    manifest: Path, run_dir: Path, *overrides: str, recipe: Path = TINY, max_steps: int | None = None
+) -> list[str]:
     cmd = ["-m", "kiln_trainer.train", "--manifest", str(manifest), "--recipe", str(recipe), "--run-dir", str(run_dir)]
     for o in overrides:
         cmd += ["--set", o]
@@ -99,15 +101,25 @@ def torchrun_cmd(nproc: int, args: list[str]) -> list[str]:
 
 def two_agent_cmds(args: list[str], rdzv_id: str) -> list[list[str]]:
     port = free_port()
-    base = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=1",
-            "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", f"--rdzv-id={rdzv_id}"]
+    base = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nnodes=2",
+        "--nproc-per-node=1",
+        "--rdzv-backend=c10d",
+        f"--rdzv-endpoint=127.0.0.1:{port}",
+        f"--rdzv-id={rdzv_id}",
+    ]
     return [base + args, base + args]
 
 
 def run_ok(cmd: list[str], timeout: float = 120, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env or trainer_env(), cwd=REPO)
     if proc.returncode != 0:
-        raise AssertionError(f"{cmd} exited {proc.returncode}\nstdout:\n{proc.stdout[-3000:]}\nstderr:\n{proc.stderr[-6000:]}")
+        raise AssertionError(
+            f"{cmd} exited {proc.returncode}\nstdout:\n{proc.stdout[-3000:]}\nstderr:\n{proc.stderr[-6000:]}"
+        )
     return proc
 
 
@@ -122,7 +134,6 @@ FIXTURE_MODEL = ("model.n_layer=1", "model.n_head=1", "model.n_embd=8", "model.b
 def write_checkpoints(run_dir: Path, steps: list[int], world_size: int = 1, keep_last: int = 10) -> Any:
     """Real checkpoints of a tiny model, written synchronously by the production writer."""
     import torch
-
     from kiln_trainer.checkpoint import CheckpointIdentity, CheckpointWriter, _torch_save_bytes, capture_rng_state
     from kiln_trainer.config import load_recipe
     from kiln_trainer.model import GPT
@@ -130,8 +141,13 @@ def write_checkpoints(run_dir: Path, steps: list[int], world_size: int = 1, keep
     recipe = load_recipe(None, FIXTURE_MODEL)
     writer = CheckpointWriter(
         run_dir,
-        CheckpointIdentity(world_size=world_size, recipe=recipe.to_dict(), recipe_sha256=recipe.sha256,
-                           snapshot_id="abc.dir", training_manifest_sha256="0" * 64),
+        CheckpointIdentity(
+            world_size=world_size,
+            recipe=recipe.to_dict(),
+            recipe_sha256=recipe.sha256,
+            snapshot_id="abc.dir",
+            training_manifest_sha256="0" * 64,
+        ),
         keep_last=keep_last,
         async_save=False,
     )
@@ -144,13 +160,25 @@ def write_checkpoints(run_dir: Path, steps: list[int], world_size: int = 1, keep
         model(torch.zeros(1, 8, dtype=torch.long), torch.zeros(1, 8, dtype=torch.long))[1].backward()
         optimizer.step()
         scheduler.step()
-        writer.save(step=step, model=model, optimizer=optimizer, scheduler=scheduler,
-                    trainer_state={"step": step}, rng_blobs=[rng] * world_size)
+        writer.save(
+            step=step,
+            model=model,
+            optimizer=optimizer,
+            scheduler=scheduler,
+            trainer_state={"step": step},
+            rng_blobs=[rng] * world_size,
+        )
     writer.close()
     return writer
 
 
-SHORT = ("train.steps=24", "checkpoint.every_steps=8", "train.log_every=4", "optim.warmup_steps=4", "checkpoint.keep_last=2")
+SHORT = (
+    "train.steps=24",
+    "checkpoint.every_steps=8",
+    "train.log_every=4",
+    "optim.warmup_steps=4",
+    "checkpoint.keep_last=2",
+)
 """Overrides that shrink the tiny recipe to a few seconds: 24 steps, a checkpoint every 8."""
 
 THREADS = {"KILN_TORCH_THREADS": "1"}

@@ -1,0 +1,132 @@
+"""Where the demo's wall time goes: orchestration overhead versus stage work.
+
+Baseline (measured in the same run): the production pipeline's stages called back to back in one
+Python process — snapshot, every shard's validation, data gate, torchrun training, evaluation,
+registration, gate, promotion — the work itself with no orchestrator.
+Measured: the same production DAG run through the real embedded Airflow (scheduler, LocalExecutor,
+mapped tasks, XCom), triggered and approved over the REST API as ``make demo`` does; the time the
+run spends waiting for the (instant) approval is reported apart.
+
+Prints ``ratio = airflow wall / in-process wall`` and per-stage figures; ``run.py`` writes them to
+docs/benchmarks.md. Uses its own state folder (``.kiln/bench``) and ports, so it never touches the
+demo's stack.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _in_process(policy, key: str) -> dict[str, float]:
+    """Every stage of one run, called directly: the baseline of pure stage work."""
+    from kiln import pipeline
+
+    t: dict[str, float] = {}
+
+    def timed(name, fn, *args, **kwargs):
+        start = time.perf_counter()
+        out = fn(*args, **kwargs)
+        t[name] = t.get(name, 0.0) + time.perf_counter() - start
+        return out
+
+    snap = timed("snapshot", pipeline.snapshot_stage, policy)
+    reports = [timed("validate_shard (all)", pipeline.validate_stage, policy, snap, shard) for shard in snap["shards"]]
+    data = timed("data_gate", pipeline.data_gate_stage, policy, snap, reports, key)
+    train = timed("train", pipeline.train_stage, policy, snap, data, {}, key, log_line=lambda _line: None)
+    evaluation = timed("evaluate", pipeline.evaluate_stage, train, data, key)
+    candidate = timed("register_candidate", pipeline.register_stage, policy, snap, data, train, evaluation, key,
+                      {})
+    decision = timed("model_gate", pipeline.model_gate_stage, candidate)
+    if decision["action"] == "promote":
+        timed("promote", pipeline.promote_stage, policy, candidate, decision, "benchmark", key)
+    return t
+
+
+def _through_airflow(policy) -> tuple[float, float, dict[str, float]]:
+    from kiln import settings as kiln_settings
+    from kiln import stack
+    from kiln.airflow_client import AirflowClient
+    from kiln.demo import DEMO_REVIEWER, follow_run
+
+    s = kiln_settings.load()
+    pw = stack.passwords(s)
+    admin = AirflowClient(s.airflow_url, "admin", pw["admin"])
+    reviewer = AirflowClient(s.airflow_url, DEMO_REVIEWER, pw[DEMO_REVIEWER])
+    admin.wait_for_dag(policy.dag_id)
+    admin.unpause(policy.dag_id)
+    asked: dict[str, float] = {}
+
+    def approve(ti: dict[str, Any]) -> None:
+        if ti["task_id"] == "approval":
+            asked["at"] = time.perf_counter()
+            reviewer.answer_hitl(policy.dag_id, run_id, "approval", ["Approve"])
+            asked["answered"] = time.perf_counter()
+
+    start = time.perf_counter()
+    run_id = admin.trigger(policy.dag_id, conf={"reason": "benchmark"})["dag_run_id"]
+    final = follow_run(admin, policy.dag_id, run_id, on_awaiting_input=approve, progress=lambda _m: None)
+    wall = time.perf_counter() - start
+    if final["state"] != "success":
+        raise SystemExit(f"benchmark run ended {final['state']}")
+    durations: dict[str, float] = {}
+    for ti in admin.task_instances(policy.dag_id, run_id):
+        name = ti["task_id"] if ti.get("map_index", -1) < 0 else f"{ti['task_id']} (all)"
+        durations[name] = durations.get(name, 0.0) + float(ti.get("duration") or 0.0)
+    # Polling granularity is 2 s: the approval is answered on the first poll that sees it waiting.
+    approval_wait = durations.get("approval", 0.0)
+    return wall, approval_wait, durations
+
+
+def main() -> dict[str, Any]:
+    os.environ["KILN_HOME"] = str(REPO / ".kiln" / "bench")
+    os.environ["KILN_AIRFLOW_PORT"] = str(_free_port())
+    os.environ["KILN_MLFLOW_PORT"] = str(_free_port())
+    os.environ.pop("MLFLOW_TRACKING_URI", None)
+    from kiln import settings as kiln_settings
+    from kiln import stack
+    from kiln.demo import build_demo_corpus
+    from kiln.policy import PRODUCTION
+
+    build_demo_corpus()
+    info = stack.up(quiet=True)
+    os.environ["MLFLOW_TRACKING_URI"] = info["mlflow"]
+    try:
+        direct = _in_process(PRODUCTION, f"benchmark/in-process-{int(time.time())}")
+        direct_wall = sum(direct.values())
+        wall, approval_wait, durations = _through_airflow(PRODUCTION)
+    finally:
+        stack.down()
+    orchestrated = wall - approval_wait
+    result = {
+        "name": "demo: orchestration overhead vs stage work (production DAG, 8 shards, small recipe, 2 nodes)",
+        "baseline": "same stages called back to back in one process",
+        "in_process_s": round(direct_wall, 1),
+        "airflow_wall_s": round(wall, 1),
+        "approval_wait_s": round(approval_wait, 1),
+        "overhead_s": round(orchestrated - direct_wall, 1),
+        "ratio": round(orchestrated / direct_wall, 2),
+        "stages_in_process_s": {k: round(v, 1) for k, v in direct.items()},
+        "task_durations_airflow_s": {k: round(v, 1) for k, v in sorted(durations.items())},
+        "state": str(kiln_settings.load().home),
+    }
+    print(f"in-process stage work : {result['in_process_s']:.1f} s  (baseline)")
+    print(f"through Airflow       : {result['airflow_wall_s']:.1f} s  (of which waiting for the approval answer {approval_wait:.1f} s)")
+    print(f"orchestration overhead: {result['overhead_s']:.1f} s")
+    print(f"ratio (Airflow minus approval wait / in-process): {result['ratio']:.2f}x")
+    return result
+
+
+if __name__ == "__main__":
+    main()
