@@ -49,7 +49,7 @@ def follow_run(
             state = ti.get("state") or "none"
             if seen.get(ident) != state:
                 seen[ident] = state
-                if state not in ("none", "scheduled", "queued"):
+                if state not in ("none", "scheduled", "queued") and not (ident[1] >= 0 and not ti.get("rendered_map_index")):
                     label = ti["task_id"] + (f"[{ti.get('rendered_map_index') or ident[1]}]" if ident[1] >= 0 else "")
                     took = f" ({ti['duration']:.1f}s)" if ti.get("duration") and state in TERMINAL else ""
                     progress(f"  {time.monotonic() - started:6.0f}s  {label:<44} {state}{took}")
@@ -121,12 +121,13 @@ def collect_summary(client: AirflowClient, dag_id: str, run_id: str) -> dict[str
     """What the run produced, read back through Airflow's API and checked against MLflow's registry."""
     import mlflow
 
+    s = kiln_settings.load()
     snap = client.xcom(dag_id, run_id, "snapshot")
     data = client.xcom(dag_id, run_id, "data_gate")
     train = client.xcom(dag_id, run_id, "train")
     candidate = client.xcom(dag_id, run_id, "register_candidate")
     promotion = client.xcom(dag_id, run_id, "promote")
-    registry = mlflow.MlflowClient()
+    registry = mlflow.MlflowClient(tracking_uri=s.mlflow_uri, registry_uri=s.mlflow_uri)
     champion = registry.get_model_version_by_alias(promotion["registered_model"], promotion["alias"])
     return {
         "dag_id": dag_id,

@@ -134,7 +134,7 @@ def _mlflow_run(policy: Policy, key: str, tags: dict[str, str]) -> str:
     """The MLflow run of this DAG run's training, created once (looked up by run key on retries)."""
     import mlflow
 
-    client = mlflow.MlflowClient()
+    client = mlflow.MlflowClient(tracking_uri=kiln_settings.load().mlflow_uri)
     name = f"kiln-{policy.name}"
     exp = client.get_experiment_by_name(name)
     exp_id = exp.experiment_id if exp else client.create_experiment(name)
@@ -179,8 +179,16 @@ def train_stage(
         nproc_per_node=policy.nproc_per_node, max_restarts=policy.max_restarts, overrides=tuple(overrides),
         env={"MLFLOW_RUN_ID": mlflow_run_id, "MLFLOW_TRACKING_URI": s.mlflow_uri},
     )
-    result = launch_local(spec, log=log_line)
-    _verify_checkpoint(result.checkpoint)
+    import mlflow
+
+    runs = mlflow.MlflowClient(tracking_uri=s.mlflow_uri)
+    try:
+        result = launch_local(spec, log=log_line)
+        _verify_checkpoint(result.checkpoint)
+    except BaseException:
+        runs.set_terminated(mlflow_run_id, "FAILED")
+        raise
+    runs.set_terminated(mlflow_run_id, "FINISHED")
     if not result.mlflow_run_id:
         result = TrainResult(**{**result.to_json(), "mlflow_run_id": mlflow_run_id})
     return result.to_json()
