@@ -38,24 +38,36 @@ def say(msg: str) -> None:
 def follow_run(
     client: AirflowClient, dag_id: str, run_id: str, *, timeout: float = 1200.0,
     on_awaiting_input: Callable[[dict[str, Any]], None] | None = None, progress: Callable[[str], None] = say,
+    settle_s: float = 5.0,
 ) -> dict[str, Any]:
-    """Poll a DAG run until it ends; one progress line per task state change; returns the final run."""
+    """Poll a DAG run until it ends; one progress line per task state change; returns the final run.
+
+    ``on_awaiting_input`` is called once per task try that waits for a human, but only after it has
+    waited ``settle_s`` seconds: Airflow 3.3 marks a HITL task up_for_retry when the answer lands
+    before the scheduler has processed the task's own "paused" event (an answer within ~1 s, which
+    only a script can give), and then asks again.
+    """
     seen: dict[tuple[str, int], str] = {}
-    answered: set[tuple[str, int]] = set()
+    waiting_since: dict[tuple[str, int, int], float] = {}
+    answered: set[tuple[str, int, int]] = set()
     started = time.monotonic()
     while True:
         for ti in sorted(client.task_instances(dag_id, run_id), key=lambda t: (t.get("start_date") or "~", t["task_id"])):
             ident = (ti["task_id"], ti.get("map_index", -1))
             state = ti.get("state") or "none"
-            if seen.get(ident) != state:
+            mapped_unrendered = ident[1] >= 0 and not ti.get("rendered_map_index")
+            if seen.get(ident) != state and not mapped_unrendered:
                 seen[ident] = state
-                if state not in ("none", "scheduled", "queued") and not (ident[1] >= 0 and not ti.get("rendered_map_index")):
-                    label = ti["task_id"] + (f"[{ti.get('rendered_map_index') or ident[1]}]" if ident[1] >= 0 else "")
+                if state not in ("none", "scheduled", "queued"):
+                    label = ti["task_id"] + (f"[{ti['rendered_map_index']}]" if ident[1] >= 0 else "")
                     took = f" ({ti['duration']:.1f}s)" if ti.get("duration") and state in TERMINAL else ""
                     progress(f"  {time.monotonic() - started:6.0f}s  {label:<44} {state}{took}")
-            if state in ("awaiting_input", "deferred") and on_awaiting_input and ident not in answered:
-                answered.add(ident)
-                on_awaiting_input(ti)
+            attempt = (*ident, int(ti.get("try_number") or 0))
+            if state in ("awaiting_input", "deferred") and on_awaiting_input and attempt not in answered:
+                since = waiting_since.setdefault(attempt, time.monotonic())
+                if time.monotonic() - since >= settle_s:
+                    answered.add(attempt)
+                    on_awaiting_input(ti)
         run = client.get_run(dag_id, run_id)
         if run["state"] in ("success", "failed"):
             return run
