@@ -19,6 +19,9 @@ class Settings:
     home: Path
     """Root of all embedded-stack state."""
     mlflow_uri: str
+    """Tracking URI clients use (``MLFLOW_TRACKING_URI``, else the embedded server)."""
+    mlflow_port: int
+    """Port of the embedded MLflow server (``KILN_MLFLOW_PORT``)."""
     airflow_url: str
     dvc_repo: Path
     """The DVC workspace (``no_scm``) that holds corpus snapshots."""
@@ -42,7 +45,8 @@ def load() -> Settings:
     airflow_port = os.environ.get("KILN_AIRFLOW_PORT", "8080")
     return Settings(
         home=home,
-        mlflow_uri=os.environ.get("MLFLOW_TRACKING_URI", f"http://127.0.0.1:{mlflow_port}"),
+        mlflow_uri=os.environ.get("MLFLOW_TRACKING_URI") or f"http://127.0.0.1:{mlflow_port}",
+        mlflow_port=int(mlflow_port),
         airflow_url=os.environ.get("KILN_AIRFLOW_URL", f"http://127.0.0.1:{airflow_port}"),
         dvc_repo=home / "dvc-repo",
         dvc_remote=os.environ.get("KILN_DVC_REMOTE", str(home / "dvc-remote")),

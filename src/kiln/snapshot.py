@@ -19,10 +19,10 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import json
+import logging
 import os
 import re
 import shutil
-import sys
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -38,6 +38,12 @@ _REMOTE = "kiln"
 
 def _env() -> None:
     os.environ.setdefault("DVC_NO_ANALYTICS", "1")
+    # DVC's library logger prints progress notes ("Initialized DVC repository.") on stdout, which
+    # is where kiln's commands print their JSON references. Warnings and errors still show.
+    # (Importing dvc.repo configures that logger, so quieten it after the import.)
+    import dvc.repo  # noqa: F401
+
+    logging.getLogger("dvc").setLevel(logging.WARNING)
 
 
 @contextlib.contextmanager
@@ -80,8 +86,7 @@ def ensure_workspace(s: kiln_settings.Settings | None = None) -> Path:
             from dvc.repo import Repo
 
             try:
-                with contextlib.redirect_stdout(sys.stderr):  # keep stdout for JSON refs
-                    Repo.init(str(root), no_scm=True).close()
+                Repo.init(str(root), no_scm=True).close()
             except Exception as exc:  # dvc raises many unrelated types here
                 raise SnapshotError(f"cannot initialise DVC workspace at {root}: {exc}") from exc
         _configure_repo(root, s)
@@ -179,8 +184,7 @@ def restore_snapshot(ref_or_id: SnapshotRef | str, dest: str | Path) -> Path:
 
     scratch = Path(tempfile.mkdtemp(prefix=".restore-", dir=dest.parent))
     try:
-        with contextlib.redirect_stdout(sys.stderr):
-            Repo.init(str(scratch), no_scm=True).close()
+        Repo.init(str(scratch), no_scm=True).close()
         _configure_repo(scratch, s)
         dvc_file = scratch / "data.dvc"
         dvc_file.write_text(_rename_out(ref.dvc, "data"))

@@ -20,7 +20,7 @@ import signal
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import requests
@@ -28,6 +28,7 @@ import requests
 from kiln import settings as kiln_settings
 from kiln.errors import KilnError
 from kiln.fsutil import atomic_write_text
+from kiln.mlflow_server import server_command
 from kiln.policy import POLICIES, REPO_ROOT
 
 AIRFLOW_USERS = {
@@ -49,6 +50,7 @@ class Service:
     name: str
     argv: list[str]
     health_url: str | None = None
+    env: dict[str, str] = field(default_factory=dict)
 
 
 def _bin(name: str) -> str:
@@ -133,14 +135,12 @@ def services(s: kiln_settings.Settings) -> list[Service]:
     return [
         Service(
             name="mlflow",
-            argv=[
-                _bin("mlflow"), "server",
-                "--host", "127.0.0.1", "--port", _port(s.mlflow_uri),
-                "--backend-store-uri", f"sqlite:///{mlflow_home / 'mlflow.db'}",
-                "--artifacts-destination", str(mlflow_home / "artifacts"),
-                "--workers", "1",
-            ],
-            health_url=f"{s.mlflow_uri}/health",
+            argv=server_command(
+                mlflow_home, s.mlflow_port, f"sqlite:///{mlflow_home / 'mlflow.db'}", str(mlflow_home / "artifacts"), workers=1
+            ),
+            # Without this the server also starts a job runner with 8 workers (~2.5 GB).
+            env={"MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"},
+            health_url=f"http://127.0.0.1:{s.mlflow_port}/health",
         ),
         Service(
             name="api-server",
@@ -225,7 +225,7 @@ def up(*, timeout: float = 180.0, quiet: bool = False) -> dict[str, str]:
         log = logs / f"{svc.name}.log"
         with open(log, "ab") as fh:
             proc = subprocess.Popen(
-                svc.argv, env=env, stdout=fh, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                svc.argv, env={**env, **svc.env}, stdout=fh, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                 cwd=s.home, start_new_session=True,
             )
         _pidfile(s, svc.name).write_text(f"{proc.pid}\n")

@@ -1,5 +1,6 @@
 """A real embedded stack for end-to-end tests: Airflow scheduler + api-server + dag-processor +
-triggerer and an MLflow server, under a throwaway KILN_HOME on free ports. Started once per session."""
+triggerer and an MLflow server, under a throwaway KILN_HOME on free ports. Started once per test module and stopped after it, so it never loads the machine
+during other tests."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def stack(tmp_path_factory) -> Iterator[dict[str, str]]:
     from kiln import stack as kiln_stack
 
@@ -42,7 +43,7 @@ def stack(tmp_path_factory) -> Iterator[dict[str, str]]:
                     os.environ[key] = value
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def admin(stack):
     from kiln import stack as kiln_stack
     from kiln.airflow_client import AirflowClient

@@ -107,3 +107,21 @@ def test_two_concurrent_snapshots_do_not_corrupt_each_other(home):
     for name, corpus in (("alpha", a), ("beta", b)):
         restored = snapshot.restore_snapshot(results[name].id, home / f"r-{name}")
         assert _tree_hashes(restored) == _tree_hashes(corpus)
+
+
+def test_cli_prints_only_json_on_stdout_and_unknown_id_fails_clearly(home):
+    import json
+    import subprocess
+    import sys
+
+    corpus = _corpus()
+    env = {**__import__("os").environ, "KILN_HOME": str(home)}
+    created = subprocess.run([sys.executable, "-m", "kiln.cli", "snapshot", "create", str(corpus)],
+                             capture_output=True, text=True, env=env, check=True)
+    ref = json.loads(created.stdout)
+    shown = subprocess.run([sys.executable, "-m", "kiln.cli", "snapshot", "show", ref["id"]],
+                           capture_output=True, text=True, env=env, check=True)
+    assert json.loads(shown.stdout)["dvc"] == ref["dvc"]
+    missing = subprocess.run([sys.executable, "-m", "kiln.cli", "snapshot", "restore", "f" * 32 + ".dir", "--to", str(home / "r")],
+                             capture_output=True, text=True, env=env)
+    assert missing.returncode == 1 and "unknown snapshot id" in missing.stderr
