@@ -42,7 +42,8 @@ def _in_process(policy, key: str) -> dict[str, float]:
         return out
 
     snap = timed("snapshot", pipeline.snapshot_stage, policy)
-    reports = [timed("validate_shard (all)", pipeline.validate_stage, policy, snap, shard) for shard in snap["shards"]]
+    reports = [timed("validate_shards (all)", pipeline.validate_stage, policy, snap, batch)
+               for batch in pipeline.shard_batches(policy, snap)]
     data = timed("data_gate", pipeline.data_gate_stage, policy, snap, reports, key)
     train = timed("train", pipeline.train_stage, policy, snap, data, {}, key, log_line=lambda _line: None)
     evaluation = timed("evaluate", pipeline.evaluate_stage, train, data, key)

@@ -1,6 +1,6 @@
 """The one Airflow adapter in kiln: builds a DAG from a Policy. Wiring only.
 
-    snapshot ─► shard_plan ─► validate_shard (mapped) ─► data_gate ─► train ─► evaluate ─► register_candidate
+    snapshot ─► shard_plan ─► validate_shards (mapped over batches) ─► data_gate ─► train ─► evaluate ─► register_candidate
         ─► model_gate ─► [production: approval (HITL)] ─► promote
 
 Every task body resolves its inputs, calls one ``kiln.pipeline`` stage and returns a small
@@ -142,21 +142,23 @@ def build_dag(policy: Policy):  # noqa: C901 - one function so the wiring reads 
             return _run(snapshot_stage, policy, ctx["params"].get("corpus"), expected or None)
 
         @task
-        def shard_plan(snapshot: dict[str, Any]) -> list[str]:
-            """The shards to validate, one mapped task each (XCom can only be mapped over a list)."""
-            return list(snapshot["shards"])
+        def shard_plan(snapshot: dict[str, Any]) -> list[list[str]]:
+            """Batches of shards, one mapped validation task each (XCom can only be mapped over a list)."""
+            from kiln.pipeline import shard_batches
 
-        @task(map_index_template="{{ task.op_kwargs['shard'] }}")
-        def validate_shard(snapshot: dict[str, Any], shard: str) -> dict[str, Any]:
+            return shard_batches(policy, snapshot)
+
+        @task(map_index_template="{{ task.op_kwargs['shards'][0].rsplit('/', 1)[-1] }} … {{ task.op_kwargs['shards'][-1].rsplit('/', 1)[-1] }}")
+        def validate_shards(snapshot: dict[str, Any], shards: list[str]) -> list[dict[str, Any]]:
             from kiln.pipeline import validate_stage
 
-            return _run(validate_stage, policy, snapshot, shard)
+            return _run(validate_stage, policy, snapshot, shards)
 
         @task
-        def data_gate(snapshot: dict[str, Any], reports: list[dict[str, Any]]) -> dict[str, Any]:
+        def data_gate(snapshot: dict[str, Any], batches: list[list[dict[str, Any]]]) -> dict[str, Any]:
             from kiln.pipeline import data_gate_stage
 
-            return _run(data_gate_stage, policy, snapshot, list(reports), _key())
+            return _run(data_gate_stage, policy, snapshot, list(batches), _key())
 
         @task
         def train(snapshot: dict[str, Any], data: dict[str, Any]) -> dict[str, Any]:
@@ -198,7 +200,7 @@ def build_dag(policy: Policy):  # noqa: C901 - one function so the wiring reads 
             return _run(promote_stage, policy, candidate, decision, approver, _key())
 
         snap = snapshot()
-        reports = validate_shard.partial(snapshot=snap).expand(shard=shard_plan(snap))
+        reports = validate_shards.partial(snapshot=snap).expand(shards=shard_plan(snap))
         data = data_gate(snap, reports)
         trained = train(snap, data)
         evaluation = evaluate(trained, data)

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from kiln import settings as kiln_settings
-from kiln.errors import ConfigError, LaunchError, ManifestError, SnapshotError
+from kiln.errors import ConfigError, DataGateError, LaunchError, ManifestError, SnapshotError
 from kiln.fsutil import atomic_write_text
 from kiln.policy import Policy
 from kiln.refs import EvalReport, ShardReport, SnapshotRef, TrainingManifest, TrainResult, sha256_file
@@ -77,30 +77,46 @@ def _snapshot_ref(snapshot: dict[str, Any]) -> SnapshotRef:
 
 
 # ------------------------------------------------------------------------------------- validation
-def validate_stage(policy: Policy, snapshot: dict[str, Any], shard: str) -> dict[str, Any]:
-    """Check one shard against the policy's contract. Never raises for bad data: quarantine is a value."""
+def shard_batches(policy: Policy, snapshot: dict[str, Any]) -> list[list[str]]:
+    """The snapshot's shards cut into the batches the mapped validation tasks take, in order."""
+    shards, size = list(snapshot["shards"]), policy.validation_batch_shards
+    return [shards[i : i + size] for i in range(0, len(shards), size)]
+
+
+def validate_stage(policy: Policy, snapshot: dict[str, Any], shards: list[str]) -> list[dict[str, Any]]:
+    """Check a batch of shards against the policy's contract in one process (one GE context).
+
+    Never raises for bad data: a quarantined shard is a report, not an exception."""
     from kiln.contracts import load_contract
-    from kiln.validation import load_eval_doc_hashes, validate_shard
+    from kiln.validation import load_eval_doc_hashes, validate_shards
 
     root = Path(snapshot["path"])
-    contract = load_contract(policy.contract)
-    report = validate_shard(root / shard, contract, eval_doc_hashes=load_eval_doc_hashes(root))
-    return report.to_json()
+    reports = validate_shards([root / s for s in shards], load_contract(policy.contract), load_eval_doc_hashes(root))
+    return [r.to_json() for r in reports]
 
 
-def data_gate_stage(policy: Policy, snapshot: dict[str, Any], reports: list[dict[str, Any]], key: str) -> dict[str, Any]:
-    """Cross-shard checks, the quarantine report, the gate, and the TrainingManifest (healthy shards only)."""
+def data_gate_stage(
+    policy: Policy, snapshot: dict[str, Any], batches: list[list[dict[str, Any]]], key: str
+) -> dict[str, Any]:
+    """Cross-shard checks, the quarantine report, the gate, and the TrainingManifest (healthy shards only).
+
+    Fails (no retry) when a shard of the snapshot has no report: a run never trains past shards
+    that were not validated."""
     from kiln.validation import build_training_manifest, cross_shard_duplicates, gate, write_quarantine_report
 
     out = run_dir(key)
     out.mkdir(parents=True, exist_ok=True)
-    shard_reports = cross_shard_duplicates([ShardReport.from_json(r) for r in reports])
+    reports = [ShardReport.from_json(r) for batch in batches for r in batch]
+    root = Path(snapshot["path"])
+    missing = sorted({str(root / s) for s in snapshot["shards"]} - {r.path for r in reports})
+    if missing:
+        raise DataGateError(f"{len(missing)} shard(s) of snapshot {snapshot['id']} were never validated: {missing[:5]}")
+    shard_reports = cross_shard_duplicates(reports)
     report_path = out / "quarantine-report.json"
     write_quarantine_report(shard_reports, report_path)  # written before the gate: on-call needs it most when it fails
     quarantined = [r for r in shard_reports if r.verdict == "quarantined"]
     rate = len(quarantined) / len(shard_reports) if shard_reports else 1.0
     gate(shard_reports, policy.max_quarantine_share)
-    root = Path(snapshot["path"])
     eval_shards = [
         {"path": str(p), "sha256": sha256_file(p), "rows": _parquet_rows(p)} for p in sorted((root / "eval").glob("*.parquet"))
     ]

@@ -57,6 +57,9 @@ class Policy:
     """``name@version`` of the data contract shards are validated against."""
     max_quarantine_share: float
     """Data gate: the run fails (no retry) when more than this share of shards is quarantined."""
+    validation_batch_shards: int
+    """Shards per mapped validation task: one process (one GE import, ~4 s) checks a batch, and a
+    100,000-shard corpus stays far below Airflow's ``max_map_length`` (1024)."""
     default_recipe: str
     """Recipe path relative to ``training/recipes``."""
     recipes_dir: Path
@@ -77,6 +80,8 @@ class Policy:
     """Registered-model names this policy may create versions in or move aliases on."""
 
     def __post_init__(self) -> None:
+        if not 1 <= self.validation_batch_shards <= 10_000:
+            raise PolicyError(f"validation_batch_shards must be within [1, 10000], got {self.validation_batch_shards}")
         if not 0 <= self.max_quarantine_share <= 1:
             raise PolicyError(f"max_quarantine_share must be within [0, 1], got {self.max_quarantine_share}")
         for model in (self.candidate_model, self.target_model):
@@ -130,6 +135,7 @@ SANDBOX = Policy(
     corpus="stdlib-py",
     contract="stdlib-py@1",
     max_quarantine_share=0.5,
+    validation_batch_shards=4,
     default_recipe="tiny.toml",
     recipes_dir=RECIPES_DIR,
     nodes=1,
@@ -159,6 +165,7 @@ PRODUCTION = Policy(
     corpus="stdlib-py",
     contract="stdlib-py@1",
     max_quarantine_share=0.25,
+    validation_batch_shards=4,
     default_recipe="production/small.toml",
     recipes_dir=PRODUCTION_RECIPES_DIR,
     nodes=2,

@@ -1,0 +1,33 @@
+"""Pipeline stages that need no services: batching and the data gate's completeness check."""
+
+from __future__ import annotations
+
+import pytest
+
+from kiln import pipeline
+from kiln.errors import DataGateError
+from kiln.policy import SANDBOX
+
+
+def test_shard_batches_cover_every_shard_once_in_order():
+    snap = {"shards": [f"train/shard-{i:05d}.parquet" for i in range(10)]}
+    batches = pipeline.shard_batches(SANDBOX, snap)
+    assert [len(b) for b in batches] == [4, 4, 2]
+    assert [s for b in batches for s in b] == snap["shards"]
+
+
+def test_data_gate_refuses_a_snapshot_with_unvalidated_shards(tmp_path, monkeypatch):
+    monkeypatch.setenv("KILN_HOME", str(tmp_path))
+    snap = {"id": "0" * 32 + ".dir", "corpus": "c", "path": str(tmp_path / "snap"),
+            "shards": ["train/a.parquet", "train/b.parquet"]}
+    only_a = [[{"path": str(tmp_path / "snap" / "train" / "a.parquet"), "sha256": "x", "rows": 1,
+                "verdict": "healthy", "reasons": [], "contract": "stdlib-py@1"}]]
+    with pytest.raises(DataGateError, match="never validated.*b.parquet"):
+        pipeline.data_gate_stage(SANDBOX, snap, only_a, "kiln_sandbox/manual__1")
+    assert not (tmp_path / "runs" / "kiln_sandbox" / "manual__1" / "training-manifest.json").exists()
+
+
+def test_run_dir_is_keyed_by_dag_and_run(tmp_path, monkeypatch):
+    monkeypatch.setenv("KILN_HOME", str(tmp_path))
+    d = pipeline.run_dir(pipeline.run_key("kiln_production", "scheduled__2026-11-30T03:00:00+00:00"))
+    assert d.parent.name == "kiln_production" and ":" not in d.name and "+" not in d.name
