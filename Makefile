@@ -45,7 +45,7 @@ test-fast: venv
 	$(BIN)/python -m pytest -m "not slow" $(PYTEST_ARGS)
 
 bench: venv
-	$(BIN)/python benchmarks/run.py
+	$(BIN)/python benchmarks/run.py $(BENCH)
 
 # Re-resolve constraints.txt from requirements.in (needs network to the package index).
 lock:

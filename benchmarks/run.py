@@ -1,8 +1,10 @@
-"""Run every benchmark in this folder and write docs/benchmarks.md (``make bench``).
+"""Run benchmarks and write docs/benchmarks.md (``make bench``, or ``make bench BENCH=name``).
 
-Each benchmark module has ``main() -> dict`` returning at least ``name``, ``baseline`` and
-``ratio`` (measured against that baseline in the same run). Figures are recorded with the date and
-the machine; they are never pass/fail thresholds.
+Every ``benchmarks/*.py`` module (but this one) with a ``main() -> dict`` is a benchmark. Its dict
+has at least ``name``, ``baseline`` and ``ratio`` (against that baseline, measured in the same run);
+nested dicts become tables. Each result is stored with its date and machine in
+``benchmarks/results/<module>.json`` (tracked), and docs/benchmarks.md is rendered from all stored
+results, so running one benchmark never erases the others' figures. Never pass/fail thresholds.
 """
 
 from __future__ import annotations
@@ -17,7 +19,11 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
-BENCHMARKS = ("demo_overhead",)
+RESULTS = HERE / "results"
+
+
+def discover() -> list[str]:
+    return sorted(p.stem for p in HERE.glob("*.py") if p.stem not in ("run", "__init__") and not p.stem.startswith("_"))
 
 
 def machine() -> str:
@@ -33,42 +39,52 @@ def machine() -> str:
     return f"{os.cpu_count()} cores ({cpu}), {mem:.0f} GiB RAM, {platform.system()} {platform.release()}, Python {platform.python_version()}"
 
 
-def render(results: list[dict], when: str, where: str) -> str:
+def render(results: dict[str, dict]) -> str:
     out = [
         "# Benchmarks",
         "",
-        "Written by `make bench` (`benchmarks/run.py`). Each figure is a ratio against a baseline measured",
-        "in the same run; none of them is a pass/fail test (the machines are noisy).",
-        "",
-        f"Latest run: {when} on {where}.",
+        "Written by `make bench` (`benchmarks/run.py`) from `benchmarks/results/*.json`. Each figure is",
+        "a ratio against a baseline measured in the same run; none of them is a pass/fail test (the",
+        "machines are noisy).",
         "",
     ]
-    for r in results:
-        out += [f"## {r['name']}", "", f"Baseline: {r['baseline']}.", "", "| figure | value |", "|---|---|"]
+    for module, r in sorted(results.items()):
+        out += [f"## {r['name']}", "", f"`benchmarks/{module}.py` — {r['when']} on {r['machine']}.", "",
+                f"Baseline: {r['baseline']}.", "", "| figure | value |", "|---|---|"]
         for key, value in r.items():
-            if key in ("name", "baseline") or isinstance(value, dict):
+            if key in ("name", "baseline", "when", "machine") or isinstance(value, dict):
                 continue
             out.append(f"| {key} | {value} |")
         for key, value in r.items():
             if isinstance(value, dict):
-                out += ["", f"**{key}**", "", "| stage | seconds |", "|---|---|"]
+                out += ["", f"**{key}**", "", "| item | value |", "|---|---|"]
                 out += [f"| {k} | {v} |" for k, v in value.items()]
         out.append("")
     return "\n".join(out) + "\n"
 
 
-def main() -> int:
-    sys.path.insert(0, str(HERE))
-    results = []
-    for name in BENCHMARKS:
-        print(f"== {name}", flush=True)
-        results.append(importlib.import_module(name).main())
-    when = dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+def write_docs() -> Path:
+    results = {p.stem: json.loads(p.read_text()) for p in sorted(RESULTS.glob("*.json"))}
     doc = REPO / "docs" / "benchmarks.md"
-    doc.write_text(render(results, when, machine()))
-    (REPO / ".kiln").mkdir(exist_ok=True)
-    (REPO / ".kiln" / "benchmarks.json").write_text(json.dumps(results, indent=2))
-    print(f"wrote {doc}")
+    doc.write_text(render(results))
+    return doc
+
+
+def main(argv: list[str] | None = None) -> int:
+    names = (argv if argv is not None else sys.argv[1:]) or discover()
+    unknown = sorted(set(names) - set(discover()))
+    if unknown:
+        print(f"unknown benchmark(s) {unknown}; known: {discover()}", file=sys.stderr)
+        return 2
+    sys.path.insert(0, str(HERE))
+    RESULTS.mkdir(exist_ok=True)
+    for name in names:
+        print(f"== {name}", flush=True)
+        result = importlib.import_module(name).main()
+        result["when"] = dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+        result["machine"] = machine()
+        (RESULTS / f"{name}.json").write_text(json.dumps(result, indent=2) + "\n")
+    print(f"wrote {write_docs()}")
     return 0
 
 
