@@ -22,10 +22,6 @@ from kiln.policy import RECIPES_DIR, Policy
 
 log = logging.getLogger("kiln.dag")
 
-PRODUCTION_CRON = "0 3 * * 1"
-"""Production retraining: Mondays 03:00 UTC, plus whenever a new corpus snapshot is announced."""
-
-
 def corpus_asset(corpus: str) -> Asset:
     """The Asset a corpus snapshot producer emits; ``extra`` carries ``{"snapshot_id": "<md5>.dir"}``."""
     return Asset(name=f"kiln.corpus.{corpus}", uri=f"kiln-corpus://{corpus}", group="kiln-corpus")
@@ -36,7 +32,7 @@ def _recipe_choices(policy: Policy) -> list[str]:
 
 
 def _params(policy: Policy) -> dict[str, Param]:
-    if policy.name == "production":
+    if policy.pinned_inputs:
         # Production inputs are pinned: the registered corpus and the production recipe. Only a
         # free-text reason may be given, for the audit trail.
         return {
@@ -94,7 +90,6 @@ MLflow model version: {{ ti.xcom_pull(task_ids='register_candidate')['ui_url'] }
 
 
 def build_dag(policy: Policy):  # noqa: C901 - one function so the wiring reads top to bottom
-    production = policy.name == "production"
     default_args = {
         "owner": policy.owner,
         "retries": policy.retries,
@@ -103,14 +98,15 @@ def build_dag(policy: Policy):  # noqa: C901 - one function so the wiring reads 
         "pool_slots": policy.pool_slots,
         "priority_weight": policy.priority_weight,
     }
-    if production:
-        schedule: Any = AssetOrTimeSchedule(
-            timetable=CronTriggerTimetable(PRODUCTION_CRON, timezone="UTC"), assets=[corpus_asset(policy.corpus)]
-        )
-        allowed_run_types = ["manual", "scheduled", "asset_triggered"]
-    else:
-        schedule = None
-        allowed_run_types = ["manual"]
+    schedule: Any = None
+    allowed_run_types = ["manual"]
+    if policy.schedule_cron:
+        schedule = CronTriggerTimetable(policy.schedule_cron, timezone="UTC")
+        allowed_run_types.append("scheduled")
+    if policy.schedule_on_corpus_asset:
+        asset = corpus_asset(policy.corpus)
+        schedule = AssetOrTimeSchedule(timetable=schedule, assets=[asset]) if schedule else [asset]
+        allowed_run_types.append("asset_triggered")
 
     @dag(
         dag_id=policy.dag_id,
@@ -120,7 +116,7 @@ def build_dag(policy: Policy):  # noqa: C901 - one function so the wiring reads 
         # Monday as soon as the DAG is unpaused. Without one (and run_immediately=False, the
         # default) the first scheduled run is the next Monday.
         catchup=False,
-        max_active_runs=1 if production else 8,
+        max_active_runs=policy.max_active_runs,
         default_args=default_args,
         tags=list(policy.tags),
         doc_md=policy.doc_md(),

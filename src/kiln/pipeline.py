@@ -50,8 +50,8 @@ def snapshot_stage(policy: Policy, corpus: str | None = None, expected_ids: list
     from kiln.snapshot import checkout_snapshot, create_snapshot
 
     name = corpus or policy.corpus
-    if policy.name == "production" and name != policy.corpus:
-        raise ConfigError(f"production runs snapshot only the registered corpus {policy.corpus!r}, not {name!r}")
+    if policy.pinned_inputs and name != policy.corpus:
+        raise ConfigError(f"{policy.name} runs snapshot only the registered corpus {policy.corpus!r}, not {name!r}")
     if not re.fullmatch(r"[a-z0-9][a-z0-9_.-]{0,63}", name):
         raise ConfigError(f"corpus name {name!r} is not a valid corpus name ([a-z0-9][a-z0-9_.-]*)")
     s = kiln_settings.load()

@@ -73,6 +73,13 @@ class Policy:
     """Registered model whose ``alias`` is moved on promotion."""
     alias: str
     requires_approval: bool
+    pinned_inputs: bool = False
+    """Runs take no recipe/corpus/step overrides: the registered corpus and ``default_recipe`` only."""
+    schedule_cron: str | None = None
+    """Cron (UTC) of scheduled runs; None means runs start only by hand."""
+    schedule_on_corpus_asset: bool = False
+    """Also run whenever a new snapshot of the corpus is announced (Airflow Asset event)."""
+    max_active_runs: int = 8
     reviewers: tuple[str, ...] = ()
     approval_timeout_s: int = 24 * 3600
     gate: GatePolicy = field(default_factory=lambda: GatePolicy(max_bits_per_byte=8.0, max_regression=0.05))
@@ -175,6 +182,10 @@ PRODUCTION = Policy(
     target_model=PRODUCTION_MODEL,
     alias="champion",
     requires_approval=True,
+    pinned_inputs=True,
+    schedule_cron="0 3 * * 1",
+    schedule_on_corpus_asset=True,
+    max_active_runs=1,
     reviewers=("demo-reviewer", "reviewer"),
     approval_timeout_s=24 * 3600,
     gate=GatePolicy(max_bits_per_byte=7.5, max_regression=0.05),

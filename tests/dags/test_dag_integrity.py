@@ -57,6 +57,8 @@ def test_every_task_has_owner_retries_and_its_policy_pool(dagbag, policy):
 def test_production_is_pinned_gated_and_one_at_a_time(dagbag):
     prod = dagbag.dags["kiln_production"]
     assert prod.max_active_runs == 1
+    assert type(prod.timetable).__name__ == "AssetOrTimeSchedule", "scheduled AND corpus-asset triggered"
+    assert prod.timetable.timetable.expression == "0 3 * * 1"
     assert "approval" in prod.task_ids
     assert prod.get_task("promote").upstream_task_ids >= {"approval"}
     assert set(prod.params.keys()) == {"reason"}, "production must not accept recipe/corpus/step overrides"

@@ -42,6 +42,9 @@ def test_policies_differ_where_they_must():
     assert PRODUCTION.priority_weight > SANDBOX.priority_weight
     assert PRODUCTION.pool != SANDBOX.pool
     assert PRODUCTION.max_quarantine_share < SANDBOX.max_quarantine_share
+    assert PRODUCTION.pinned_inputs and not SANDBOX.pinned_inputs
+    assert PRODUCTION.max_active_runs == 1
+    assert SANDBOX.schedule_cron is None and not SANDBOX.schedule_on_corpus_asset
     assert get_policy("sandbox") is SANDBOX
     with pytest.raises(PolicyError, match="unknown policy"):
         get_policy("staging")
