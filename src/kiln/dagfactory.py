@@ -1,7 +1,7 @@
 """The one Airflow adapter in kiln: builds a DAG from a Policy. Wiring only.
 
     snapshot ─► shard_plan ─► validate_shards (mapped over batches) ─► data_gate ─► train ─► evaluate ─► register_candidate
-        ─► model_gate ─► [production: approval (HITL)] ─► promote
+        ─► model_gate ─► [approval (HITL), when the policy requires it] ─► promote ─► outcome
 
 Every task body resolves its inputs, calls one ``kiln.pipeline`` stage and returns a small
 JSON-safe reference. Heavy libraries are imported inside the stages, never at parse time. A kiln
@@ -126,9 +126,10 @@ def build_dag(policy: Policy):  # noqa: C901 - one function so the wiring reads 
     def kiln_pipeline():
         @task
         def snapshot() -> dict[str, Any]:
-            from kiln.pipeline import snapshot_stage
+            from kiln.pipeline import check_run_conf, snapshot_stage
 
             ctx = get_current_context()
+            _run(check_run_conf, policy, ctx["dag_run"].conf or {}, set(ctx["params"].keys()))
             expected = [
                 ev.extra["snapshot_id"]
                 for events in (ctx.get("triggering_asset_events") or {}).values()
@@ -175,7 +176,8 @@ def build_dag(policy: Policy):  # noqa: C901 - one function so the wiring reads 
 
             return _run(register_stage, policy, snapshot, data, train_result, evaluation, _key(), {})
 
-        @task.short_circuit
+        # Skip only what follows directly (approval/promote); `outcome` still runs and says why.
+        @task.short_circuit(ignore_downstream_trigger_rules=False)
         def model_gate(candidate: dict[str, Any]) -> dict[str, Any] | bool:
             """Continue to promotion only when the gate says promote; a hold ends the run here, with reasons."""
             from kiln.pipeline import model_gate_stage
@@ -195,6 +197,21 @@ def build_dag(policy: Policy):  # noqa: C901 - one function so the wiring reads 
                 approver = f"policy:{policy.name} (no human approval required)"
             return _run(promote_stage, policy, candidate, decision, approver, _key())
 
+        @task(trigger_rule="none_failed")
+        def outcome() -> dict[str, Any]:
+            """How the run ended for the model, in words: runs after a promotion, a hold or a rejection
+            (skipped upstream), never after a failure (the run fails instead)."""
+            from kiln.pipeline import outcome_stage
+
+            ti = get_current_context()["ti"]
+            result = _run(
+                outcome_stage, policy, ti.xcom_pull(task_ids="register_candidate"),
+                ti.xcom_pull(task_ids="approval") if policy.requires_approval else None,
+                ti.xcom_pull(task_ids="promote"), _key(),
+            )
+            print(result["message"])
+            return result
+
         snap = snapshot()
         reports = validate_shards.partial(snapshot=snap).expand(shards=shard_plan(snap))
         data = data_gate(snap, reports)
@@ -211,8 +228,9 @@ def build_dag(policy: Policy):  # noqa: C901 - one function so the wiring reads 
                 response_timeout=timedelta(seconds=policy.approval_timeout_s),
             )
             decision >> approval
-            promote(candidate, decision, approval.output)
+            promoted = promote(candidate, decision, approval.output)
         else:
-            promote(candidate, decision)
+            promoted = promote(candidate, decision)
+        promoted >> outcome()
 
     return kiln_pipeline()

@@ -40,6 +40,21 @@ def run_dir(key: str) -> Path:
     return s.runs_dir / RUN_KEY_SAFE.sub("_", dag_id) / RUN_KEY_SAFE.sub("_", run_id)
 
 
+# ------------------------------------------------------------------------------------ run inputs
+def check_run_conf(policy: Policy, conf: dict[str, Any], allowed: set[str]) -> None:
+    """Refuse run configuration keys the DAG's form does not define.
+
+    Airflow validates the values of known params but accepts unknown keys; a typo (``max_step``)
+    or an attempt to override a pinned input (``recipe`` on production) must not pass silently.
+    """
+    unknown = sorted(set(conf or {}) - allowed)
+    if unknown:
+        raise ConfigError(
+            f"{policy.dag_id} does not take run parameter(s) {', '.join(unknown)}; "
+            f"allowed: {', '.join(sorted(allowed)) or 'none'}"
+        )
+
+
 # --------------------------------------------------------------------------------------- snapshot
 def snapshot_stage(policy: Policy, corpus: str | None = None, expected_ids: list[str] | None = None) -> dict[str, Any]:
     """Snapshot the corpus with DVC and pin the run to an immutable, verified copy of those bytes.
@@ -283,6 +298,42 @@ def promote_stage(
         approver=approver, run_key=key,
     )
     return record.to_json()
+
+
+def outcome_stage(
+    policy: Policy, candidate: dict[str, Any], approval: dict[str, Any] | None, promotion: dict[str, Any] | None,
+    key: str,
+) -> dict[str, Any]:
+    """Say how the run ended for the model: promoted (where, by whom) or not (and why).
+
+    Records a human review's outcome on the candidate version (approved or rejected, by whom, when).
+    """
+    from kiln.registry import record_review
+
+    decision = candidate["decision"]
+    outcome: dict[str, Any] = {
+        "candidate_model": candidate["model_name"], "candidate_version": str(candidate["version"]),
+        "decision": decision["action"], "decision_reasons": decision["reasons"],
+    }
+    if approval:
+        user = approval.get("responded_by_user") or {}
+        reviewer = user.get("name") or user.get("id") or "unknown"
+        chosen = (approval.get("chosen_options") or ["?"])[0]
+        review = "approved" if chosen == "Approve" else "rejected"
+        at = str(approval.get("responded_at") or "")
+        record_review(policy=policy, candidate_version=str(candidate["version"]), outcome=review, reviewer=reviewer, at=at)
+        outcome.update(review=review, reviewer=reviewer, reviewed_at=at)
+    if promotion:
+        outcome.update(promoted=True, model=promotion["registered_model"], version=promotion["version"],
+                       alias=promotion["alias"], approver=promotion["approver"])
+        outcome["message"] = (f"promoted {candidate['model_name']} v{candidate['version']} to "
+                              f"{promotion['registered_model']}@{promotion['alias']} (version {promotion['version']})")
+    else:
+        why = (f"the model gate said hold: {'; '.join(decision['reasons'])}" if decision["action"] != "promote"
+               else f"the review was {outcome.get('review', 'not given')} by {outcome.get('reviewer', 'nobody')}")
+        outcome.update(promoted=False, message=f"NOT promoted: {why}")
+    write_summary(key, outcome)
+    return outcome
 
 
 def write_summary(key: str, summary: dict[str, Any]) -> Path:

@@ -91,6 +91,9 @@ TAGS = {
     "rollback_from_version": "kiln.rollback.from_version",
     "rolled_back_by": "kiln.rolled_back.by",
     "rolled_back_at": "kiln.rolled_back.at",
+    "review": "kiln.review",
+    "reviewer": "kiln.review.by",
+    "reviewed_at": "kiln.review.at",
 }
 RUN_MODEL_URI_TAG = "kiln.model_uri"
 """Run tag: the model already logged into this run for ``kiln.run_key`` (retries reuse it)."""
@@ -664,3 +667,17 @@ def rollback(model: str, policy: Policy, actor: str) -> PromotionRecord:
             registered_model=model, version=version, alias=policy.alias, approver=actor, at=at,
             previous_version=from_version or None,
         )  # fmt: skip
+
+
+def record_review(*, policy: Policy, candidate_version: str, outcome: str, reviewer: str, at: str) -> None:
+    """Tag a candidate version with the human review's outcome (``approved``/``rejected``/``timed out``).
+
+    Idempotent (tags are overwritten with the same values on a re-run). Promotion writes its own
+    approver tags on the promoted version; this records every review, including the ones that
+    stopped a promotion, on the candidate that was reviewed.
+    """
+    policy.check_model_write(policy.candidate_model)
+    with _translated(f"recording the review of {policy.candidate_model} v{candidate_version}"):
+        client = _client()
+        for key, value in {TAGS["review"]: outcome, TAGS["reviewer"]: reviewer, TAGS["reviewed_at"]: at}.items():
+            client.set_model_version_tag(policy.candidate_model, candidate_version, key, value)

@@ -28,7 +28,8 @@ class Settings:
     dvc_remote: str
     """DVC remote URL: a local directory by default, ``s3://...`` for the production-like stack."""
     dvc_remote_endpoint: str | None
-    """S3 endpoint URL (moto server in tests); credentials come only from the AWS_* environment."""
+    """S3 endpoint URL (``KILN_DVC_REMOTE_ENDPOINT``; a moto server in tests). Credentials come only
+    from the standard AWS_* environment / AWS config files or DVC's config outside the workspace."""
     runs_dir: Path
     """Per-DAG-run working directories: training runs, reports, manifests."""
     corpus_root: Path
@@ -37,6 +38,12 @@ class Settings:
     @property
     def dvc_cache(self) -> Path:
         return self.home / "dvc-cache"
+
+    @property
+    def dvc_site_cache(self) -> Path:
+        """DVC's state db (``inode, mtime, size -> md5``, what makes re-snapshots incremental) and
+        index, kept with the rest of the stack instead of ``/var/tmp/dvc``."""
+        return self.home / "dvc-site-cache"
 
 
 def load() -> Settings:

@@ -7,8 +7,24 @@ id and pushing them again uploads nothing. Every snapshot is also recorded as a 
 read and what ``restore`` needs: with the ``.dvc`` text and the remote, the bytes come back on a
 machine with an empty cache.
 
+The remote is configured in one place (``kiln.settings``: ``KILN_DVC_REMOTE`` — a local directory or
+``s3://bucket/prefix`` — and ``KILN_DVC_REMOTE_ENDPOINT``). Credentials never pass through kiln:
+DVC's S3 client (boto) reads the standard ``AWS_*`` environment / AWS config files, or DVC's global
+config outside the workspace; a remote URL with credentials in it is refused.
+
+Nothing partial is ever recorded. The corpus is checked before DVC sees it (regular files only, all
+readable, no symlinks, not empty); the workspace's previous ``.dvc`` text is journalled before
+``dvc add`` and put back if the add or the push fails (or, after a crash, by the next writer), and
+the SnapshotRef record is written only after the push succeeded. So a ``.dvc`` file or record in the
+workspace always names data that is on the remote.
+
+Incremental: DVC's state db (``Settings.dvc_site_cache``) maps ``(inode, mtime, size)`` to md5, so a
+re-snapshot after one shard changed reads and hashes only that shard, and pushes only its object and
+the new ``.dir`` listing.
+
 One writer at a time: every operation on the workspace holds an exclusive ``flock`` on
-``<workspace>/.kiln.lock`` (DVC's own lock fails after ~3 s instead of waiting).
+``<workspace>/.kiln.lock`` (DVC's own lock fails after ~3 s instead of waiting); this holds across
+threads and processes (two Airflow task processes).
 
 Validation and training never read the workspace (a later ``corpus build`` may change it); they read
 ``checkout_snapshot(id).path``: an immutable, hash-verified copy under ``<home>/snapshots/<md5>``.
@@ -23,6 +39,7 @@ import logging
 import os
 import re
 import shutil
+import stat
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -34,6 +51,10 @@ from kiln.refs import SnapshotRef
 
 SNAPSHOT_ID = re.compile(r"^[0-9a-f]{32}\.dir$")
 _REMOTE = "kiln"
+_PENDING = ".kiln-pending.json"
+"""Journal of the one in-flight create: the ``.dvc`` file it may rewrite and that file's previous text."""
+
+log = logging.getLogger("kiln.snapshot")
 
 
 def _env() -> None:
@@ -47,10 +68,9 @@ def _env() -> None:
 
 
 @contextlib.contextmanager
-def workspace_lock(workspace: Path) -> Iterator[None]:
-    """Exclusive lock over the DVC workspace, waiting (not failing) for another writer."""
-    workspace.mkdir(parents=True, exist_ok=True)
-    with open(workspace / ".kiln.lock", "a+") as fh:
+def _flock(path: Path) -> Iterator[None]:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a+") as fh:
         fcntl.flock(fh, fcntl.LOCK_EX)
         try:
             yield
@@ -58,20 +78,46 @@ def workspace_lock(workspace: Path) -> Iterator[None]:
             fcntl.flock(fh, fcntl.LOCK_UN)
 
 
+def workspace_lock(workspace: Path) -> contextlib.AbstractContextManager[None]:
+    """Exclusive lock over the DVC workspace, waiting (not failing) for another writer."""
+    return _flock(workspace / ".kiln.lock")
+
+
+def _remote_section(s: kiln_settings.Settings) -> dict[str, str]:
+    """The DVC remote config kiln writes: URL and endpoint only, never credentials."""
+    url = s.dvc_remote
+    if re.match(r"^[A-Za-z][A-Za-z0-9+.-]*://[^/]*@", url):
+        raise SnapshotError(
+            "KILN_DVC_REMOTE must not carry credentials (user:secret@...); DVC reads them from the "
+            "AWS_* environment, AWS config files or DVC's global config"
+        )
+    section = {"url": url}
+    if s.dvc_remote_endpoint:
+        section["endpointurl"] = s.dvc_remote_endpoint
+    return section
+
+
 def _configure_repo(root: Path, s: kiln_settings.Settings) -> None:
     """Point a DVC repo at kiln's shared cache and the configured remote (idempotent)."""
     from dvc.repo import Repo
 
+    wanted = _remote_section(s)
     repo = Repo(str(root))
     try:
+        current = repo.config.load_one("repo")
+        if (
+            current.get("core", {}).get("remote") == _REMOTE
+            and current.get("cache", {}).get("dir") == str(s.dvc_cache)
+            and current.get("core", {}).get("site_cache_dir") == str(s.dvc_site_cache)
+            and dict(current.get("remote", {}).get(_REMOTE, {})) == wanted
+        ):
+            return  # unchanged: do not rewrite the config on every snapshot
         with repo.config.edit() as conf:
             conf["core"]["remote"] = _REMOTE
             conf["core"]["analytics"] = False
+            conf["core"]["site_cache_dir"] = str(s.dvc_site_cache)
             conf["cache"]["dir"] = str(s.dvc_cache)
-            remote = conf["remote"].setdefault(_REMOTE, {})
-            remote["url"] = s.dvc_remote
-            if s.dvc_remote_endpoint:
-                remote["endpointurl"] = s.dvc_remote_endpoint
+            conf["remote"][_REMOTE] = dict(wanted)  # replaced whole: a dropped endpoint goes too
     finally:
         repo.close()
 
@@ -90,8 +136,11 @@ def ensure_workspace(s: kiln_settings.Settings | None = None) -> Path:
             except Exception as exc:  # dvc raises many unrelated types here
                 raise SnapshotError(f"cannot initialise DVC workspace at {root}: {exc}") from exc
         _configure_repo(root, s)
-        if not s.dvc_remote.startswith(("s3://", "http://", "https://")):
-            Path(s.dvc_remote).mkdir(parents=True, exist_ok=True)
+        if "://" not in s.dvc_remote:
+            try:
+                Path(s.dvc_remote).mkdir(parents=True, exist_ok=True)
+            except OSError as exc:
+                raise SnapshotError(f"local DVC remote {s.dvc_remote} is not usable: {exc.strerror or exc}") from exc
     return root
 
 
@@ -104,44 +153,141 @@ def _record(ref: SnapshotRef, s: kiln_settings.Settings) -> None:
     atomic_write_text(path, json.dumps(ref.to_json(), indent=2, sort_keys=True) + "\n")
 
 
+def check_corpus(corpus: Path) -> tuple[int, int]:
+    """Refuse a corpus DVC would snapshot wrongly or hang on; returns ``(files, bytes)``.
+
+    Only directories and readable regular files: a symlink could pull in bytes from outside the
+    corpus (or dangle), a FIFO would block ``dvc add`` forever, and an unreadable file would fail
+    half-way through. Opening each file (no read, so cheap and atime-neutral) is the readability
+    test that also holds for root, for whom permission bits say nothing.
+    """
+    if not corpus.exists():
+        raise SnapshotError(f"corpus directory {corpus} does not exist")
+    if not corpus.is_dir():
+        raise SnapshotError(f"corpus path {corpus} is not a directory")
+    files = size = 0
+    for dirpath, dirnames, filenames in os.walk(corpus, onerror=_walk_error):
+        for name in sorted(dirnames) + sorted(filenames):
+            path = Path(dirpath) / name
+            st = os.lstat(path)
+            if stat.S_ISLNK(st.st_mode):
+                target = os.readlink(path)
+                resolved = path.resolve()
+                if not resolved.exists():
+                    raise SnapshotError(f"{path} is a dangling symlink (-> {target}); a snapshot holds regular files only")
+                if resolved != corpus and corpus not in resolved.parents:
+                    raise SnapshotError(f"{path} is a symlink pointing outside the corpus (-> {resolved})")
+                raise SnapshotError(f"{path} is a symlink (-> {target}); a snapshot holds regular files only")
+            if stat.S_ISDIR(st.st_mode):
+                continue
+            if not stat.S_ISREG(st.st_mode):
+                raise SnapshotError(f"{path} is a {_kind(st.st_mode)}, not a regular file; a snapshot holds regular files only")
+            try:
+                os.close(os.open(path, os.O_RDONLY | os.O_NOFOLLOW))
+            except OSError as exc:
+                raise SnapshotError(f"cannot read {path}: {exc.strerror or exc}") from exc
+            files += 1
+            size += st.st_size
+    if files == 0:
+        raise SnapshotError(f"corpus directory {corpus} is empty: nothing to snapshot")
+    return files, size
+
+
+def _walk_error(exc: OSError) -> None:
+    raise SnapshotError(f"cannot list {exc.filename}: {exc.strerror or exc}") from exc
+
+
+def _kind(mode: int) -> str:
+    for test, name in ((stat.S_ISFIFO, "FIFO"), (stat.S_ISSOCK, "socket"), (stat.S_ISCHR, "character device"),
+                       (stat.S_ISBLK, "block device")):
+        if test(mode):
+            return name
+    return "special file"
+
+
+def _begin(root: Path, dvc_file: Path) -> None:
+    """Journal ``dvc_file``'s current text before DVC may rewrite it."""
+    previous = dvc_file.read_text() if dvc_file.is_file() else None
+    atomic_write_text(root / _PENDING, json.dumps({"dvc_file": str(dvc_file), "previous": previous}))
+
+
+def _rollback(root: Path) -> None:
+    """Put back the ``.dvc`` text journalled by an unfinished create (failed, or crashed)."""
+    journal = root / _PENDING
+    if not journal.is_file():
+        return
+    entry = json.loads(journal.read_text())
+    dvc_file = Path(entry["dvc_file"])
+    if entry["previous"] is None:
+        dvc_file.unlink(missing_ok=True)
+    else:
+        atomic_write_text(dvc_file, entry["previous"])
+    journal.unlink()
+
+
+def _commit(root: Path) -> None:
+    (root / _PENDING).unlink(missing_ok=True)
+
+
 def create_snapshot(corpus_dir: str | Path, *, push: bool = True) -> SnapshotRef:
-    """``dvc add`` + ``dvc push`` a corpus directory that lives inside the DVC workspace."""
+    """``dvc add`` + ``dvc push`` a corpus directory that lives inside the DVC workspace.
+
+    With ``push=False`` it only computes the id (the objects land in the local cache): nothing is
+    recorded, the workspace's ``.dvc`` file is left as it was and ``remote`` is ``""``.
+    Raises SnapshotError naming the problem; on any failure nothing is recorded.
+    """
     _env()
     s = kiln_settings.load()
-    root = ensure_workspace(s)
-    corpus = Path(corpus_dir).resolve()
-    if not corpus.is_dir():
-        raise SnapshotError(f"corpus directory {corpus} does not exist")
-    if root.resolve() not in corpus.parents:
+    root = s.dvc_repo
+    corpus = Path(corpus_dir).absolute()
+    if root.resolve() not in corpus.resolve().parents:
         raise SnapshotError(f"corpus directory {corpus} is not inside the DVC workspace {root}")
+    check_corpus(corpus)  # fail before anything is created; checked again under the lock
+    corpus = corpus.resolve()
+    ensure_workspace(s)
+    dvc_file = corpus.with_name(corpus.name + ".dvc")
     from dvc.repo import Repo
 
     with workspace_lock(root):
-        repo = Repo(str(root))
+        _rollback(root)  # a create that crashed between add and push
+        files, size = check_corpus(corpus)
+        _begin(root, dvc_file)
+        step = "dvc add"
         try:
-            stages = repo.add(str(corpus))
-            out = stages[0].outs[0]
-            snap_id = out.hash_info.value
-            meta = out.meta
+            repo = Repo(str(root))
+            try:
+                stages = repo.add(str(corpus))
+                out = stages[0].outs[0]
+                snap_id, meta = out.hash_info.value, out.meta
+                if push:
+                    step = f"dvc push to {_public_remote(s.dvc_remote)}"
+                    repo.push(targets=[str(corpus)], remote=_REMOTE)
+            finally:
+                repo.close()
+            dvc_text = dvc_file.read_text()
+            ref = SnapshotRef(
+                id=snap_id,
+                corpus=corpus.name,
+                files=int(meta.nfiles or files),
+                bytes=int(meta.size or size),
+                dvc=dvc_text,
+                remote=_public_remote(s.dvc_remote) if push else "",
+                path=str(corpus),
+            )
             if push:
-                repo.push(targets=[str(corpus)], remote=_REMOTE)
-        except SnapshotError:
-            raise
+                _record(ref, s)
+                _commit(root)
+            else:
+                _rollback(root)
         except Exception as exc:
-            raise SnapshotError(f"DVC snapshot of {corpus} failed: {type(exc).__name__}: {exc}") from exc
-        finally:
-            repo.close()
-        dvc_text = corpus.with_name(corpus.name + ".dvc").read_text()
-    ref = SnapshotRef(
-        id=snap_id,
-        corpus=corpus.name,
-        files=int(meta.nfiles or 0),
-        bytes=int(meta.size or 0),
-        dvc=dvc_text,
-        remote=_public_remote(s.dvc_remote),
-        path=str(corpus),
-    )
-    _record(ref, s)
+            _rollback(root)
+            if isinstance(exc, SnapshotError):
+                raise
+            raise SnapshotError(
+                f"DVC snapshot of {corpus} failed at {step}; nothing was recorded: {type(exc).__name__}: {exc}"
+            ) from exc
+    log.info("snapshot %s of %s: %d files, %d bytes%s", ref.id, corpus, ref.files, ref.bytes,
+             f", pushed to {ref.remote}" if push else " (not pushed, not recorded)")
     return ref
 
 
@@ -183,6 +329,7 @@ def restore_snapshot(ref_or_id: SnapshotRef | str, dest: str | Path) -> Path:
     from dvc.repo import Repo
 
     scratch = Path(tempfile.mkdtemp(prefix=".restore-", dir=dest.parent))
+    site_cache: str | None = None
     try:
         Repo.init(str(scratch), no_scm=True).close()
         _configure_repo(scratch, s)
@@ -190,6 +337,7 @@ def restore_snapshot(ref_or_id: SnapshotRef | str, dest: str | Path) -> Path:
         dvc_file.write_text(_rename_out(ref.dvc, "data"))
         repo = Repo(str(scratch))
         try:
+            site_cache = repo.site_cache_dir  # this throwaway repo's index: removed below
             repo.pull(targets=[str(dvc_file)], remote=_REMOTE)
         except Exception as exc:
             raise SnapshotError(f"cannot restore snapshot {ref.id}: {type(exc).__name__}: {exc}") from exc
@@ -203,6 +351,8 @@ def restore_snapshot(ref_or_id: SnapshotRef | str, dest: str | Path) -> Path:
         os.replace(restored, dest)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
+        if site_cache:
+            shutil.rmtree(site_cache, ignore_errors=True)
     return dest
 
 
@@ -221,8 +371,12 @@ def checkout_snapshot(snapshot_id: str) -> SnapshotRef:
     dest = s.home / "snapshots" / snapshot_id.removesuffix(".dir")
     marker = dest.with_name(dest.name + ".complete")
     if not marker.is_file():
-        if dest.exists():
-            shutil.rmtree(dest)
-        restore_snapshot(ref, dest)
-        marker.write_text(snapshot_id + "\n")
+        # Two runs pinning the same snapshot at once: the second waits, then finds the marker
+        # (without the lock it would delete the first one's copy while that run reads it).
+        with _flock(dest.with_name(dest.name + ".lock")):
+            if not marker.is_file():
+                if dest.exists():
+                    shutil.rmtree(dest)
+                restore_snapshot(ref, dest)
+                atomic_write_text(marker, snapshot_id + "\n")
     return SnapshotRef(**{**ref.to_json(), "path": str(dest)})

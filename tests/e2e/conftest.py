@@ -1,6 +1,6 @@
 """A real embedded stack for end-to-end tests: Airflow scheduler + api-server + dag-processor +
-triggerer and an MLflow server, under a throwaway KILN_HOME on free ports. Started once per test module and stopped after it, so it never loads the machine
-during other tests."""
+triggerer and an MLflow server, under a throwaway KILN_HOME on free ports. Started once for the
+e2e package and stopped after it, so it never loads the machine during other tests."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="package")
 def stack(tmp_path_factory) -> Iterator[dict[str, str]]:
     from kiln import stack as kiln_stack
 
@@ -43,9 +43,18 @@ def stack(tmp_path_factory) -> Iterator[dict[str, str]]:
                     os.environ[key] = value
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="package")
 def admin(stack):
     from kiln import stack as kiln_stack
     from kiln.airflow_client import AirflowClient
 
     return AirflowClient(stack["airflow"], "admin", kiln_stack.passwords()["admin"])
+
+
+@pytest.fixture(scope="package")
+def login(stack):
+    """``login(user)`` -> an AirflowClient for one of the stack's users (reviewer, sandbox-user, …)."""
+    from kiln import stack as kiln_stack
+    from kiln.airflow_client import AirflowClient
+
+    return lambda user: AirflowClient(stack["airflow"], user, kiln_stack.passwords()[user])

@@ -58,6 +58,8 @@ CHECKPOINT_KIND = "kiln.CheckpointManifest"
 MANIFEST_NAME = "manifest.json"
 FORMAT_VERSION = 1
 CHECKPOINTS_SUBDIR = "checkpoints"
+TRAINING_MANIFEST_COPY = "training_manifest.json"
+"""The trainer's copy of its TrainingManifest in the run dir (``evaluate`` finds it by itself)."""
 _STEP_DIR_RE = re.compile(r"^step-(\d{8})$")
 
 _REQUIRED_KEYS: dict[str, type | tuple[type, ...]] = {

@@ -1,7 +1,10 @@
 """Bits-per-byte of a committed checkpoint on the held-out split of a TrainingManifest.
 
     python -m kiln_trainer.evaluate --checkpoint RUN/checkpoints/step-00000300 \\
-        --manifest M.json --out eval.json [--max-windows N] [--device cpu]
+        [--manifest M.json] --out eval.json [--max-windows N] [--device cpu]
+
+Without ``--manifest`` the run's own copy, ``RUN/training_manifest.json`` (written by the trainer),
+is used, and only if its content hash is the one the checkpoint was trained on.
 
 The checkpoint is verified first (``verify_checkpoint``); the eval shards are hash-checked like the
 training shards. Windows are the first ``eval.max_windows`` non-overlapping ``block_size`` windows
@@ -30,7 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from kiln_trainer.checkpoint import load_model_weights, weights_sha256
-from kiln_trainer.checkpoint_manifest import atomic_write_bytes, manifest_sha256
+from kiln_trainer.checkpoint_manifest import TRAINING_MANIFEST_COPY, atomic_write_bytes, manifest_sha256
 from kiln_trainer.config import Recipe
 from kiln_trainer.data import build_byte_stream, eval_windows, load_training_manifest
 from kiln_trainer.errors import CheckpointError, ManifestError, TrainerError
@@ -53,10 +56,24 @@ def load_checkpoint_model(step_dir: str | Path, device: str = "cpu") -> tuple[GP
     return model, manifest
 
 
+def run_training_manifest(step_dir: str | Path, ck_manifest: dict[str, Any]) -> Path:
+    """The TrainingManifest copy in the checkpoint's run dir, checked against the checkpoint."""
+    path = Path(step_dir).resolve().parent.parent / TRAINING_MANIFEST_COPY
+    if not path.is_file():
+        raise ManifestError(f"no --manifest given and {path} does not exist; pass the TrainingManifest explicitly")
+    found = load_training_manifest(path).sha256
+    if found != ck_manifest["training_manifest_sha256"]:
+        raise ManifestError(
+            f"{path} has content hash {found}, but {step_dir} was trained on "
+            f"{ck_manifest['training_manifest_sha256']}; pass the right --manifest"
+        )
+    return path
+
+
 @torch.no_grad()
 def evaluate_checkpoint(
     step_dir: str | Path,
-    manifest_path: str | Path,
+    manifest_path: str | Path | None = None,
     *,
     max_windows: int | None = None,
     batch_size: int | None = None,
@@ -66,6 +83,8 @@ def evaluate_checkpoint(
     step_dir = Path(step_dir).resolve()
     model, ck_manifest = load_checkpoint_model(step_dir, device)
     recipe = Recipe.from_dict(ck_manifest["recipe"])
+    if manifest_path is None:
+        manifest_path = run_training_manifest(step_dir, ck_manifest)
     training_manifest = load_training_manifest(manifest_path)
     if not training_manifest.eval_shards:
         raise ManifestError(f"{manifest_path}: no eval_shards to evaluate on")
@@ -102,7 +121,9 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     parser = argparse.ArgumentParser(prog="python -m kiln_trainer.evaluate", description=__doc__.split("\n")[0])
     parser.add_argument("--checkpoint", required=True, type=Path, help="a committed step directory")
-    parser.add_argument("--manifest", required=True, type=Path, help="TrainingManifest JSON (uses eval_shards)")
+    parser.add_argument(
+        "--manifest", type=Path, default=None, help="TrainingManifest JSON (uses eval_shards); default: the run's copy"
+    )
     parser.add_argument("--out", required=True, type=Path, help="where to write the EvalReport JSON")
     parser.add_argument("--max-windows", type=int, default=None, help="override eval.max_windows of the recipe")
     parser.add_argument("--device", default="cpu", help="cpu (default, deterministic) or cuda")

@@ -29,6 +29,22 @@ valid manifest are ignored and logged); with the same manifest, recipe, seed and
 resumed run ends with the same ``weights_sha256`` as an uninterrupted one. At the end rank 0 writes
 ``RUN/result.json`` (kind ``kiln.TrainResult``). Exit status 2 means the trainer diagnosed a fault
 (bad recipe, tampered manifest/shard, mismatched resume, divergence): retrying will not help.
+Rank 0 also keeps a copy of the TrainingManifest as ``RUN/training_manifest.json``, so a checkpoint
+can be evaluated without being told which manifest made it.
+
+Loss guard (``[guard]`` in the recipe): a non-finite step loss, or one above ``spike_factor`` times
+the mean of the recent losses, is never applied; the run rolls back to the newest committed
+checkpoint, bumps the data salt so the offending windows are not drawn again, and records a
+``rollback`` event (``metrics.jsonl``, every later checkpoint, ``result.json``). Past
+``max_rollbacks`` it fails with exit status 2.
+
+Fault injection, for chaos tests only (never set in production)::
+
+    KILN_FAULT_SPIKE_AT_STEP=12 KILN_FAULT_SPIKE_TIMES=1 python -m kiln_trainer.train ...
+
+poisons the batch window of step 12: its loss reads 1000x while the data salt is below
+``KILN_FAULT_SPIKE_TIMES`` (default 1), i.e. the first ``TIMES`` draws of that window spike and a
+rollback's fresh draw is clean. A large ``TIMES`` makes every retry spike, so the guard gives up.
 """
 
 from __future__ import annotations
@@ -62,6 +78,7 @@ from kiln_trainer.checkpoint import (
 )
 from kiln_trainer.checkpoint_manifest import (
     CHECKPOINTS_SUBDIR,
+    TRAINING_MANIFEST_COPY,
     atomic_write_bytes,
     latest_committed,
     manifest_sha256,
@@ -84,6 +101,9 @@ log = logging.getLogger("kiln_trainer.train")
 
 RESULT_KIND = "kiln.TrainResult"
 _THREADS_ENV = "KILN_TORCH_THREADS"
+_FAULT_SPIKE_STEP_ENV = "KILN_FAULT_SPIKE_AT_STEP"
+_FAULT_SPIKE_TIMES_ENV = "KILN_FAULT_SPIKE_TIMES"
+_FAULT_SPIKE_FACTOR = 1000.0
 # Peak dense bf16 FLOP/s per device, for MFU; override with KILN_PEAK_FLOPS.
 _PEAK_BF16_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "L4": 121e12, "A10": 125e12}
 
@@ -263,6 +283,34 @@ def guard_verdict(loss: float, recent_losses: list[float], spike_factor: float) 
 _RECENT_WINDOW = 20
 
 
+@dataclass(frozen=True, kw_only=True, slots=True)
+class SpikeFault:
+    """Chaos hook: the loss of ``step`` reads 1000x while the data salt is below ``times``.
+
+    Keyed on the data salt (which is checkpointed) rather than an in-memory counter, so the fault
+    behaves the same after a resume and models a bad batch window that a rollback's redraw skips.
+    """
+
+    step: int
+    times: int = 1
+
+    @classmethod
+    def from_env(cls) -> SpikeFault | None:
+        raw = os.environ.get(_FAULT_SPIKE_STEP_ENV, "")
+        if not raw:
+            return None
+        try:
+            step, times = int(raw), int(os.environ.get(_FAULT_SPIKE_TIMES_ENV, "") or 1)
+        except ValueError as exc:
+            raise TrainerError(f"{_FAULT_SPIKE_STEP_ENV}/{_FAULT_SPIKE_TIMES_ENV} must be integers: {exc}") from exc
+        if step < 1 or times < 1:
+            raise TrainerError(f"{_FAULT_SPIKE_STEP_ENV} and {_FAULT_SPIKE_TIMES_ENV} must be >= 1")
+        return cls(step=step, times=times)
+
+    def apply(self, loss: float, step: int, data_salt: int) -> float:
+        return loss * _FAULT_SPIKE_FACTOR if step == self.step and data_salt < self.times else loss
+
+
 @dataclass(kw_only=True)
 class _InitialState:
     """In-memory step-0 state of a fresh run: the rollback target before the first checkpoint."""
@@ -313,6 +361,9 @@ class Run:
         seed_rngs(cfg.train.seed + 1 + self.env.rank)
         self.state = TrainState()
         self.initial: _InitialState | None = None
+        self.spike_fault = SpikeFault.from_env()
+        if self.spike_fault is not None:
+            log.warning("fault injection: %s", self.spike_fault)
 
         self.train_model: torch.nn.Module = self.model
         if cfg.train.compile:
@@ -429,6 +480,9 @@ class Run:
                 train_state=self.state.to_dict(),
             )
             log.info("fresh start in %s", self.run_dir)
+        if self.env.is_main:
+            # After the resume check, so a refused manifest never replaces the run's own copy.
+            atomic_write_bytes(self.run_dir / TRAINING_MANIFEST_COPY, Path(self.args.manifest).read_bytes())
 
     def rollback(self, reason: str, loss: float) -> None:
         """Return to the last committed state and skip the offending windows (guard)."""
@@ -535,6 +589,8 @@ class Run:
                 dist.all_reduce(loss_sum, op=dist.ReduceOp.SUM)
                 loss_sum /= self.env.world_size
             loss_value = float(loss_sum.item())
+            if self.spike_fault is not None:
+                loss_value = self.spike_fault.apply(loss_value, step, self.state.data_salt)
             reason = guard_verdict(loss_value, self.state.recent_losses, cfg.guard.spike_factor)
             if reason is not None:
                 self.rollback(reason, loss_value)

@@ -31,3 +31,22 @@ def test_run_dir_is_keyed_by_dag_and_run(tmp_path, monkeypatch):
     monkeypatch.setenv("KILN_HOME", str(tmp_path))
     d = pipeline.run_dir(pipeline.run_key("kiln_production", "scheduled__2026-11-30T03:00:00+00:00"))
     assert d.parent.name == "kiln_production" and ":" not in d.name and "+" not in d.name
+
+
+def test_outcome_says_why_nothing_was_promoted(tmp_path, monkeypatch):
+    monkeypatch.setenv("KILN_HOME", str(tmp_path))
+    candidate = {"model_name": "sandbox.kiln-stdlib-lm", "version": "3",
+                 "decision": {"action": "hold", "reasons": ["threshold: FAILED 9.1 > 8.0"],
+                              "candidate_bits_per_byte": 9.1}}
+    out = pipeline.outcome_stage(SANDBOX, candidate, None, None, "kiln_sandbox/manual__2")
+    assert out["promoted"] is False and "hold" in out["message"] and "9.1 > 8.0" in out["message"]
+    assert (tmp_path / "runs" / "kiln_sandbox" / "manual__2" / "summary.json").is_file()
+
+
+def test_unknown_run_parameters_are_refused_by_name():
+    from kiln.errors import ConfigError
+    from kiln.policy import PRODUCTION
+
+    pipeline.check_run_conf(PRODUCTION, {"reason": "weekly"}, {"reason"})
+    with pytest.raises(ConfigError, match="recipe"):
+        pipeline.check_run_conf(PRODUCTION, {"reason": "x", "recipe": "tiny.toml"}, {"reason"})

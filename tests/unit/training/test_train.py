@@ -249,3 +249,53 @@ def test_mlflow_logging_to_an_existing_run(corpus: Path, tmp_path: Path, monkeyp
     assert [m.step for m in client.get_metric_history(run_id, "loss")] == [4, 8, 12, 16, 20, 24]
     assert {"tokens_per_s", "step_time", "checkpoint_lag_steps"} <= set(run.data.metrics)
     del mlflow
+
+
+@pytest.mark.usefixtures("in_process")
+def test_injected_loss_spike_rolls_back_to_the_last_checkpoint_and_skips_the_window(
+    corpus: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """KILN_FAULT_SPIKE_AT_STEP poisons step 12's first window: the guard rolls back to the committed
+    step 8, redraws steps 9-12 with data salt 1 (clean), and the run completes with the event on record."""
+    monkeypatch.setenv("KILN_FAULT_SPIKE_AT_STEP", "12")
+    run_dir = tmp_path / "run"
+    assert _main(corpus, run_dir, "guard.spike_factor=3.0", "guard.max_rollbacks=1") == 0
+    result = read_result(run_dir)
+    assert result["completed"] is True and result["step"] == 24
+    [event] = result["events"]
+    assert event["kind"] == "rollback" and "loss spike" in event["reason"]
+    assert (event["at_step"], event["to_step"], event["data_salt"]) == (12, 8, 1)
+    assert "rolled back to step 8" in caplog.text
+    # The salt rides in every later checkpoint, so a resume keeps skipping the poisoned window.
+    from kiln_trainer.checkpoint import load_checkpoint
+
+    state = load_checkpoint(result["checkpoint"], rank=None).trainer_state
+    assert state["data_salt"] == 1 and state["events"] == result["events"]
+
+
+@pytest.mark.usefixtures("in_process")
+def test_persistent_loss_spike_fails_after_max_rollbacks(
+    corpus: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setenv("KILN_FAULT_SPIKE_AT_STEP", "12")
+    monkeypatch.setenv("KILN_FAULT_SPIKE_TIMES", "99")  # every redraw of step 12 spikes too
+    run_dir = tmp_path / "run"
+    assert _main(corpus, run_dir, "guard.spike_factor=3.0", "guard.max_rollbacks=2") == 2
+    assert "TrainingDivergedError" in caplog.text and "loss spike" in caplog.text
+    assert "guard.max_rollbacks = 2" in caplog.text
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    rollbacks = [r for r in records if r.get("event") == "rollback"]
+    assert [(r["at_step"], r["to_step"], r["data_salt"]) for r in rollbacks] == [(12, 8, 1), (12, 8, 2)]
+    assert not (run_dir / "result.json").exists()  # a diverged run leaves no result to mistake for one
+
+
+def test_spike_fault_is_off_unless_asked_and_checks_its_settings(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("KILN_FAULT_SPIKE_AT_STEP", raising=False)
+    assert train_module.SpikeFault.from_env() is None
+    monkeypatch.setenv("KILN_FAULT_SPIKE_AT_STEP", "5")
+    fault = train_module.SpikeFault.from_env()
+    assert fault is not None and fault.apply(2.0, 5, 0) == 2000.0
+    assert fault.apply(2.0, 5, 1) == 2.0 and fault.apply(2.0, 4, 0) == 2.0
+    monkeypatch.setenv("KILN_FAULT_SPIKE_AT_STEP", "0")
+    with pytest.raises(train_module.TrainerError, match="KILN_FAULT_SPIKE_AT_STEP"):
+        train_module.SpikeFault.from_env()

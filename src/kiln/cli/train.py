@@ -1,0 +1,114 @@
+"""``kiln train`` and ``kiln evaluate``: the trainer from the command line, on this machine.
+
+``kiln train`` runs the job through the local launcher (``kiln.launchers.launch_local``): N torchrun
+agents on this host form one N-node gang over c10d rendezvous, exactly as the train stage does::
+
+    kiln train --recipe tiny --manifest M.json --run-dir RUN [--nnodes N] [--nproc-per-node P] \\
+        [--set section.key=value ...] [--max-restarts R] [--max-steps S]
+
+``--recipe`` is a name under ``training/recipes`` (``tiny``, ``tiny.toml``, ``production/small``)
+or a path to a TOML file. Trainer output goes to stderr; stdout gets the TrainResult JSON. Re-running
+the same line resumes from the newest committed checkpoint in RUN.
+
+``kiln evaluate`` scores one committed checkpoint on the held-out split and writes an EvalReport::
+
+    kiln evaluate --checkpoint RUN/checkpoints/step-00000400 --report eval.json [--manifest M.json]
+
+Without ``--manifest`` it uses the run's own copy of the TrainingManifest (RUN/training_manifest.json).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import sys
+from pathlib import Path
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    t = sub.add_parser("train", help="train a recipe on a TrainingManifest (torchrun, local launcher)")
+    t.add_argument("--recipe", required=True, help="name under training/recipes (tiny, production/small) or a path")
+    t.add_argument("--manifest", required=True, type=Path, help="TrainingManifest JSON")
+    t.add_argument("--run-dir", required=True, type=Path, help="run directory (checkpoints, metrics, result.json)")
+    t.add_argument("--nnodes", type=int, default=1, help="torchrun agents (each plays one node; default 1)")
+    t.add_argument("--nproc-per-node", type=int, default=1, help="ranks per agent (default 1)")
+    t.add_argument(
+        "--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
+        help="override a recipe field (repeatable)",
+    )
+    t.add_argument("--max-restarts", type=int, default=0, help="torchrun whole-gang restarts on failure (default 0)")
+    t.add_argument("--max-steps", type=int, default=None, help="stop after this step (checkpointed; re-run resumes)")
+    t.set_defaults(func=_train)
+
+    e = sub.add_parser("evaluate", help="bits-per-byte of a committed checkpoint on the eval split")
+    e.add_argument("--checkpoint", required=True, type=Path, help="committed step dir, RUN/checkpoints/step-NNNNNNNN")
+    e.add_argument("--report", required=True, type=Path, help="where to write the EvalReport JSON")
+    e.add_argument(
+        "--manifest", type=Path, default=None,
+        help="TrainingManifest JSON (default: the run's copy, RUN/training_manifest.json)",
+    )
+    e.add_argument("--max-windows", type=int, default=None, help="override the recipe's eval.max_windows")
+    e.set_defaults(func=_evaluate)
+
+
+def resolve_recipe(name: str) -> Path:
+    """``tiny`` / ``tiny.toml`` / ``production/small.toml`` under training/recipes, or an existing path."""
+    from kiln.errors import ConfigError
+    from kiln.policy import RECIPES_DIR
+
+    given = Path(name)
+    if given.suffix == ".toml" and given.is_file():
+        return given.resolve()
+    for candidate in (RECIPES_DIR / name, RECIPES_DIR / f"{name}.toml"):
+        if candidate.suffix == ".toml" and candidate.is_file():
+            return candidate.resolve()
+    known = sorted(str(p.relative_to(RECIPES_DIR).with_suffix("")) for p in RECIPES_DIR.rglob("*.toml"))
+    raise ConfigError(f"unknown recipe {name!r}: not a TOML file and not under {RECIPES_DIR}; known: {known}")
+
+
+def _run_key(run_dir: Path) -> str:
+    """Stable per run dir, so a re-run of the same line rejoins the same rendezvous id."""
+    digest = hashlib.sha256(str(run_dir).encode()).hexdigest()[:12]
+    return f"kiln-train-{run_dir.name}-{digest}"
+
+
+def _train(args: argparse.Namespace) -> int:
+    from kiln.errors import ConfigError
+    from kiln.launchers import LaunchSpec, launch_local
+
+    recipe = resolve_recipe(args.recipe)
+    manifest = args.manifest.resolve()
+    if not manifest.is_file():
+        raise ConfigError(f"--manifest {args.manifest}: no such file")
+    run_dir = args.run_dir.resolve()
+    spec = LaunchSpec(
+        run_dir=run_dir,
+        manifest=manifest,
+        recipe=recipe,
+        run_key=_run_key(run_dir),
+        nodes=args.nnodes,
+        nproc_per_node=args.nproc_per_node,
+        max_restarts=args.max_restarts,
+        overrides=tuple(args.overrides),
+        max_steps=args.max_steps,
+    )
+    # stdout carries only the result JSON; the agents' logs go to stderr.
+    result = launch_local(spec, log=lambda line: print(line, file=sys.stderr, flush=True))
+    print(json.dumps(result.to_json(), indent=2, sort_keys=True))
+    return 0
+
+
+def _evaluate(args: argparse.Namespace) -> int:
+    from kiln.errors import KilnError
+    from kiln_trainer.checkpoint_manifest import atomic_write_bytes
+    from kiln_trainer.errors import TrainerError
+    from kiln_trainer.evaluate import evaluate_checkpoint
+
+    try:
+        report = evaluate_checkpoint(args.checkpoint, args.manifest, max_windows=args.max_windows)
+    except TrainerError as exc:
+        raise KilnError(f"{type(exc).__name__}: {exc}") from exc
+    atomic_write_bytes(args.report, (json.dumps(report, indent=1, sort_keys=True) + "\n").encode())
+    print(json.dumps(report, indent=2, sort_keys=True))
+    return 0
