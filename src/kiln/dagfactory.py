@@ -89,6 +89,25 @@ MLflow model version: {{ ti.xcom_pull(task_ids='register_candidate')['ui_url'] }
 """
 
 
+class ReviewOperator(ApprovalOperator):
+    """Airflow's ApprovalOperator that also keeps the answer when it is "Reject".
+
+    On reject the stock operator skips downstream by raising, so its return value (who answered,
+    when, what) never reaches XCom; the answer is pushed under the key ``review`` first, for the
+    ``outcome`` task and the audit trail.
+    """
+
+    def execute_complete(self, context, event):  # type: ignore[no-untyped-def]
+        if "error" not in event:
+            at = event.get("responded_at")
+            context["ti"].xcom_push(key="review", value={
+                "chosen_options": list(event.get("chosen_options") or []),
+                "responded_by_user": dict(event.get("responded_by_user") or {}),
+                "responded_at": at.isoformat() if hasattr(at, "isoformat") else str(at or ""),
+            })
+        return super().execute_complete(context, event)
+
+
 def build_dag(policy: Policy):  # noqa: C901 - one function so the wiring reads top to bottom
     default_args = {
         "owner": policy.owner,
@@ -206,7 +225,7 @@ def build_dag(policy: Policy):  # noqa: C901 - one function so the wiring reads 
             ti = get_current_context()["ti"]
             result = _run(
                 outcome_stage, policy, ti.xcom_pull(task_ids="register_candidate"),
-                ti.xcom_pull(task_ids="approval") if policy.requires_approval else None,
+                ti.xcom_pull(task_ids="approval", key="review") if policy.requires_approval else None,
                 ti.xcom_pull(task_ids="promote"), _key(),
             )
             print(result["message"])
@@ -220,7 +239,7 @@ def build_dag(policy: Policy):  # noqa: C901 - one function so the wiring reads 
         candidate = register_candidate(snap, data, trained, evaluation)
         decision = model_gate(candidate)
         if policy.requires_approval:
-            approval = ApprovalOperator(
+            approval = ReviewOperator(
                 task_id="approval",
                 subject=f"Promote a new {policy.target_model} to {policy.alias}?",
                 body=APPROVAL_BODY.replace("{policy.target_model}", policy.target_model).replace("{policy.alias}", policy.alias),

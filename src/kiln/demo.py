@@ -139,6 +139,7 @@ def collect_summary(client: AirflowClient, dag_id: str, run_id: str) -> dict[str
     train = client.xcom(dag_id, run_id, "train")
     candidate = client.xcom(dag_id, run_id, "register_candidate")
     promotion = client.xcom(dag_id, run_id, "promote")
+    outcome = client.xcom(dag_id, run_id, "outcome")
     registry = mlflow.MlflowClient(tracking_uri=s.mlflow_uri, registry_uri=s.mlflow_uri)
     champion = registry.get_model_version_by_alias(promotion["registered_model"], promotion["alias"])
     return {
@@ -153,6 +154,7 @@ def collect_summary(client: AirflowClient, dag_id: str, run_id: str) -> dict[str
         "weights_sha256": train["weights_sha256"],
         "candidate": candidate,
         "promotion": promotion,
+        "outcome": outcome["message"],
         "champion_version": champion.version,
         "champion_snapshot_tag": champion.tags.get("kiln.snapshot_id"),
         "task_durations_s": {
@@ -174,6 +176,7 @@ def print_summary(summary: dict[str, Any], s: kiln_settings.Settings) -> None:
     say(f"  model version      : {promo['registered_model']} version {promo['version']}  alias '{promo['alias']}'"
         f"  (approved by {promo['approver']})")
     say(f"  MLflow tag kiln.snapshot_id on the champion: {summary['champion_snapshot_tag']}")
+    say(f"  outcome            : {summary['outcome']}")
     say(f"  wall time          : {summary['timings_s']['total']:.0f}s (setup {summary['timings_s']['setup']:.0f}s, run {summary['timings_s']['run']:.0f}s)")
     say(f"  Airflow UI         : {s.airflow_url}/dags/{summary['dag_id']}/runs/{summary['run_id']}")
     say(f"  MLflow UI          : {s.mlflow_uri}/#/models/{promo['registered_model']}/versions/{promo['version']}")

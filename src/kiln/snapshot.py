@@ -229,9 +229,13 @@ def _commit(root: Path) -> None:
     (root / _PENDING).unlink(missing_ok=True)
 
 
-def create_snapshot(corpus_dir: str | Path, *, push: bool = True) -> SnapshotRef:
+CORPUS_NAME = re.compile(r"^[a-z0-9][a-z0-9_.-]{0,63}$")
+
+
+def create_snapshot(corpus_dir: str | Path, *, push: bool = True, name: str | None = None) -> SnapshotRef:
     """``dvc add`` + ``dvc push`` a corpus directory that lives inside the DVC workspace.
 
+    ``name`` is the corpus name lineage and the corpus Asset use (default: the directory's name).
     With ``push=False`` it only computes the id (the objects land in the local cache): nothing is
     recorded, the workspace's ``.dvc`` file is left as it was and ``remote`` is ``""``.
     Raises SnapshotError naming the problem; on any failure nothing is recorded.
@@ -240,6 +244,9 @@ def create_snapshot(corpus_dir: str | Path, *, push: bool = True) -> SnapshotRef
     s = kiln_settings.load()
     root = s.dvc_repo
     corpus = Path(corpus_dir).absolute()
+    corpus_name = name or corpus.resolve().name
+    if not CORPUS_NAME.match(corpus_name):
+        raise SnapshotError(f"corpus name {corpus_name!r} is not valid ([a-z0-9][a-z0-9_.-]*, at most 64 characters)")
     if root.resolve() not in corpus.resolve().parents:
         raise SnapshotError(f"corpus directory {corpus} is not inside the DVC workspace {root}")
     check_corpus(corpus)  # fail before anything is created; checked again under the lock
@@ -267,7 +274,7 @@ def create_snapshot(corpus_dir: str | Path, *, push: bool = True) -> SnapshotRef
             dvc_text = dvc_file.read_text()
             ref = SnapshotRef(
                 id=snap_id,
-                corpus=corpus.name,
+                corpus=corpus_name,
                 files=int(meta.nfiles or files),
                 bytes=int(meta.size or size),
                 dvc=dvc_text,
@@ -279,9 +286,9 @@ def create_snapshot(corpus_dir: str | Path, *, push: bool = True) -> SnapshotRef
                 _commit(root)
             else:
                 _rollback(root)
-        except Exception as exc:
+        except BaseException as exc:  # also a task killed mid-push (SIGTERM -> exception)
             _rollback(root)
-            if isinstance(exc, SnapshotError):
+            if isinstance(exc, SnapshotError) or not isinstance(exc, Exception):
                 raise
             raise SnapshotError(
                 f"DVC snapshot of {corpus} failed at {step}; nothing was recorded: {type(exc).__name__}: {exc}"

@@ -1,11 +1,12 @@
 """Shard validation against a data contract, quarantine, and the data gate.
 
     validate_shard(path, contract, eval_doc_hashes) -> ShardReport     one shard, never raises on data
-    validate_shards(paths, ...) / validate_directory(corpus_dir, ...)  batches (one GE context)
+    validate_shards(paths, ...) / validate_directory(corpus_dir, ...)  batches: one GE run per batch
     cross_shard_duplicates(reports) -> reports                          snapshot rule: ids unique across shards
     gate(reports, max_quarantine_share)                                 DataGateError (no retry) above threshold
     build_training_manifest(...) -> TrainingManifest                    healthy shards only
-    write_quarantine_report(reports, path)                              every shard with its verdict
+    write_quarantine_report(reports, path)                              every shard with its verdict (JSON)
+    publish_quarantine_report(reports, out_dir, ...)                    JSON + HTML page, logged to MLflow
 
 A quarantined shard is a value (``ShardReport(verdict="quarantined")``), never an exception: bad
 *data* must not crash a worker. Exceptions are for faults: a contract GE cannot parse
@@ -13,7 +14,10 @@ A quarantined shard is a value (``ShardReport(verdict="quarantined")``), never a
 
 great_expectations and pandas are imported on first use, so importing this module stays cheap
 (DAG files and the CLI's ``--help`` import it). One ephemeral GE context is built per process and
-reused by every validation (FIELD-NOTES: ~3 s import, ~55 ms per validation after that).
+reused by every validation (FIELD-NOTES: ~3 s import, ~55 ms per validation after that). Since that
+fixed cost dwarfs a small shard's rows, ``validate_shards`` stacks a batch's shards into one GE run
+and maps the results back to each shard (see "validation" below); ``validate_shard`` is the
+one-shard reference the batched path is tested against.
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from kiln.contracts import Contract, load_contract
-from kiln.errors import ContractError, DataGateError
+from kiln.errors import ContractError, DataGateError, RegistryError
 from kiln.fsutil import atomic_write_text
 from kiln.refs import ShardEntry, ShardReport, TrainingManifest, sha256_file
 
@@ -109,8 +113,12 @@ def _decode_strings(column: Any) -> list[str | None]:
     """Parquet strings as Python str; invalid UTF-8 decodes to U+FFFD (the encoding rule counts it)."""
     import pyarrow as pa
 
-    raw = column.cast(pa.large_binary() if pa.types.is_large_string(column.type) else pa.binary())
-    return [None if v is None else v.decode("utf-8", errors="replace") for v in raw.to_pylist()]
+    try:
+        column.validate(full=True)  # checks UTF-8 in C++; valid text needs no per-value decode
+    except pa.ArrowInvalid:
+        raw = column.cast(pa.large_binary() if pa.types.is_large_string(column.type) else pa.binary())
+        return [None if v is None else v.decode("utf-8", errors="replace") for v in raw.to_pylist()]
+    return column.to_pylist()
 
 
 def _read_table(data: bytes) -> Any:
@@ -147,12 +155,14 @@ def _shard_frame(table: Any, contract: Contract, eval_doc_hashes: frozenset[str]
 
     expected = _expected_types(contract)
     columns: dict[str, Any] = {}
+    decoded: dict[str, list[str | None]] = {}
     usable: set[str] = set()
     typed_wrong: set[str] = set()
     for name in table.column_names:
         column = table.column(name)
         if _is_string_type(column.type):
-            columns[name] = pd.Series(_decode_strings(column), dtype="object")
+            decoded[name] = _decode_strings(column)
+            columns[name] = pd.Series(decoded[name], dtype="object")
             usable.add(name)
         else:
             columns[name] = column.to_pandas()
@@ -160,32 +170,36 @@ def _shard_frame(table: Any, contract: Contract, eval_doc_hashes: frozenset[str]
                 typed_wrong.add(name)
             else:
                 usable.add(name)
-    frame = pd.DataFrame(columns, index=pd.RangeIndex(table.num_rows))
     for derived, spec in contract.derived_columns.items():
         source = spec["column"]
         if source not in usable:
             continue  # the schema rules already report the missing / mistyped source column
-        values = frame[source]
+        values = decoded[source] if source in decoded else list(columns[source])
         if spec["kind"] == "char_share":
             bad = re.compile(spec["pattern"])
-            frame[derived] = pd.Series(
+            columns[derived] = pd.Series(
                 [None if t is None else (len(bad.findall(t)) / len(t) if t else 0.0) for t in values], dtype="object"
             )
         elif spec["kind"] == "in_eval_split":
-            frame[derived] = pd.Series(
+            columns[derived] = pd.Series(
                 [None if t is None else _text_sha256(t) in eval_doc_hashes for t in values], dtype="object"
             )
         usable.add(derived)
+    # One constructor call: adding columns one by one re-builds pandas 3's arrow-backed column index
+    # each time, which cost more than the whole GE run of a small shard.
+    frame = pd.DataFrame(columns, index=pd.RangeIndex(table.num_rows))
     return _Frame(frame=frame, present=frozenset(usable), typed_wrong=frozenset(typed_wrong))
 
 
 def _expectation_index(config: Any, contract: Contract) -> int:
-    """Position in the contract of the expectation a GE result belongs to (GE reorders results)."""
-    kwargs = dict(config.kwargs)
+    """Position in the contract of the expectation a GE result belongs to (GE reorders results).
+
+    ``config`` is GE's ExpectationConfiguration or its JSON form."""
+    kind, kwargs = (config["type"], config.get("kwargs", {})) if isinstance(config, dict) else (config.type, dict(config.kwargs))
     for i, exp in enumerate(contract.suite["expectations"]):
-        if exp["type"] == config.type and all(kwargs.get(k) == v for k, v in exp["kwargs"].items()):
+        if exp["type"] == kind and all(kwargs.get(k) == v for k, v in exp["kwargs"].items()):
             return i
-    raise ContractError(f"GE returned a result for an expectation not in {contract.ref}: {config.type} {kwargs}")
+    raise ContractError(f"GE returned a result for an expectation not in {contract.ref}: {kind} {kwargs}")
 
 
 def _columns_of(expectation: dict[str, Any]) -> list[str]:
@@ -282,6 +296,99 @@ def _reason(validation_result: dict[str, Any], contract: Contract, rows: int) ->
 
 
 # -- validation ------------------------------------------------------------------------------------
+#
+# A batch of shards is validated with ONE Great Expectations run over the shards' frames stacked
+# end to end (GE's fixed cost, ~55 ms per run, dwarfs the per-row work of a small shard). Every
+# expectation of the contract falls in one of these classes, and each class is mapped back to the
+# shards so that a shard's verdict and reasons are exactly what validating it alone gives
+# (``tests/unit/kiln/test_validation.py`` checks this over the whole poison zoo):
+
+ROW_LOCAL_EXPECTATIONS = frozenset(
+    {
+        "expect_column_values_to_not_be_null",
+        "expect_column_values_to_be_null",
+        "expect_column_values_to_be_of_type",  # object-dtype columns only: GE then checks value by value
+        "expect_column_values_to_be_in_type_list",
+        "expect_column_values_to_be_in_set",
+        "expect_column_values_to_not_be_in_set",
+        "expect_column_values_to_be_between",
+        "expect_column_value_lengths_to_be_between",
+        "expect_column_value_lengths_to_equal",
+        "expect_column_values_to_match_regex",
+        "expect_column_values_to_not_match_regex",
+        "expect_column_values_to_match_regex_list",
+        "expect_column_values_to_not_match_regex_list",
+        "expect_column_values_to_match_like_pattern",
+        "expect_column_values_to_not_match_like_pattern",
+        "expect_column_values_to_match_strftime_format",
+        "expect_column_values_to_be_dateutil_parseable",
+        "expect_column_values_to_be_json_parseable",
+    }
+)
+"""Column-map expectations whose verdict on a row depends on that row alone: GE flags rows of the
+stacked frame (``unexpected_index_list``) and each flagged row is charged to the shard it came from."""
+
+UNIQUE_WITHIN_SHARD = "expect_column_values_to_be_unique"
+"""GE flags every row whose value repeats anywhere in the stack; a shard keeps the flagged rows whose
+value repeats *within* it (a superset, so nothing is missed). Repeats across shards are the snapshot
+rule's business (``cross_shard_duplicates``), not this one's."""
+
+SCHEMA_EXPECTATIONS = frozenset(
+    {
+        "expect_table_columns_to_match_set",
+        "expect_table_columns_to_match_ordered_list",
+        "expect_table_column_count_to_equal",
+        "expect_table_column_count_to_be_between",
+        "expect_column_to_exist",
+    }
+)
+"""Facts about the column names: shards are stacked only with shards of the very same column names, so
+the stack's result is each shard's result."""
+
+ROW_COUNT = "expect_table_row_count_to_be_between"
+"""GE can only count the stack's rows: the bounds are applied to each shard's own row count here."""
+_ROW_COUNT_KWARGS = frozenset({"min_value", "max_value", "strict_min", "strict_max"})
+
+MAX_BATCH_ROWS = 200_000
+"""Rows stacked into one GE run at most; a longer list of shards is validated in several runs."""
+
+_ROW, _UNIQUE, _SCHEMA, _COUNT, _ALONE = "row", "unique", "schema", "row_count", "alone"
+
+
+def _batch_class(expectation: dict[str, Any]) -> str:
+    """How an expectation is evaluated over a stack of shards (``_ALONE``: once per shard, by GE)."""
+    kind, kwargs = expectation["type"], expectation["kwargs"]
+    if "mostly" in kwargs:  # success depends on each shard's own share of unexpected rows
+        return _ALONE
+    if kind in ROW_LOCAL_EXPECTATIONS:
+        return _ROW
+    if kind == UNIQUE_WITHIN_SHARD:
+        return _UNIQUE
+    if kind in SCHEMA_EXPECTATIONS:
+        return _SCHEMA
+    if kind == ROW_COUNT and set(kwargs) <= _ROW_COUNT_KWARGS and all(
+        kwargs.get(k) is None or isinstance(kwargs[k], int) for k in ("min_value", "max_value")
+    ):
+        return _COUNT
+    return _ALONE
+
+
+@dataclass(frozen=True, slots=True)
+class _LoadedShard:
+    """A shard read as an Arrow table, not yet judged."""
+
+    path: str
+    sha256: str
+    table: Any
+
+    @property
+    def rows(self) -> int:
+        return int(self.table.num_rows)
+
+    @property
+    def schema_key(self) -> tuple[tuple[str, str], ...]:
+        """Shards with the same key can be stacked into one table."""
+        return tuple((f.name, str(f.type)) for f in self.table.schema)
 
 
 def _quarantined(path: str, sha256: str, rows: int, contract: Contract, reasons: list[dict[str, Any]]) -> ShardReport:
@@ -290,6 +397,202 @@ def _quarantined(path: str, sha256: str, rows: int, contract: Contract, reasons:
 
 def _as_contract(contract: Contract | str) -> Contract:
     return contract if isinstance(contract, Contract) else load_contract(contract)
+
+
+def _unreadable(path: str, sha256: str, contract: Contract, exc: BaseException) -> ShardReport:
+    error = f"{type(exc).__name__}: {exc}"[:500]
+    return _quarantined(path, sha256, 0, contract, [{"expectation": READABLE_RULE, "error": error}])
+
+
+def _load_shard(path: str | Path, contract: Contract) -> ShardReport | _LoadedShard:
+    """Read one shard. Unreadable → its quarantined report (never raises for bad data)."""
+    abspath = os.path.abspath(path)
+    try:
+        with open(abspath, "rb") as fh:
+            data = fh.read()
+    except OSError as exc:
+        return _quarantined(abspath, "", 0, contract, [{"expectation": READABLE_RULE, "error": f"{type(exc).__name__}: {exc}"}])
+    sha256 = hashlib.sha256(data).hexdigest()  # of exactly the bytes validated
+    try:
+        table = _read_table(data)
+    except Exception as exc:  # pyarrow raises many types for truncated/garbage/foreign files
+        return _unreadable(abspath, sha256, contract, exc)
+    return _LoadedShard(path=abspath, sha256=sha256, table=table)
+
+
+def _index_columns(shard: _Frame) -> list[str]:
+    """Columns that identify an unexpected row in a sample."""
+    return [c for c in ("doc_id", "source") if c in shard.present]
+
+
+def _failed_results(ge: _GreatExpectations, contract: Contract, shard: _Frame, keep: tuple[int, ...]) -> list[dict[str, Any]]:
+    """GE results (JSON) of the expectations ``keep`` that fail on one frame. Caller holds ``ge.lock``."""
+    result_format: dict[str, Any] = {"result_format": "SUMMARY", "partial_unexpected_count": SAMPLE_SIZE}
+    index_columns = _index_columns(shard)
+    if index_columns:
+        result_format["unexpected_index_column_names"] = index_columns
+    batch = ge.batch_definition.get_batch(batch_parameters={"dataframe": shard.frame})
+    # Most shards are healthy: a pass/fail-only run costs ~40% less than one collecting
+    # samples, so details are computed only for the expectations that failed.
+    verdicts = batch.validate(_suite(ge, contract, keep), result_format="BOOLEAN_ONLY")
+    failed = tuple(sorted(_expectation_index(r.expectation_config, contract) for r in verdicts.results if not r.success))
+    if not failed:
+        return []
+    details = batch.validate(_suite(ge, contract, failed), result_format=result_format)
+    results = [r.to_json_dict() for r in details.results if not r.success]
+    if not results:  # GE disagreed with itself between the two runs: never call that healthy
+        results = [{"expectation_config": contract.suite["expectations"][i], "result": {}} for i in failed]
+    return results
+
+
+def _judged(loaded: _LoadedShard, contract: Contract, reasons: list[dict[str, Any]]) -> ShardReport:
+    """The report of a shard GE has judged: reasons in contract order."""
+    order = {e["type"] + str(e["kwargs"].get("column")): i for i, e in enumerate(contract.suite["expectations"])}
+    reasons = sorted(reasons, key=lambda r: order.get(r["expectation"] + str(r.get("column")), len(order)))
+    if reasons:
+        return _quarantined(loaded.path, loaded.sha256, loaded.rows, contract, reasons)
+    return ShardReport(path=loaded.path, sha256=loaded.sha256, rows=loaded.rows, verdict="healthy", reasons=[], contract=contract.ref)
+
+
+def _evaluation_error(loaded: _LoadedShard, contract: Contract, exc: Exception) -> ShardReport:
+    error = f"{type(exc).__name__}: {exc}"[:500]
+    return _quarantined(loaded.path, loaded.sha256, loaded.rows, contract, [{"expectation": EVALUATION_ERROR_RULE, "error": error}])
+
+
+def _validate_alone(
+    loaded: _LoadedShard, contract: Contract, ge: _GreatExpectations, eval_doc_hashes: frozenset[str]
+) -> ShardReport:
+    """One GE run over one shard: the reference semantics the stacked path must reproduce."""
+    try:
+        shard = _shard_frame(loaded.table, contract, eval_doc_hashes)
+    except Exception as exc:  # a column pandas cannot take: as unreadable as a broken footer
+        return _unreadable(loaded.path, loaded.sha256, contract, exc)
+    keep = _runnable(contract, shard)
+    try:
+        with ge.lock:
+            results = _failed_results(ge, contract, shard, keep)
+    except ContractError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - a shard GE cannot evaluate is not proven healthy
+        return _evaluation_error(loaded, contract, exc)
+    return _judged(loaded, contract, [_reason(r, contract, loaded.rows) for r in results])
+
+
+def _stackable(loaded: _LoadedShard, contract: Contract) -> bool:
+    """Whether the shard can share a GE run: every rule runs on it, on string columns.
+
+    A shard with a missing or mistyped column runs a subset of the rules (``_runnable``), and a
+    numeric column's pandas dtype depends on its nulls, which would change GE's type check, so
+    those shards are validated alone (rare, and they are quarantined anyway).
+    """
+    schema = loaded.table.schema
+    derived = contract.derived_columns
+    needed = {c for e in contract.suite["expectations"] for c in _columns_of(e) if c not in derived}
+    needed.update(spec["column"] for spec in derived.values())
+    names = schema.names
+    return all(names.count(c) == 1 and _is_string_type(schema.field(c).type) for c in needed)
+
+
+class _StackFallback(Exception):
+    """GE reported an exception on the stacked frame: judge each shard alone instead."""
+
+
+def _row_sample_result(frame: Any, rows: Sequence[int], column: str | None, index_columns: list[str]) -> dict[str, Any]:
+    """What GE's SUMMARY result of one shard holds for these unexpected rows (stack positions)."""
+    head = rows[:SAMPLE_SIZE]
+    if index_columns:
+        names = [*([column] if column and column not in index_columns else []), *index_columns]
+        partial = [{c: frame[c].iat[i] for c in names} for i in head]
+        return {"unexpected_count": len(rows), "partial_unexpected_index_list": partial}
+    values = [frame[column].iat[i] for i in head] if column else []
+    return {"unexpected_count": len(rows), "partial_unexpected_list": values}
+
+
+def _row_count_fails(kwargs: dict[str, Any], rows: int) -> bool:
+    low, high = kwargs.get("min_value"), kwargs.get("max_value")
+    if low is not None and (rows <= low if kwargs.get("strict_min") else rows < low):
+        return True
+    return high is not None and (rows >= high if kwargs.get("strict_max") else rows > high)
+
+
+def _validate_stack(
+    group: Sequence[_LoadedShard], contract: Contract, ge: _GreatExpectations, eval_doc_hashes: frozenset[str]
+) -> list[ShardReport]:
+    """Validate shards of one schema with one GE run over their stacked rows."""
+    import numpy as np
+    import pyarrow as pa
+
+    def each_alone() -> list[ShardReport]:
+        return [_validate_alone(s, contract, ge, eval_doc_hashes) for s in group]
+
+    expectations = contract.suite["expectations"]
+    classes = [_batch_class(e) for e in expectations]
+    in_stack = tuple(i for i, c in enumerate(classes) if c in (_ROW, _UNIQUE, _SCHEMA))
+    alone = tuple(i for i, c in enumerate(classes) if c == _ALONE)
+    starts = np.cumsum([0, *(s.rows for s in group)])
+    try:
+        table = pa.concat_tables([s.table for s in group]) if len(group) > 1 else group[0].table
+        shard = _shard_frame(table, contract, eval_doc_hashes)
+    except Exception:  # noqa: BLE001 - e.g. a column pandas cannot take: each shard alone says which
+        return each_alone()
+    frame = shard.frame
+    index_columns = _index_columns(shard)
+    try:
+        with ge.lock:
+            batch = ge.batch_definition.get_batch(batch_parameters={"dataframe": frame})
+            verdicts = batch.validate(_suite(ge, contract, in_stack), result_format="BOOLEAN_ONLY")
+            failed = tuple(sorted(_expectation_index(r.expectation_config, contract) for r in verdicts.results if not r.success))
+            results = []
+            if failed:
+                details = batch.validate(_suite(ge, contract, failed), result_format={"result_format": "COMPLETE"})
+                results = [r.to_json_dict() for r in details.results if not r.success]
+                if len(results) != len(failed) or any((r.get("exception_info") or {}).get("raised_exception") for r in results):
+                    raise _StackFallback
+            alone_results: list[list[dict[str, Any]]] = [[] for _ in group]
+            if alone:
+                for j in range(len(group)):
+                    rows = frame.iloc[starts[j] : starts[j + 1]].reset_index(drop=True)
+                    part = _Frame(frame=rows, present=shard.present, typed_wrong=shard.typed_wrong)
+                    alone_results[j] = _failed_results(ge, contract, part, alone)
+    except ContractError:
+        raise
+    except Exception:  # noqa: BLE001 - GE failed on the stack: per shard, the reference path decides
+        return each_alone()
+
+    reasons: list[list[dict[str, Any]]] = [[] for _ in group]
+    for result in results:
+        config = result["expectation_config"]
+        kind = classes[_expectation_index(config, contract)]
+        column = config.get("kwargs", {}).get("column")
+        if kind == _SCHEMA:  # same column names in every shard of the stack: same result
+            for j, s in enumerate(group):
+                reasons[j].append(_reason(result, contract, s.rows))
+            continue
+        flagged = [int(i) for i in (result.get("result") or {}).get("unexpected_index_list") or []]
+        owners = np.searchsorted(starts, flagged, side="right") - 1
+        by_shard: dict[int, list[int]] = {}
+        for position, owner in zip(flagged, owners.tolist()):
+            by_shard.setdefault(owner, []).append(position)
+        for j, rows in sorted(by_shard.items()):
+            if kind == _UNIQUE:
+                values = frame[column]
+                counts: dict[Any, int] = {}
+                for i in rows:
+                    counts[values.iat[i]] = counts.get(values.iat[i], 0) + 1
+                rows = [i for i in rows if counts[values.iat[i]] > 1]
+                if not rows:
+                    continue
+            sample = _row_sample_result(frame, rows, column, index_columns)
+            reasons[j].append(_reason({"expectation_config": config, "result": sample}, contract, group[j].rows))
+    for i, kind in enumerate(classes):
+        if kind == _COUNT:
+            exp = expectations[i]
+            for j, s in enumerate(group):
+                if _row_count_fails(exp["kwargs"], s.rows):
+                    reasons[j].append(_reason({"expectation_config": exp, "result": {"observed_value": s.rows}}, contract, s.rows))
+    for j, s in enumerate(group):
+        reasons[j].extend(_reason(r, contract, s.rows) for r in alone_results[j])
+    return [_judged(s, contract, r) for s, r in zip(group, reasons)]
 
 
 def validate_shard(
@@ -302,50 +605,51 @@ def validate_shard(
     """
     contract = _as_contract(contract)
     ge = _great_expectations()
-    abspath = os.path.abspath(path)
-    try:
-        with open(abspath, "rb") as fh:
-            data = fh.read()
-    except OSError as exc:
-        return _quarantined(abspath, "", 0, contract, [{"expectation": READABLE_RULE, "error": f"{type(exc).__name__}: {exc}"}])
-    sha256 = hashlib.sha256(data).hexdigest()
-    try:
-        table = _read_table(data)
-        shard = _shard_frame(table, contract, eval_doc_hashes)
-    except Exception as exc:  # pyarrow raises many types for truncated/garbage/foreign files
-        error = f"{type(exc).__name__}: {exc}"[:500]
-        return _quarantined(abspath, sha256, 0, contract, [{"expectation": READABLE_RULE, "error": error}])
-    rows = int(table.num_rows)
+    loaded = _load_shard(path, contract)
+    return loaded if isinstance(loaded, ShardReport) else _validate_alone(loaded, contract, ge, eval_doc_hashes)
 
-    keep = _runnable(contract, shard)
-    result_format: dict[str, Any] = {"result_format": "SUMMARY", "partial_unexpected_count": SAMPLE_SIZE}
-    index_columns = [c for c in ("doc_id", "source") if c in shard.present]
-    if index_columns:
-        result_format["unexpected_index_column_names"] = index_columns
-    try:
-        with ge.lock:
-            batch = ge.batch_definition.get_batch(batch_parameters={"dataframe": shard.frame})
-            # Most shards are healthy: a pass/fail-only run costs ~40% less than one collecting
-            # samples, so details are computed only for the expectations that failed.
-            verdicts = batch.validate(_suite(ge, contract, keep), result_format="BOOLEAN_ONLY")
-            failed = tuple(sorted(_expectation_index(r.expectation_config, contract) for r in verdicts.results if not r.success))
-            results = []
-            if failed:
-                details = batch.validate(_suite(ge, contract, failed), result_format=result_format)
-                results = [r.to_json_dict() for r in details.results if not r.success]
-    except ContractError:
-        raise
-    except Exception as exc:  # noqa: BLE001 - a shard GE cannot evaluate is not proven healthy
-        error = f"{type(exc).__name__}: {exc}"[:500]
-        return _quarantined(abspath, sha256, rows, contract, [{"expectation": EVALUATION_ERROR_RULE, "error": error}])
-    if failed and not results:  # GE disagreed with itself between the two runs: never call that healthy
-        results = [{"expectation_config": contract.suite["expectations"][i], "result": {}} for i in failed]
-    reasons = [_reason(r, contract, rows) for r in results]
-    order = {e["type"] + str(e["kwargs"].get("column")): i for i, e in enumerate(contract.suite["expectations"])}
-    reasons.sort(key=lambda r: order.get(r["expectation"] + str(r.get("column")), len(order)))
-    if reasons:
-        return _quarantined(abspath, sha256, rows, contract, reasons)
-    return ShardReport(path=abspath, sha256=sha256, rows=rows, verdict="healthy", reasons=[], contract=contract.ref)
+
+def validate_shards(
+    paths: Iterable[str | Path], contract: Contract | str, eval_doc_hashes: frozenset[str] = frozenset()
+) -> list[ShardReport]:
+    """A batch of shards in one process: what a mapped DAG task runs. Reports in ``paths`` order.
+
+    Shards of the same schema are stacked into one GE run (up to ``MAX_BATCH_ROWS`` rows), and
+    each report is exactly the one ``validate_shard`` gives for that shard alone. Unreadable shards
+    are quarantined one by one; like ``validate_shard``, this raises only ``ContractError``.
+    """
+    contract = _as_contract(contract)
+    ge = _great_expectations()
+    reports: list[ShardReport | None] = []
+    pending: dict[tuple[tuple[str, str], ...], list[tuple[int, _LoadedShard]]] = {}
+    pending_rows = 0
+
+    def flush() -> None:
+        nonlocal pending_rows
+        for members in pending.values():
+            judged = _validate_stack([s for _, s in members], contract, ge, eval_doc_hashes)
+            for (position, _), report in zip(members, judged, strict=True):
+                reports[position] = report
+        pending.clear()
+        pending_rows = 0
+
+    for path in paths:
+        loaded = _load_shard(path, contract)
+        if isinstance(loaded, ShardReport):
+            reports.append(loaded)
+        elif not _stackable(loaded, contract):
+            reports.append(_validate_alone(loaded, contract, ge, eval_doc_hashes))
+        else:
+            reports.append(None)
+            pending.setdefault(loaded.schema_key, []).append((len(reports) - 1, loaded))
+            pending_rows += loaded.rows
+            if pending_rows >= MAX_BATCH_ROWS:
+                flush()
+    flush()
+    missing = [i for i, r in enumerate(reports) if r is None]
+    if missing:  # a shard without a verdict must never pass silently
+        raise ContractError(f"validation produced no report for {len(missing)} shard(s)")
+    return [r for r in reports if r is not None]
 
 
 def load_eval_doc_hashes(corpus_dir: str | Path) -> frozenset[str]:
@@ -365,14 +669,6 @@ def load_eval_doc_hashes(corpus_dir: str | Path) -> frozenset[str]:
             raise ContractError(f"cannot read the eval split {path} for the contamination rule: {exc}") from exc
         hashes.update(_text_sha256(t) for t in texts if t is not None)
     return frozenset(hashes)
-
-
-def validate_shards(
-    paths: Iterable[str | Path], contract: Contract | str, eval_doc_hashes: frozenset[str] = frozenset()
-) -> list[ShardReport]:
-    """A batch of shards in one process (one GE context): what a mapped DAG task runs."""
-    contract = _as_contract(contract)
-    return [validate_shard(p, contract, eval_doc_hashes) for p in paths]
 
 
 def train_shards(corpus_dir: str | Path) -> list[Path]:
@@ -503,7 +799,11 @@ def build_training_manifest(
 
 
 def quarantine_report(
-    reports: Sequence[ShardReport], *, snapshot_id: str | None = None, max_quarantine_share: float | None = None
+    reports: Sequence[ShardReport],
+    *,
+    snapshot_id: str | None = None,
+    max_quarantine_share: float | None = None,
+    contract: Contract | str | None = None,
 ) -> dict[str, Any]:
     """The JSON report: every shard with verdict and reasons, quarantined ones listed first-class."""
     ordered = sorted(reports, key=lambda r: r.path)
@@ -522,6 +822,8 @@ def quarantine_report(
     if max_quarantine_share is not None:
         body["max_quarantine_share"] = max_quarantine_share
         body["gate"] = "pass" if ordered and share <= max_quarantine_share and body["healthy"] else "fail"
+    if isinstance(contract, Contract):
+        body["contract_sha256"] = contract.sha256
     return body
 
 
@@ -531,51 +833,106 @@ def write_quarantine_report(
     *,
     snapshot_id: str | None = None,
     max_quarantine_share: float | None = None,
+    contract: Contract | str | None = None,
 ) -> Path:
     """Write ``quarantine_report(...)`` atomically; same reports → same bytes (no timestamps)."""
-    body = quarantine_report(reports, snapshot_id=snapshot_id, max_quarantine_share=max_quarantine_share)
+    body = quarantine_report(reports, snapshot_id=snapshot_id, max_quarantine_share=max_quarantine_share, contract=contract)
     return atomic_write_text(path, json.dumps(body, indent=2, sort_keys=True, ensure_ascii=False) + "\n")
 
 
-def render_quarantine_html(
-    reports: Sequence[ShardReport], *, snapshot_id: str | None = None, max_quarantine_share: float | None = None
-) -> str:
-    """A self-contained HTML page of the quarantine report (for the Airflow task link / MLflow)."""
+_HTML_STYLE = (
+    "body{font-family:sans-serif;margin:2em}table{border-collapse:collapse;margin-bottom:1.5em}"
+    "td,th{border:1px solid #ccc;padding:4px 8px;vertical-align:top;text-align:left}"
+    "tr.quarantined td:nth-child(2){color:#b00;font-weight:bold}tr.healthy td:nth-child(2){color:#070}"
+    "code{font-size:90%}ul{margin:0;padding-left:1.2em}"
+)
+
+
+def _html_reason(reason: dict[str, Any], patterns: Sequence[str]) -> str:
     from html import escape
 
-    body = quarantine_report(reports, snapshot_id=snapshot_id, max_quarantine_share=max_quarantine_share)
+    def shown(value: Any) -> str:  # reports may come from JSON of unknown age: redact again
+        return escape(redact(str(value), patterns))
+
+    parts = [f"<code>{escape(str(reason.get('expectation')))}</code>"]
+    if reason.get("column"):
+        parts.append(f" on <code>{escape(str(reason['column']))}</code>")
+    if "unexpected_count" in reason:
+        parts.append(f" — {reason['unexpected_count']} unexpected")
+    parts.extend(f"<br><code>{shown(sample)}</code>" for sample in reason.get("sample", []))
+    if reason.get("error"):
+        parts.append(f"<br><code>{shown(reason['error'])}</code>")
+    return "<li>" + "".join(parts) + "</li>"
+
+
+def _html_contract(contract: Contract) -> str:
+    from html import escape
+
+    rules = []
+    for i, exp in enumerate(contract.suite["expectations"]):
+        kwargs = {k: v for k, v in exp["kwargs"].items() if k != "regex_list"}
+        if "regex_list" in exp["kwargs"]:
+            kwargs["regex_list"] = f"{len(exp['kwargs']['regex_list'])} patterns"
+        rules.append(
+            f"<tr><td>{i}</td><td><code>{escape(str((exp.get('meta') or {}).get('kiln_rule', '')))}</code></td>"
+            f"<td><code>{escape(exp['type'])}</code></td><td><code>{escape(json.dumps(kwargs, sort_keys=True))}</code></td>"
+            f"<td>{escape(str(exp.get('description', '')))}</td></tr>"
+        )
+    return (
+        f"<h2>Contract <code>{escape(contract.ref)}</code></h2><p>sha256 <code>{contract.sha256}</code> · "
+        f"<code>{escape(str(contract.path))}</code></p>"
+        "<table><tr><th>#</th><th>rule</th><th>expectation</th><th>arguments</th><th>why</th></tr>"
+        + "".join(rules)
+        + "</table>"
+    )
+
+
+def render_quarantine_html(
+    reports: Sequence[ShardReport],
+    *,
+    snapshot_id: str | None = None,
+    max_quarantine_share: float | None = None,
+    contract: Contract | str | None = None,
+) -> str:
+    """A self-contained HTML page of the quarantine report (for the Airflow task link / MLflow).
+
+    Every shard (path, verdict, rows, sha256, reasons with redacted samples), the snapshot id, the
+    gate outcome and, given a ``Contract``, the rules it was checked against. Deterministic.
+    """
+    from html import escape
+
+    body = quarantine_report(reports, snapshot_id=snapshot_id, max_quarantine_share=max_quarantine_share, contract=contract)
+    loaded = contract if isinstance(contract, Contract) else None
+    patterns = loaded.secret_patterns if loaded is not None else ()
+    paths = [r["path"] for r in body["reports"]]
+    root = os.path.commonpath(paths) if len(paths) > 1 else (os.path.dirname(paths[0]) if paths else "")
     rows = []
     for r in body["reports"]:
-        reasons = "".join(
-            "<li><code>{}</code>{}{}{}</li>".format(
-                escape(str(reason.get("expectation"))),
-                f" on <code>{escape(str(reason['column']))}</code>" if reason.get("column") else "",
-                f" — {reason['unexpected_count']} unexpected" if "unexpected_count" in reason else "",
-                "".join(f"<br><code>{escape(str(s))}</code>" for s in reason.get("sample", []))
-                + (f"<br><code>{escape(str(reason['error']))}</code>" if reason.get("error") else ""),
-            )
-            for reason in r["reasons"]
-        )
+        name = os.path.relpath(r["path"], root) if root else r["path"]
+        reasons = "".join(_html_reason(reason, patterns) for reason in r["reasons"])
         rows.append(
-            f"<tr class='{escape(r['verdict'])}'><td>{escape(Path(r['path']).name)}</td><td>{escape(r['verdict'])}</td>"
-            f"<td>{r['rows']}</td><td><code>{escape(r['sha256'][:12])}</code></td><td><ul>{reasons}</ul></td></tr>"
+            f"<tr class='{escape(r['verdict'])}'><td title='{escape(r['path'])}'>{escape(name)}</td><td>{escape(r['verdict'])}</td>"
+            f"<td>{r['rows']}</td><td><code title='{escape(r['sha256'])}'>{escape(r['sha256'][:12])}</code></td>"
+            f"<td><ul>{reasons}</ul></td></tr>"
         )
     gate_line = (
         f"<p>Data gate: <b>{escape(body['gate'])}</b> (max quarantined share {body['max_quarantine_share']:.1%})</p>"
         if "gate" in body
         else ""
     )
+    contract_refs = sorted({*body["contract"], *([loaded.ref] if loaded else ([contract] if isinstance(contract, str) else []))})
     return (
-        "<!doctype html><html><head><meta charset='utf-8'><title>kiln quarantine report</title><style>"
-        "body{font-family:sans-serif;margin:2em}table{border-collapse:collapse}td,th{border:1px solid #ccc;"
-        "padding:4px 8px;vertical-align:top}tr.quarantined td:nth-child(2){color:#b00;font-weight:bold}"
-        "tr.healthy td:nth-child(2){color:#070}code{font-size:90%}</style></head><body>"
+        f"<!doctype html><html><head><meta charset='utf-8'><title>kiln quarantine report</title><style>{_HTML_STYLE}</style>"
+        "</head><body>"
         f"<h1>Quarantine report</h1><p>Snapshot: <code>{escape(str(body.get('snapshot_id', '-')))}</code> · "
-        f"contract: <code>{escape(', '.join(body['contract']))}</code> · {body['healthy']}/{body['shards']} shards healthy · "
+        f"contract: <code>{escape(', '.join(contract_refs))}</code> · {body['healthy']}/{body['shards']} shards healthy · "
         f"quarantined share {body['quarantined_share']:.1%}</p>{gate_line}"
+        f"<p>Shards under <code>{escape(root or '-')}</code>; a quarantined shard's bytes stay in the snapshot.</p>"
         "<table><tr><th>shard</th><th>verdict</th><th>rows</th><th>sha256</th><th>reasons</th></tr>"
         + "".join(rows)
-        + "</table></body></html>\n"
+        + "</table>"
+        + (_html_contract(loaded) if loaded is not None else "")
+        + "</body></html>\n"
     )
 
 
@@ -585,6 +942,53 @@ def write_quarantine_html(
     *,
     snapshot_id: str | None = None,
     max_quarantine_share: float | None = None,
+    contract: Contract | str | None = None,
 ) -> Path:
-    html = render_quarantine_html(reports, snapshot_id=snapshot_id, max_quarantine_share=max_quarantine_share)
+    html = render_quarantine_html(reports, snapshot_id=snapshot_id, max_quarantine_share=max_quarantine_share, contract=contract)
     return atomic_write_text(path, html)
+
+
+QUARANTINE_JSON = "quarantine-report.json"
+QUARANTINE_HTML = "quarantine-report.html"
+QUARANTINE_ARTIFACT_DIR = "quarantine"
+"""Where ``publish_quarantine_report`` logs both files in the MLflow run."""
+
+
+def publish_quarantine_report(
+    reports: Sequence[ShardReport],
+    out_dir: str | Path,
+    *,
+    snapshot_id: str,
+    contract: Contract | str,
+    max_quarantine_share: float,
+    mlflow_run_id: str | None = None,
+) -> dict[str, str]:
+    """Write the JSON report and the HTML page to ``out_dir``; log both to an MLflow run if given.
+
+    Returns ``{"json": path, "html": path}`` plus ``"json_uri"`` / ``"html_uri"`` (artifact URIs
+    under ``quarantine/`` of the run) when ``mlflow_run_id`` is given; the tracking URI comes from
+    the environment (``MLFLOW_TRACKING_URI``). Idempotent: the same reports rewrite the same bytes
+    and re-log the same artifact paths. An MLflow failure is a ``RegistryError`` (retryable).
+    """
+    contract = _as_contract(contract)
+    out = Path(out_dir)
+    json_path = write_quarantine_report(
+        reports, out / QUARANTINE_JSON, snapshot_id=snapshot_id, max_quarantine_share=max_quarantine_share, contract=contract
+    )
+    html_path = write_quarantine_html(
+        reports, out / QUARANTINE_HTML, snapshot_id=snapshot_id, max_quarantine_share=max_quarantine_share, contract=contract
+    )
+    published = {"json": str(json_path), "html": str(html_path)}
+    if mlflow_run_id:
+        from mlflow import MlflowClient
+
+        try:
+            client = MlflowClient()
+            for path in (json_path, html_path):
+                client.log_artifact(mlflow_run_id, str(path), artifact_path=QUARANTINE_ARTIFACT_DIR)
+            base = client.get_run(mlflow_run_id).info.artifact_uri.rstrip("/")
+        except Exception as exc:  # MlflowException, connection errors, artifact store errors
+            raise RegistryError(f"cannot log the quarantine report to MLflow run {mlflow_run_id}: {exc}") from exc
+        published["json_uri"] = f"{base}/{QUARANTINE_ARTIFACT_DIR}/{json_path.name}"
+        published["html_uri"] = f"{base}/{QUARANTINE_ARTIFACT_DIR}/{html_path.name}"
+    return published

@@ -391,3 +391,82 @@ def test_html_report_shows_every_shard_and_escapes_samples(poisoned_reports, std
     odd = _report("<script>.parquet", "quarantined")
     odd = dataclasses.replace(odd, reasons=[{"expectation": "x", "column": "text", "unexpected_count": 1, "sample": ["<b>"]}])
     assert "<script>" not in validation.render_quarantine_html([odd]) and "&lt;b&gt;" in validation.render_quarantine_html([odd])
+
+
+# -- one GE run per batch: identical to one shard at a time -------------------------------------------
+
+
+def _alone(paths: list[str] | list[Path], contract, hashes: frozenset[str]) -> list[ShardReport]:
+    return [validate_shard(p, contract, hashes) for p in paths]
+
+
+@pytest.mark.parametrize("corpus", ["clean_corpus", "poisoned_corpus"])
+def test_batched_validation_equals_one_shard_at_a_time(corpus: str, request, stdlib_contract) -> None:
+    summary = request.getfixturevalue(corpus)
+    paths = validation.train_shards(summary["out"])
+    hashes = load_eval_doc_hashes(summary["out"])
+    alone = _alone(paths, stdlib_contract, hashes)
+    assert validation.validate_shards(paths, stdlib_contract, hashes) == alone  # the whole corpus in one batch
+    in_fours = [r for i in range(0, len(paths), 4) for r in validation.validate_shards(paths[i : i + 4], stdlib_contract, hashes)]
+    assert in_fours == alone  # the DAG's batches
+    assert any(r.verdict == "quarantined" for r in alone) == (corpus == "poisoned_corpus")
+
+
+def test_a_batch_runs_ge_once_and_alone_only_for_odd_schemas(poisoned_corpus, stdlib_contract, monkeypatch) -> None:
+    stacks, alone = [], []
+    real_stack, real_alone = validation._validate_stack, validation._validate_alone
+    monkeypatch.setattr(validation, "_validate_stack", lambda group, *a: stacks.append(len(group)) or real_stack(group, *a))
+    monkeypatch.setattr(validation, "_validate_alone", lambda loaded, *a: alone.append(loaded.path) or real_alone(loaded, *a))
+    paths = validation.train_shards(poisoned_corpus["out"])
+    validation.validate_shards(paths, stdlib_contract, load_eval_doc_hashes(poisoned_corpus["out"]))
+    odd = sorted(_shard_of(poisoned_corpus, k) for k in ("missing_column", "wrong_type"))
+    unreadable = sum(POISON_KINDS[k].rule == READABLE_RULE for k in POISON_KINDS)
+    assert sorted(alone) == odd  # every other readable shard went through the one stacked run
+    assert stacks == [len(paths) - unreadable - len(odd)]
+
+
+def test_the_shipped_contract_runs_entirely_in_the_stacked_run(stdlib_contract) -> None:
+    classes = {e["type"]: validation._batch_class(e) for e in stdlib_contract.expectations}
+    assert "alone" not in classes.values(), classes
+
+
+def test_ids_repeated_across_shards_of_one_batch_are_not_an_in_shard_duplicate(clean_corpus, stdlib_contract, tmp_path: Path) -> None:
+    table = pq.read_table(clean_corpus["train"][0])
+    copy = _write(tmp_path / "copy.parquet", parquet_bytes(table))
+    ids = table.column("doc_id").to_pylist()
+    dup = _write(tmp_path / "dup.parquet", parquet_bytes(table.set_column(0, "doc_id", pa.array([ids[1], *ids[1:]]))))
+    paths = [clean_corpus["train"][0], copy, dup]
+    reports = validation.validate_shards(paths, stdlib_contract)
+    assert reports == _alone(paths, stdlib_contract, frozenset())
+    assert [r.verdict for r in reports] == ["healthy", "healthy", "quarantined"]
+    (reason,) = reports[2].reasons
+    assert (reason["expectation"], reason["unexpected_count"]) == ("expect_column_values_to_be_unique", 2)
+
+
+def _variant(contract, **changes: Any):
+    """``contract`` with expectations' kwargs changed: {expectation index: {kwarg: value}}."""
+    suite = json.loads(json.dumps(contract.suite))
+    for index, kwargs in changes.items():
+        suite["expectations"][int(index.lstrip("e"))]["kwargs"].update(kwargs)
+    return dataclasses.replace(contract, suite=suite)
+
+
+def test_batched_equals_alone_for_every_evaluation_class(clean_corpus, poisoned_corpus, stdlib_contract, tmp_path: Path) -> None:
+    """Schema rules failing in a stack, per-shard row-count bounds (strict too), ``mostly`` (alone)."""
+    clean = [Path(p) for p in clean_corpus["train"][:4]]
+    rows = [pq.read_metadata(p).num_rows for p in clean]
+    extra = pq.read_table(clean[0])
+    extra = _write(tmp_path / "extra-column.parquet", parquet_bytes(extra.append_column("lang", pa.array(["py"] * extra.num_rows))))
+    paths = [*clean, extra, *(_shard_of(poisoned_corpus, k) for k in ("null_ids", "tiny_doc", "zero_rows", "truncated"))]
+    hashes = load_eval_doc_hashes(poisoned_corpus["out"])
+    e = {exp["type"] + str(exp["kwargs"].get("column")): f"e{i}" for i, exp in enumerate(stdlib_contract.expectations)}
+    variants = [
+        _variant(stdlib_contract, **{e["expect_table_columns_to_matchNone"] if False else "e0": {"exact_match": True}}),
+        _variant(stdlib_contract, e4={"min_value": min(rows), "strict_min": True, "max_value": sorted(rows)[-2]}),
+        _variant(stdlib_contract, e4={"max_value": max(rows), "strict_max": True}),
+        _variant(stdlib_contract, **{e["expect_column_values_to_not_be_nulldoc_id"]: {"mostly": 0.5}}),
+    ]
+    for contract in variants:
+        batched = validation.validate_shards(paths, contract, hashes)
+        assert batched == _alone(paths, contract, hashes), contract.suite["expectations"]
+        assert any(r.verdict == "quarantined" for r in batched[:5]), "each variant must trip some clean or extra shard"

@@ -49,3 +49,10 @@ def test_tampered_checkpoint_is_refused(step_dir: Path, corpus: Path, tmp_path: 
         evaluate.evaluate_checkpoint(copy, corpus)
     assert evaluate.main(["--checkpoint", str(copy), "--manifest", str(corpus), "--out", str(tmp_path / "e.json")]) == 2
     assert not (tmp_path / "e.json").exists()
+
+
+def test_without_a_manifest_the_run_copy_is_required(step_dir: Path) -> None:
+    from kiln_trainer.errors import ManifestError
+
+    with pytest.raises(ManifestError, match="training_manifest.json does not exist"):
+        evaluate.evaluate_checkpoint(step_dir)

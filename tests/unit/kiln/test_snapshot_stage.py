@@ -1,0 +1,73 @@
+"""``kiln.pipeline.snapshot_stage``: the production corpus policy and the asset-announced id check."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from kiln import settings as kiln_settings
+from kiln import snapshot
+from kiln.errors import ConfigError, SnapshotError
+from kiln.pipeline import snapshot_stage
+from kiln.policy import PRODUCTION, SANDBOX
+
+
+@pytest.fixture()
+def home(tmp_path, monkeypatch):
+    monkeypatch.setenv("KILN_HOME", str(tmp_path / "kiln"))
+    monkeypatch.delenv("KILN_DVC_REMOTE", raising=False)
+    monkeypatch.delenv("KILN_DVC_REMOTE_ENDPOINT", raising=False)
+    return tmp_path / "kiln"
+
+
+def _corpus(name: str, tag: bytes = b"") -> Path:
+    root = kiln_settings.load().corpus_root / name
+    (root / "train").mkdir(parents=True, exist_ok=True)
+    (root / "eval").mkdir(exist_ok=True)
+    for i in range(2):
+        (root / "train" / f"shard-{i:05d}.parquet").write_bytes(b"%d %s" % (i, tag) * 500)
+    (root / "eval" / "eval-00000.parquet").write_bytes(b"eval")
+    return root
+
+
+def test_production_refuses_a_corpus_that_is_not_registered(home):
+    _corpus("scratch-corpus")
+    with pytest.raises(ConfigError, match=r"production runs snapshot only the registered corpus 'stdlib-py', not 'scratch-corpus'"):
+        snapshot_stage(PRODUCTION, "scratch-corpus")
+    assert not (kiln_settings.load().dvc_repo / ".kiln-snapshots").exists(), "something was snapshotted"
+
+
+def test_sandbox_may_snapshot_another_corpus(home):
+    _corpus("scratch-corpus")
+    assert snapshot_stage(SANDBOX, "scratch-corpus")["corpus"] == "scratch-corpus"
+
+
+def test_announced_snapshot_id_that_differs_from_the_bytes_found_fails(home):
+    corpus = _corpus(PRODUCTION.corpus)
+    announced = snapshot.create_snapshot(corpus).id
+    (corpus / "train" / "shard-00001.parquet").write_bytes(b"rebuilt after the announcement")
+    with pytest.raises(SnapshotError, match=rf"triggered for corpus snapshot\(s\) {announced} .*refusing to train on other bytes"):
+        snapshot_stage(PRODUCTION, None, [announced])
+    assert not (kiln_settings.load().home / "snapshots").exists(), "the run pinned bytes it must not train on"
+
+
+@pytest.mark.xfail(strict=True, reason="SnapshotError is retryable; a mismatch needs a non-retryable subclass (errors.py)")
+def test_announced_id_mismatch_is_not_retried(home):
+    corpus = _corpus(PRODUCTION.corpus)
+    announced = snapshot.create_snapshot(corpus).id
+    (corpus / "train" / "shard-00001.parquet").write_bytes(b"rebuilt after the announcement")
+    with pytest.raises(SnapshotError) as info:
+        snapshot_stage(PRODUCTION, None, [announced])
+    assert info.value.retryable is False
+
+
+def test_matching_announced_id_passes_and_pins_those_bytes(home):
+    corpus = _corpus(PRODUCTION.corpus)
+    announced = snapshot.create_snapshot(corpus).id
+    result = snapshot_stage(PRODUCTION, None, ["0" * 32 + ".dir", announced])  # coalesced events: any one
+    assert result["id"] == announced
+    assert result["shards"] == ["train/shard-00000.parquet", "train/shard-00001.parquet"]
+    pinned = Path(result["path"])
+    assert pinned == kiln_settings.load().home / "snapshots" / announced.removesuffix(".dir")
+    assert (pinned / "train" / "shard-00000.parquet").read_bytes() == (corpus / "train" / "shard-00000.parquet").read_bytes()
