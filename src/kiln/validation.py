@@ -22,6 +22,7 @@ one-shard reference the batched path is tested against.
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 import os
@@ -46,6 +47,9 @@ READABLE_RULE = "readable_parquet"
 CROSS_SHARD_RULE = "doc_id_unique_across_shards"
 EVALUATION_ERROR_RULE = "contract_evaluation"
 """Reason id when GE itself failed on a shard: the shard is not proven healthy, so it is quarantined."""
+
+INDEX_META_KEY = "kiln_expectation_index"
+"""Added to each expectation's meta when kiln builds the GE suite: its position in the contract."""
 
 SAMPLE_SIZE = 3
 SAMPLE_CHARS = 100
@@ -89,10 +93,19 @@ def _suite(ge: _GreatExpectations, contract: Contract, keep: tuple[int, ...]) ->
     if suite is None:
         import great_expectations as gx
 
-        expectations = [contract.suite["expectations"][i] for i in keep]
+        # The position rides along in meta: GE drops kwargs equal to their default from its results,
+        # so matching results back by kwargs alone fails for a contract that spells a default out.
+        # Deep copies: GE writes into what it is given (meta gains great_expectations_version), and
+        # the contract's suite must stay byte-identical to its file (its sha256 is recorded).
+        expectations = copy.deepcopy([contract.suite["expectations"][i] for i in keep])
+        for i, exp in zip(keep, expectations):
+            exp["meta"] = {**(exp.get("meta") or {}), INDEX_META_KEY: i}
         try:
             suite = gx.ExpectationSuite(
-                name=contract.ref, expectations=expectations, meta=contract.suite.get("meta"), notes=contract.suite.get("notes")
+                name=contract.ref,
+                expectations=expectations,
+                meta=copy.deepcopy(contract.suite.get("meta")),
+                notes=contract.suite.get("notes"),
             )
         except Exception as exc:  # GE raises pydantic / its own config errors: the contract is broken
             raise ContractError(f"contract {contract.ref} ({contract.path}) is not a valid GE suite: {exc}") from exc
@@ -195,10 +208,14 @@ def _expectation_index(config: Any, contract: Contract) -> int:
     """Position in the contract of the expectation a GE result belongs to (GE reorders results).
 
     ``config`` is GE's ExpectationConfiguration or its JSON form."""
-    kind, kwargs = (config["type"], config.get("kwargs", {})) if isinstance(config, dict) else (config.type, dict(config.kwargs))
-    for i, exp in enumerate(contract.suite["expectations"]):
-        if exp["type"] == kind and all(kwargs.get(k) == v for k, v in exp["kwargs"].items()):
-            return i
+    if isinstance(config, dict):
+        kind, kwargs, meta = config["type"], config.get("kwargs", {}), config.get("meta") or {}
+    else:
+        kind, kwargs, meta = config.type, dict(config.kwargs), config.meta or {}
+    index = meta.get(INDEX_META_KEY)
+    expectations = contract.suite["expectations"]
+    if isinstance(index, int) and 0 <= index < len(expectations) and expectations[index]["type"] == kind:
+        return index
     raise ContractError(f"GE returned a result for an expectation not in {contract.ref}: {kind} {kwargs}")
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import html
 import json
 import re
 import subprocess
@@ -459,14 +460,119 @@ def test_batched_equals_alone_for_every_evaluation_class(clean_corpus, poisoned_
     extra = _write(tmp_path / "extra-column.parquet", parquet_bytes(extra.append_column("lang", pa.array(["py"] * extra.num_rows))))
     paths = [*clean, extra, *(_shard_of(poisoned_corpus, k) for k in ("null_ids", "tiny_doc", "zero_rows", "truncated"))]
     hashes = load_eval_doc_hashes(poisoned_corpus["out"])
-    e = {exp["type"] + str(exp["kwargs"].get("column")): f"e{i}" for i, exp in enumerate(stdlib_contract.expectations)}
+
+    def at(kind: str, column: str | None = None) -> str:
+        return next(f"e{i}" for i, x in enumerate(stdlib_contract.expectations) if (x["type"], x["kwargs"].get("column")) == (kind, column))
+
+    count = at("expect_table_row_count_to_be_between")
     variants = [
-        _variant(stdlib_contract, **{e["expect_table_columns_to_matchNone"] if False else "e0": {"exact_match": True}}),
-        _variant(stdlib_contract, e4={"min_value": min(rows), "strict_min": True, "max_value": sorted(rows)[-2]}),
-        _variant(stdlib_contract, e4={"max_value": max(rows), "strict_max": True}),
-        _variant(stdlib_contract, **{e["expect_column_values_to_not_be_nulldoc_id"]: {"mostly": 0.5}}),
+        _variant(stdlib_contract, **{at("expect_table_columns_to_match_set"): {"exact_match": True}}),
+        _variant(stdlib_contract, **{count: {"min_value": min(rows), "strict_min": True, "max_value": sorted(rows)[-2]}}),
+        _variant(stdlib_contract, **{count: {"max_value": max(rows), "strict_max": True}}),
+        _variant(stdlib_contract, **{at("expect_column_values_to_not_be_null", "doc_id"): {"mostly": 0.5}}),
     ]
+    unchanged = validation.validate_shards(paths, stdlib_contract, hashes)
     for contract in variants:
         batched = validation.validate_shards(paths, contract, hashes)
         assert batched == _alone(paths, contract, hashes), contract.suite["expectations"]
-        assert any(r.verdict == "quarantined" for r in batched[:5]), "each variant must trip some clean or extra shard"
+        assert [r.reasons for r in batched] != [r.reasons for r in unchanged]  # the variant does change verdicts
+
+
+def test_unreadable_shards_in_a_batch_are_quarantined_one_by_one(clean_corpus, stdlib_contract, tmp_path: Path) -> None:
+    good = clean_corpus["train"][:2]
+    paths = [good[0], _write(tmp_path / "zero.parquet", b""), tmp_path / "missing.parquet", tmp_path, good[1]]
+    reports = validation.validate_shards(paths, stdlib_contract)
+    assert [Path(r.path).name for r in reports] == [Path(p).name for p in paths]
+    assert [r.verdict for r in reports] == ["healthy", "quarantined", "quarantined", "quarantined", "healthy"]
+    assert all([x["expectation"] for x in r.reasons] == [READABLE_RULE] for r in reports[1:4])
+    assert reports == _alone(paths, stdlib_contract, frozenset())
+
+
+# -- the quarantine page and its publication ---------------------------------------------------------
+
+
+def test_html_page_with_the_contract_shows_rules_snapshot_and_every_shard(poisoned_reports, stdlib_contract) -> None:
+    page = validation.render_quarantine_html(
+        poisoned_reports, snapshot_id="abc.dir", max_quarantine_share=0.25, contract=stdlib_contract
+    )
+    assert "<code>abc.dir</code>" in page and stdlib_contract.sha256 in page and "stdlib-py@1" in page
+    for report in poisoned_reports:
+        assert f"title='{report.path}'" in page and f"title='{report.sha256}'" in page
+    for expectation in stdlib_contract.expectations:
+        assert html.escape(expectation["description"]) in page
+    for kind in POISON_KINDS.values():
+        assert kind.rule in page
+    assert page == validation.render_quarantine_html(
+        list(reversed(poisoned_reports)), snapshot_id="abc.dir", max_quarantine_share=0.25, contract=stdlib_contract
+    )
+
+
+def test_html_page_redacts_secrets_even_in_old_reports(stdlib_contract) -> None:
+    leaked = "AKIA" + "ABCDEFGHIJKLMNOP"
+    old = dataclasses.replace(
+        _report("old.parquet", "quarantined"),
+        reasons=[{"expectation": "expect_column_values_to_not_match_regex_list", "column": "text", "unexpected_count": 1,
+                  "sample": [f"key = {leaked}"]}],
+    )
+    assert leaked in validation.render_quarantine_html([old])  # without the contract nothing says what a secret is
+    page = validation.render_quarantine_html([old], contract=stdlib_contract)
+    assert leaked not in page and "[REDACTED]" in page
+
+
+def test_publish_writes_json_and_html_without_mlflow(poisoned_reports, stdlib_contract, tmp_path: Path) -> None:
+    published = validation.publish_quarantine_report(
+        poisoned_reports, tmp_path / "run", snapshot_id="abc.dir", contract="stdlib-py@1", max_quarantine_share=0.25
+    )
+    assert set(published) == {"json", "html"}
+    body = json.loads(Path(published["json"]).read_text())
+    assert body["snapshot_id"] == "abc.dir" and body["contract_sha256"] == stdlib_contract.sha256 and body["gate"] == "fail"
+    assert Path(published["html"]).read_text().count("<tr class=") == len(poisoned_reports)
+
+
+def test_publish_logs_both_files_to_the_mlflow_run(poisoned_reports, stdlib_contract, tmp_path: Path, monkeypatch) -> None:
+    from mlflow import MlflowClient
+
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
+    client = MlflowClient()
+    experiment = client.create_experiment("kiln-quarantine", artifact_location=(tmp_path / "artifacts").as_uri())
+    run_id = client.create_run(experiment).info.run_id
+    kwargs = {"snapshot_id": "abc.dir", "contract": stdlib_contract, "max_quarantine_share": 0.25, "mlflow_run_id": run_id}
+    published = validation.publish_quarantine_report(poisoned_reports, tmp_path / "out", **kwargs)
+    again = validation.publish_quarantine_report(poisoned_reports, tmp_path / "out", **kwargs)  # a retried task
+    assert again == published
+    artifacts = sorted(a.path for a in client.list_artifacts(run_id, validation.QUARANTINE_ARTIFACT_DIR))
+    assert artifacts == ["quarantine/quarantine-report.html", "quarantine/quarantine-report.json"]
+    for key in ("json", "html"):
+        assert published[f"{key}_uri"].endswith(f"/quarantine/quarantine-report.{key}")
+        logged = Path(client.download_artifacts(run_id, f"quarantine/quarantine-report.{key}", str(tmp_path / key)))
+        assert logged.read_bytes() == Path(published[key]).read_bytes()
+
+
+def test_publish_translates_mlflow_failures(poisoned_reports, stdlib_contract, tmp_path: Path, monkeypatch) -> None:
+    import mlflow
+    from mlflow.exceptions import MlflowException
+
+    from kiln.errors import RegistryError
+
+    class DownClient:
+        def log_artifact(self, *args: Any, **kwargs: Any) -> None:
+            raise MlflowException("tracking server unreachable")
+
+    monkeypatch.setattr(mlflow, "MlflowClient", DownClient)
+    with pytest.raises(RegistryError, match="run r1: tracking server unreachable") as info:
+        validation.publish_quarantine_report(
+            poisoned_reports, tmp_path, snapshot_id="abc.dir", contract=stdlib_contract, max_quarantine_share=0.25,
+            mlflow_run_id="r1",
+        )
+    assert info.value.retryable and (tmp_path / validation.QUARANTINE_HTML).is_file()  # written before MLflow was tried
+
+
+def test_validation_leaves_the_contract_untouched(clean_corpus) -> None:
+    from kiln.contracts import load_contract
+
+    contract = load_contract("stdlib-py@1")
+    before = json.loads(json.dumps(contract.suite)), contract.sha256
+    validation.validate_shards(clean_corpus["train"][:2], contract)
+    validate_shard(clean_corpus["train"][0], contract)
+    assert (contract.suite, contract.sha256) == before
+    assert contract.suite == json.loads(contract.path.read_text())
