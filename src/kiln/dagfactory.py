@@ -148,7 +148,8 @@ def build_dag(policy: Policy):  # noqa: C901 - one function so the wiring reads 
             from kiln.pipeline import check_run_conf, snapshot_stage
 
             ctx = get_current_context()
-            _run(check_run_conf, policy, ctx["dag_run"].conf or {}, set(ctx["params"].keys()))
+            # The declared form, not ctx["params"]: Airflow merges unknown conf keys into the latter.
+            _run(check_run_conf, policy, ctx["dag_run"].conf or {}, set(ctx["dag"].params.keys()))
             expected = [
                 ev.extra["snapshot_id"]
                 for events in (ctx.get("triggering_asset_events") or {}).values()

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import hashlib
 import json
 import logging
 import os
@@ -322,9 +323,10 @@ def show_snapshot(snapshot_id: str) -> SnapshotRef:
 def restore_snapshot(ref_or_id: SnapshotRef | str, dest: str | Path) -> Path:
     """Restore exactly a snapshot's bytes into ``dest`` from the cache or, if missing, the remote.
 
-    Works from the ``.dvc`` text alone: a scratch DVC repo with that file is pulled, DVC verifies
-    every file's md5 against the ``.dir`` listing, and the result is moved into place only when
-    complete, so ``dest`` is never half-written.
+    Works from the ``.dvc`` text alone: a scratch DVC repo with that file is pulled, every file's
+    md5 is checked against the snapshot's ``.dir`` listing (DVC itself does not re-hash what it
+    downloads or checks out), and the result is moved into place only when complete and verified,
+    so ``dest`` is never half-written or wrong.
     """
     _env()
     ref = ref_or_id if isinstance(ref_or_id, SnapshotRef) else show_snapshot(ref_or_id)
@@ -353,6 +355,7 @@ def restore_snapshot(ref_or_id: SnapshotRef | str, dest: str | Path) -> Path:
         restored = scratch / "data"
         if not restored.is_dir():
             raise SnapshotError(f"DVC restored nothing for snapshot {ref.id}")
+        _verify_restored(restored, ref.id, s)
         if dest.exists():
             dest.rmdir()
         os.replace(restored, dest)
@@ -363,6 +366,33 @@ def restore_snapshot(ref_or_id: SnapshotRef | str, dest: str | Path) -> Path:
     return dest
 
 
+def _verify_restored(tree: Path, snapshot_id: str, s: kiln_settings.Settings) -> None:
+    """Every file under ``tree`` has the md5 the snapshot's ``.dir`` listing names, and no file is
+    missing or extra; the listing itself must hash to the id."""
+    md5 = snapshot_id.removesuffix(".dir")
+    listing = s.dvc_cache / "files" / "md5" / md5[:2] / f"{md5[2:]}.dir"
+    try:
+        raw = listing.read_bytes()
+    except OSError as exc:
+        raise SnapshotError(f"snapshot {snapshot_id}: its .dir listing {listing} is missing after the pull") from exc
+    if hashlib.md5(raw, usedforsecurity=False).hexdigest() != md5:
+        raise SnapshotError(f"snapshot {snapshot_id}: its .dir listing {listing} is corrupted (md5 differs from the id)")
+    expected = {entry["relpath"]: entry["md5"] for entry in json.loads(raw)}
+    found = {p.relative_to(tree).as_posix(): p for p in tree.rglob("*") if not p.is_dir()}
+    problems = [f"{rel}: missing" for rel in sorted(expected.keys() - found.keys())]
+    problems += [f"{rel}: not in the snapshot" for rel in sorted(found.keys() - expected.keys())]
+    for rel in sorted(expected.keys() & found.keys()):
+        with open(found[rel], "rb") as fh:
+            if hashlib.file_digest(fh, "md5").hexdigest() != expected[rel]:
+                problems.append(f"{rel}: md5 differs")
+    if problems:
+        raise SnapshotError(
+            f"restored bytes of snapshot {snapshot_id} do not match its hashes ({len(problems)} file(s): "
+            f"{'; '.join(problems[:5])}); a corrupted object on the remote or in the cache {s.dvc_cache} "
+            "— remove it there and restore again"
+        )
+
+
 def _rename_out(dvc_text: str, new_path: str) -> str:
     """Point the single ``outs`` entry of a ``.dvc`` file at ``new_path``."""
     return re.sub(r"(?m)^(\s*-?\s*path:\s*).*$", rf"\g<1>{new_path}", dvc_text, count=1)
@@ -371,7 +401,8 @@ def _rename_out(dvc_text: str, new_path: str) -> str:
 def checkout_snapshot(snapshot_id: str) -> SnapshotRef:
     """An immutable local copy of a snapshot under ``<home>/snapshots/<md5>``; ``.path`` points there.
 
-    Restored once (verified by DVC); later calls reuse it. Readers use this, never the workspace.
+    Restored once (every file checked against the id's md5 listing); later calls reuse it. Readers
+    use this, never the workspace.
     """
     ref = show_snapshot(snapshot_id)
     s = kiln_settings.load()

@@ -315,7 +315,7 @@ def _reason(validation_result: dict[str, Any], contract: Contract, rows: int) ->
 # -- validation ------------------------------------------------------------------------------------
 #
 # A batch of shards is validated with ONE Great Expectations run over the shards' frames stacked
-# end to end (GE's fixed cost, ~55 ms per run, dwarfs the per-row work of a small shard). Every
+# end to end (GE's fixed cost, 0.05-0.2 s per run, dwarfs the per-row work of a small shard). Every
 # expectation of the contract falls in one of these classes, and each class is mapped back to the
 # shards so that a shard's verdict and reasons are exactly what validating it alone gives
 # (``tests/unit/kiln/test_validation.py`` checks this over the whole poison zoo):
@@ -366,8 +366,9 @@ ROW_COUNT = "expect_table_row_count_to_be_between"
 """GE can only count the stack's rows: the bounds are applied to each shard's own row count here."""
 _ROW_COUNT_KWARGS = frozenset({"min_value", "max_value", "strict_min", "strict_max"})
 
-MAX_BATCH_ROWS = 200_000
-"""Rows stacked into one GE run at most; a longer list of shards is validated in several runs."""
+MAX_BATCH_ROWS = 50_000
+"""Rows stacked into one GE run at most (memory: GE copies the text column per regex); a longer
+list of shards is validated in several runs."""
 
 _ROW, _UNIQUE, _SCHEMA, _COUNT, _ALONE = "row", "unique", "schema", "row_count", "alone"
 
@@ -403,9 +404,9 @@ class _LoadedShard:
         return int(self.table.num_rows)
 
     @property
-    def schema_key(self) -> tuple[tuple[str, str], ...]:
-        """Shards with the same key can be stacked into one table."""
-        return tuple((f.name, str(f.type)) for f in self.table.schema)
+    def schema_key(self) -> tuple[tuple[str, str, bool], ...]:
+        """Shards with the same key can be stacked into one table (``pa.concat_tables``)."""
+        return tuple((f.name, str(f.type), f.nullable) for f in self.table.schema)
 
 
 def _quarantined(path: str, sha256: str, rows: int, contract: Contract, reasons: list[dict[str, Any]]) -> ShardReport:
@@ -638,7 +639,7 @@ def validate_shards(
     contract = _as_contract(contract)
     ge = _great_expectations()
     reports: list[ShardReport | None] = []
-    pending: dict[tuple[tuple[str, str], ...], list[tuple[int, _LoadedShard]]] = {}
+    pending: dict[tuple[tuple[str, str, bool], ...], list[tuple[int, _LoadedShard]]] = {}
     pending_rows = 0
 
     def flush() -> None:

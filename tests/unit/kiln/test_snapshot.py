@@ -19,6 +19,7 @@ from kiln.errors import SnapshotError
 def home(tmp_path, monkeypatch):
     monkeypatch.setenv("KILN_HOME", str(tmp_path / "kiln"))
     monkeypatch.delenv("KILN_DVC_REMOTE", raising=False)
+    monkeypatch.delenv("KILN_DVC_REMOTE_ENDPOINT", raising=False)
     return tmp_path / "kiln"
 
 
@@ -68,6 +69,21 @@ def test_unknown_or_malformed_id_is_a_clear_error(home):
         snapshot.show_snapshot("0" * 32 + ".dir")
     with pytest.raises(SnapshotError, match="is not a snapshot id"):
         snapshot.restore_snapshot("latest", home / "x")
+
+
+def test_restore_refuses_bytes_that_do_not_match_the_id(home):
+    """A corrupted object on the remote: DVC's pull does not re-hash it, kiln's check does."""
+    corpus = _corpus()
+    ref = snapshot.create_snapshot(corpus)
+    shard = (corpus / "train" / "shard-00002.parquet").read_bytes()
+    md5 = hashlib.md5(shard).hexdigest()
+    obj = Path(ref.remote) / "files" / "md5" / md5[:2] / md5[2:]
+    obj.chmod(0o644)
+    obj.write_bytes(b"bit rot" + shard[7:])
+    shutil.rmtree(kiln_settings.load().dvc_cache)
+    with pytest.raises(SnapshotError, match=r"do not match its hashes \(1 file\(s\): train/shard-00002.parquet: md5 differs\)"):
+        snapshot.restore_snapshot(ref.id, home / "restored")
+    assert not (home / "restored").exists()
 
 
 def test_restore_never_overwrites_a_non_empty_directory(home, tmp_path):
