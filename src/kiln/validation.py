@@ -925,7 +925,7 @@ def render_quarantine_html(
     paths = [r["path"] for r in body["reports"]]
     root = os.path.commonpath(paths) if len(paths) > 1 else (os.path.dirname(paths[0]) if paths else "")
     rows = []
-    for r in body["reports"]:
+    for r in sorted(body["reports"], key=lambda r: (r["verdict"] == "healthy", r["path"])):  # on-call reads the top
         name = os.path.relpath(r["path"], root) if root else r["path"]
         reasons = "".join(_html_reason(reason, patterns) for reason in r["reasons"])
         rows.append(

@@ -502,6 +502,8 @@ def test_html_page_with_the_contract_shows_rules_snapshot_and_every_shard(poison
         assert html.escape(expectation["description"]) in page
     for kind in POISON_KINDS.values():
         assert kind.rule in page
+    verdicts = re.findall(r"<tr class='(\w+)'>", page)
+    assert verdicts == sorted(verdicts, key=lambda v: v == "healthy")  # quarantined shards first
     assert page == validation.render_quarantine_html(
         list(reversed(poisoned_reports)), snapshot_id="abc.dir", max_quarantine_share=0.25, contract=stdlib_contract
     )
