@@ -43,9 +43,10 @@ class AirflowClient:
     def request(self, method: str, path: str, *, ok: tuple[int, ...] = (200,), **kwargs: Any) -> Any:
         if self._token is None:
             self._login()
+        extra_headers = kwargs.pop("headers", {})
         for attempt in (1, 2):
             resp = self._session.request(
-                method, f"{self.base}/api/v2{path}", headers={"Authorization": f"Bearer {self._token}"},
+                method, f"{self.base}/api/v2{path}", headers={**extra_headers, "Authorization": f"Bearer {self._token}"},
                 timeout=self.timeout, **kwargs,
             )
             if resp.status_code == 401 and attempt == 1:  # token expired

@@ -569,8 +569,8 @@ def _validate_stack(
             alone_results: list[list[dict[str, Any]]] = [[] for _ in group]
             if alone:
                 for j in range(len(group)):
-                    rows = frame.iloc[starts[j] : starts[j + 1]].reset_index(drop=True)
-                    part = _Frame(frame=rows, present=shard.present, typed_wrong=shard.typed_wrong)
+                    own_rows = frame.iloc[starts[j] : starts[j + 1]].reset_index(drop=True)
+                    part = _Frame(frame=own_rows, present=shard.present, typed_wrong=shard.typed_wrong)
                     alone_results[j] = _failed_results(ge, contract, part, alone)
     except ContractError:
         raise
@@ -586,7 +586,10 @@ def _validate_stack(
             for j, s in enumerate(group):
                 reasons[j].append(_reason(result, contract, s.rows))
             continue
-        flagged = [int(i) for i in (result.get("result") or {}).get("unexpected_index_list") or []]
+        detail = result.get("result") or {}
+        flagged = [int(i) for i in detail.get("unexpected_index_list") or []]
+        if not flagged or len(flagged) != detail.get("unexpected_count"):  # failed without the rows to blame
+            return each_alone()
         owners = np.searchsorted(starts, flagged, side="right") - 1
         by_shard: dict[int, list[int]] = {}
         for position, owner in zip(flagged, owners.tolist()):
