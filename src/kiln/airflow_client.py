@@ -110,9 +110,17 @@ class AirflowClient:
             params={"map_index": map_index, "full_content": "true"}, headers={"Accept": "application/json"},
         )
         content = data.get("content") if isinstance(data, dict) else data
-        if isinstance(content, list):
-            return "\n".join(c.get("event", json.dumps(c)) if isinstance(c, dict) else str(c) for c in content)
-        return str(content)
+        if not isinstance(content, list):
+            return str(content)
+        lines = []
+        for entry in content:
+            if not isinstance(entry, dict):
+                lines.append(str(entry))
+                continue
+            lines.append(str(entry.get("event", json.dumps(entry))))
+            for err in entry.get("error_detail") or []:  # structured exceptions: type and message
+                lines.append(f"  {err.get('exc_type')}: {err.get('exc_value')}")
+        return "\n".join(lines)
 
     # ------------------------------------------------------------------ human in the loop
     def hitl_detail(self, dag_id: str, run_id: str, task_id: str, map_index: int = -1) -> dict[str, Any]:
