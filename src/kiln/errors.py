@@ -3,6 +3,7 @@
     KilnError                      base; ``retryable`` tells Airflow whether a retry can help
     ├── ConfigError                bad recipe / params / settings (names the bad field)
     ├── SnapshotError              DVC add/push/restore failed, unknown snapshot id
+    │   └── SnapshotMismatchError  the bytes found are not the snapshot an asset event announced (no retry)
     ├── ContractError              unknown contract, malformed suite JSON
     │   └── DataGateError          quarantined share above the policy threshold (no retry)
     ├── ManifestError              TrainingManifest / checkpoint manifest missing, tampered, partial
@@ -28,6 +29,12 @@ class ConfigError(KilnError):
 
 class SnapshotError(KilnError):
     pass
+
+
+class SnapshotMismatchError(SnapshotError):
+    """The bytes found are not the snapshot an asset event announced; a retry finds the same bytes."""
+
+    retryable = False
 
 
 class ContractError(KilnError):

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from kiln import settings as kiln_settings
-from kiln.errors import ConfigError, DataGateError, LaunchError, ManifestError, SnapshotError
+from kiln.errors import ConfigError, DataGateError, LaunchError, ManifestError, SnapshotMismatchError
 from kiln.fsutil import atomic_write_text
 from kiln.policy import Policy
 from kiln.refs import EvalReport, ShardReport, SnapshotRef, TrainingManifest, TrainResult, sha256_file
@@ -75,7 +75,7 @@ def snapshot_stage(policy: Policy, corpus: str | None = None, expected_ids: list
         raise ConfigError(f"corpus {name!r} not found at {corpus_dir}; build it with `kiln corpus build --out {corpus_dir}`")
     ref = create_snapshot(corpus_dir)
     if expected_ids and ref.id not in expected_ids:
-        raise SnapshotError(
+        raise SnapshotMismatchError(
             f"run was triggered for corpus snapshot(s) {', '.join(expected_ids)} but the registered corpus "
             f"is now {ref.id}: refusing to train on other bytes than announced"
         )
@@ -94,7 +94,8 @@ def _snapshot_ref(snapshot: dict[str, Any]) -> SnapshotRef:
 # ------------------------------------------------------------------------------------- validation
 def shard_batches(policy: Policy, snapshot: dict[str, Any]) -> list[list[str]]:
     """The snapshot's shards cut into the batches the mapped validation tasks take, in order."""
-    shards, size = list(snapshot["shards"]), policy.validation_batch_shards
+    shards = list(snapshot["shards"])
+    size = max(policy.validation_batch_shards, -(-len(shards) // policy.validation_max_tasks))
     return [shards[i : i + size] for i in range(0, len(shards), size)]
 
 
@@ -117,7 +118,8 @@ def data_gate_stage(
 
     Fails (no retry) when a shard of the snapshot has no report: a run never trains past shards
     that were not validated."""
-    from kiln.validation import build_training_manifest, cross_shard_duplicates, gate, write_quarantine_report
+    from kiln.contracts import load_contract
+    from kiln.validation import build_training_manifest, cross_shard_duplicates, gate, publish_quarantine_report
 
     out = run_dir(key)
     out.mkdir(parents=True, exist_ok=True)
@@ -127,8 +129,13 @@ def data_gate_stage(
     if missing:
         raise DataGateError(f"{len(missing)} shard(s) of snapshot {snapshot['id']} were never validated: {missing[:5]}")
     shard_reports = cross_shard_duplicates(reports)
-    report_path = out / "quarantine-report.json"
-    write_quarantine_report(shard_reports, report_path)  # written before the gate: on-call needs it most when it fails
+    # Published before the gate (on-call needs it most when the gate fails): JSON + an HTML page in
+    # the run dir, and both as artifacts of the run's MLflow run (the one training will log into).
+    mlflow_run_id = _mlflow_run(policy, key, {"kiln.snapshot_id": snapshot["id"], "kiln.policy": policy.name})
+    published = publish_quarantine_report(
+        shard_reports, out, snapshot_id=snapshot["id"], contract=load_contract(policy.contract),
+        max_quarantine_share=policy.max_quarantine_share, mlflow_run_id=mlflow_run_id,
+    )
     quarantined = [r for r in shard_reports if r.verdict == "quarantined"]
     rate = len(quarantined) / len(shard_reports) if shard_reports else 1.0
     gate(shard_reports, policy.max_quarantine_share)
@@ -145,7 +152,10 @@ def data_gate_stage(
         "healthy": len(manifest.shards),
         "quarantined": [{"path": Path(r.path).name, "reasons": _short_reasons(r)} for r in quarantined],
         "quarantine_rate": round(rate, 4),
-        "report": str(report_path),
+        "report": published["json"],
+        "report_html": published["html"],
+        "report_html_uri": published.get("html_uri", ""),
+        "mlflow_run_id": mlflow_run_id,
         "contract": policy.contract,
     }
 
@@ -162,7 +172,8 @@ def _parquet_rows(path: Path) -> int:
 
 # --------------------------------------------------------------------------------------- training
 def _mlflow_run(policy: Policy, key: str, tags: dict[str, str]) -> str:
-    """The MLflow run of this DAG run's training, created once (looked up by run key on retries)."""
+    """The MLflow run of this DAG run (quarantine report, training metrics, model), created once and
+    found again by run key (retries, later stages)."""
     import mlflow
 
     client = mlflow.MlflowClient(tracking_uri=kiln_settings.load().mlflow_uri)
@@ -171,7 +182,10 @@ def _mlflow_run(policy: Policy, key: str, tags: dict[str, str]) -> str:
     exp_id = exp.experiment_id if exp else client.create_experiment(name)
     found = client.search_runs([exp_id], filter_string=f"tags.`kiln.run_key` = '{key}'", max_results=1)
     if found:
-        return found[0].info.run_id
+        run_id = found[0].info.run_id
+        for k, v in tags.items():  # later stages add what they know (idempotent)
+            client.set_tag(run_id, k, v)
+        return run_id
     run = client.create_run(exp_id, run_name=key.replace("/", " "), tags={"kiln.run_key": key, **tags})
     return run.info.run_id
 

@@ -58,8 +58,12 @@ class Policy:
     max_quarantine_share: float
     """Data gate: the run fails (no retry) when more than this share of shards is quarantined."""
     validation_batch_shards: int
-    """Shards per mapped validation task: one process (one GE import, ~4 s) checks a batch, and a
-    100,000-shard corpus stays far below Airflow's ``max_map_length`` (1024)."""
+    """Smallest batch of shards per mapped validation task: one process (one GE import, ~4 s) and
+    one GE run check a batch. Batches grow so that there are never more than
+    ``validation_max_tasks`` of them."""
+    validation_max_tasks: int = 512
+    """Upper bound on mapped validation tasks: a 100,000-shard corpus gets 512 batches of ~196,
+    well below Airflow's ``max_map_length`` (1024)."""
     default_recipe: str
     """Recipe path relative to ``training/recipes``."""
     recipes_dir: Path

@@ -50,3 +50,10 @@ def test_unknown_run_parameters_are_refused_by_name():
     pipeline.check_run_conf(PRODUCTION, {"reason": "weekly"}, {"reason"})
     with pytest.raises(ConfigError, match="recipe"):
         pipeline.check_run_conf(PRODUCTION, {"reason": "x", "recipe": "tiny.toml"}, {"reason"})
+
+
+def test_batches_grow_so_a_huge_corpus_stays_under_max_map_length():
+    snap = {"shards": [f"train/shard-{i:06d}.parquet" for i in range(100_000)]}
+    batches = pipeline.shard_batches(SANDBOX, snap)
+    assert len(batches) <= SANDBOX.validation_max_tasks < 1024
+    assert sum(len(b) for b in batches) == 100_000

@@ -52,7 +52,6 @@ def test_announced_snapshot_id_that_differs_from_the_bytes_found_fails(home):
     assert not (kiln_settings.load().home / "snapshots").exists(), "the run pinned bytes it must not train on"
 
 
-@pytest.mark.xfail(strict=True, reason="SnapshotError is retryable; a mismatch needs a non-retryable subclass (errors.py)")
 def test_announced_id_mismatch_is_not_retried(home):
     corpus = _corpus(PRODUCTION.corpus)
     announced = snapshot.create_snapshot(corpus).id
