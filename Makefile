@@ -10,7 +10,7 @@ STAMP := $(VENV)/.kiln-installed
 FIND_LINKS := $(if $(wildcard /opt/wheels),--find-links /opt/wheels,)
 PYTEST_ARGS ?=
 
-.PHONY: venv up down status demo test test-fast bench lock clean-state help
+.PHONY: venv system-deps up down status demo test test-fast bench lock clean-state help
 
 help:
 	@echo "make demo   set everything up and run the production DAG end to end on the embedded stack"
@@ -26,6 +26,10 @@ $(STAMP): pyproject.toml requirements.in constraints.txt
 
 venv: $(STAMP)
 
+# Debian packages that some tests run for real (Slurm daemons, Prometheus); idempotent.
+system-deps:
+	@for script in scripts/system/*.sh; do [ -e "$$script" ] || continue; bash "$$script" || exit 1; done
+
 up: venv
 	$(BIN)/kiln stack up
 
@@ -38,7 +42,7 @@ status: venv
 demo: venv
 	$(BIN)/kiln demo
 
-test: venv
+test: venv system-deps
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 test-fast: venv
