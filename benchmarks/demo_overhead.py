@@ -94,6 +94,7 @@ def main() -> dict[str, Any]:
     os.environ["KILN_HOME"] = str(REPO / ".kiln" / "bench")
     os.environ["KILN_AIRFLOW_PORT"] = str(_free_port())
     os.environ["KILN_MLFLOW_PORT"] = str(_free_port())
+    os.environ["KILN_SIGNALS_PORT"] = str(_free_port())
     os.environ.pop("MLFLOW_TRACKING_URI", None)
     from kiln import settings as kiln_settings
     from kiln import stack

@@ -23,6 +23,8 @@ class Settings:
     mlflow_port: int
     """Port of the embedded MLflow server (``KILN_MLFLOW_PORT``)."""
     airflow_url: str
+    signals_port: int
+    """Port of the embedded Prometheus exporter of operational signals (``KILN_SIGNALS_PORT``)."""
     dvc_repo: Path
     """The DVC workspace (``no_scm``) that holds corpus snapshots."""
     dvc_remote: str
@@ -55,6 +57,7 @@ def load() -> Settings:
         mlflow_uri=os.environ.get("MLFLOW_TRACKING_URI") or f"http://127.0.0.1:{mlflow_port}",
         mlflow_port=int(mlflow_port),
         airflow_url=os.environ.get("KILN_AIRFLOW_URL", f"http://127.0.0.1:{airflow_port}"),
+        signals_port=int(os.environ.get("KILN_SIGNALS_PORT", "9469")),
         dvc_repo=home / "dvc-repo",
         dvc_remote=os.environ.get("KILN_DVC_REMOTE", str(home / "dvc-remote")),
         dvc_remote_endpoint=os.environ.get("KILN_DVC_REMOTE_ENDPOINT") or None,

@@ -147,6 +147,11 @@ def services(s: kiln_settings.Settings) -> list[Service]:
             argv=[airflow, "api-server", "--host", "127.0.0.1", "--port", _port(s.airflow_url), "--workers", "1"],
             health_url=f"{s.airflow_url}/api/v2/monitor/health",
         ),
+        Service(
+            name="signals",  # Prometheus exporter of kiln's operational signals (docs/runbook.md)
+            argv=[_bin("kiln"), "signals", "serve", "--port", str(s.signals_port)],
+            health_url=f"http://127.0.0.1:{s.signals_port}/healthz",
+        ),
         Service(name="scheduler", argv=[airflow, "scheduler", "--skip-serve-logs"]),
         Service(name="dag-processor", argv=[airflow, "dag-processor"]),
         Service(name="triggerer", argv=[airflow, "triggerer", "--skip-serve-logs"]),
@@ -215,7 +220,7 @@ def up(*, timeout: float = 180.0, quiet: bool = False) -> dict[str, str]:
 
     ensure_workspace(s)
     to_start = [svc for svc in services(s) if running_pid(s, svc.name) is None]
-    if any(svc.name != "mlflow" for svc in to_start):
+    if any(svc.name not in ("mlflow", "signals") for svc in to_start):
         say("kiln: migrating the Airflow metadata database (SQLite)")
         _run_airflow(["db", "migrate"], env, logs / "airflow-setup.log")
         for pool, slots in POOL_SLOTS.items():
@@ -238,6 +243,7 @@ def up(*, timeout: float = 180.0, quiet: bool = False) -> dict[str, str]:
         pw = passwords(s)
         print(f"Airflow UI : {s.airflow_url}   (login admin / {pw['admin']}; reviewer demo-reviewer / {pw['demo-reviewer']})")
         print(f"MLflow UI  : {s.mlflow_uri}")
+        print(f"signals    : http://127.0.0.1:{s.signals_port}/metrics   (Prometheus format; rules in docker/prometheus/)")
         print(f"state      : {s.home}   (logs in {logs}; `make down` stops it)")
     return info
 

@@ -23,10 +23,11 @@ def stack(tmp_path_factory) -> Iterator[dict[str, str]]:
     from kiln import stack as kiln_stack
 
     home: Path = tmp_path_factory.mktemp("e2e") / "kiln"
-    saved = {k: os.environ.get(k) for k in ("KILN_HOME", "KILN_AIRFLOW_PORT", "KILN_MLFLOW_PORT", "MLFLOW_TRACKING_URI")}
+    saved = {k: os.environ.get(k) for k in ("KILN_HOME", "KILN_AIRFLOW_PORT", "KILN_MLFLOW_PORT", "KILN_SIGNALS_PORT", "MLFLOW_TRACKING_URI")}
     os.environ["KILN_HOME"] = str(home)
     os.environ["KILN_AIRFLOW_PORT"] = str(_free_port())
     os.environ["KILN_MLFLOW_PORT"] = str(_free_port())
+    os.environ["KILN_SIGNALS_PORT"] = str(_free_port())
     os.environ.pop("MLFLOW_TRACKING_URI", None)
     try:
         info = kiln_stack.up(timeout=240, quiet=True)

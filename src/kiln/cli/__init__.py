@@ -21,6 +21,7 @@ SUBCOMMAND_MODULES = (
     "kiln.cli.registry",
     "kiln.cli.stack",
     "kiln.cli.demo",
+    "kiln.cli.signals",
     "kiln.cli.train",
 )
 

@@ -12,6 +12,7 @@ from kiln.cli import build_parser
 SUBCOMMANDS = [
     ["corpus", "build"], ["snapshot", "create"], ["snapshot", "restore"], ["snapshot", "list"],
     ["snapshot", "show"], ["validate"], ["promote"], ["rollback"], ["stack"], ["demo"], ["train"], ["evaluate"],
+    ["signals"],
 ]
 
 
