@@ -629,6 +629,9 @@ class Run:
                     "tokens_per_s": tokens_per_s,
                     "step_time": elapsed / max(1, interval["steps"]),
                     "data_wait_frac": interval["data_s"] / elapsed if elapsed > 0 else 0.0,
+                    # Compute utilisation on CPU: the share of the interval not spent waiting for
+                    # data or blocked on a checkpoint (the signal behind the < 85% alert).
+                    "busy_frac": max(0.0, elapsed - interval["data_s"] - interval["ckpt_s"]) / elapsed if elapsed > 0 else 0.0,
                     "ckpt_block_s": interval["ckpt_s"],
                     "checkpoint_lag_steps": step - (committed or 0),
                     "train_tokens": st.train_tokens,
