@@ -80,7 +80,10 @@ def main(argv: list[str] | None = None) -> int:
     RESULTS.mkdir(exist_ok=True)
     for name in names:
         print(f"== {name}", flush=True)
+        load_before = os.getloadavg()[0]
         result = importlib.import_module(name).main()
+        # Other work on the machine skews both sides of a ratio differently: record how busy it was.
+        result["load_avg_1m"] = f"{load_before:.1f} before, {os.getloadavg()[0]:.1f} after"
         result["when"] = dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
         result["machine"] = machine()
         (RESULTS / f"{name}.json").write_text(json.dumps(result, indent=2) + "\n")
