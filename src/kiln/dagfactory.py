@@ -86,6 +86,8 @@ APPROVAL_BODY = """\
 weights `{{ ti.xcom_pull(task_ids='train')['weights_sha256'][:16] }}`.
 
 MLflow model version: {{ ti.xcom_pull(task_ids='register_candidate')['ui_url'] }}
+Evaluation report (loss curve, metrics against the champion): `{{ ti.xcom_pull(task_ids='register_candidate')['report_uri'] }}`
+Quarantine report: `{{ ti.xcom_pull(task_ids='data_gate')['report_html'] }}`
 """
 
 
@@ -103,6 +105,8 @@ class ReviewOperator(ApprovalOperator):
             context["ti"].xcom_push(key="review", value={
                 "chosen_options": list(event.get("chosen_options") or []),
                 "responded_by_user": dict(event.get("responded_by_user") or {}),
+                # No responder: nobody answered within response_timeout and the default (Reject) applied.
+                "timed_out": not event.get("responded_by_user"),
                 "responded_at": at.isoformat() if hasattr(at, "isoformat") else str(at or ""),
             })
         return super().execute_complete(context, event)
@@ -246,6 +250,7 @@ def build_dag(policy: Policy):  # noqa: C901 - one function so the wiring reads 
                 body=APPROVAL_BODY.replace("{policy.target_model}", policy.target_model).replace("{policy.alias}", policy.alias),
                 assigned_users=[{"id": user, "name": user} for user in policy.reviewers],
                 response_timeout=timedelta(seconds=policy.approval_timeout_s),
+                defaults=["Reject"],  # silence is not consent: a timed-out review rejects, and says so
             )
             decision >> approval
             promoted = promote(candidate, decision, approval.output)

@@ -4,7 +4,8 @@ Used by the stack scripts (``make up`` / ``make down``) and by the integration-t
 
     handle = start_server(Path(".kiln/mlflow"), 5000)   # blocks until /health answers
     ...
-    stop_server(handle)
+    stop_server(handle)        # or kill_server(handle): SIGKILL, as a crash would
+    handle = restart_server(handle)   # same port, same backend store and artifacts
 
 or from a shell, detached, with a pid file under HOME so that ``stop`` ends exactly that server::
 
@@ -49,6 +50,10 @@ class MlflowServer:
     home: Path
     log_path: Path
     port: int
+    backend_uri: str = ""
+    """Where runs and the registry live; a restart with the same one finds everything again."""
+    artifacts: str = ""
+    workers: int = 1
     _log_file: object = field(default=None, repr=False)
 
     @property
@@ -151,7 +156,8 @@ def start_server(
         start_new_session=True,
     )
     handle = MlflowServer(process=process, url=f"http://{HOST}:{port}", home=home, log_path=log_path,
-                          port=port, _log_file=log_file)  # fmt: skip
+                          port=port, backend_uri=backend_uri, artifacts=artifacts, workers=workers,
+                          _log_file=log_file)  # fmt: skip
     (home / PID_NAME).write_text(f"{process.pid}\n")
     deadline = time.monotonic() + timeout_s
     while not _healthy(handle.url):
@@ -214,6 +220,28 @@ def stop_server(handle: MlflowServer, timeout_s: float = 10.0) -> None:
     pid_file = handle.home / PID_NAME
     if pid_file.exists() and pid_file.read_text().strip() == str(handle.process.pid):
         pid_file.unlink()
+
+
+def kill_server(handle: MlflowServer, timeout_s: float = 10.0) -> None:
+    """SIGKILL the server and its workers at once, as a crash would (no graceful shutdown).
+
+    Waits until the port is free, so that ``restart_server`` can bind it again.
+    """
+    if handle.process.poll() is None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(handle.process.pid, signal.SIGKILL)
+    stop_server(handle, timeout_s)
+    deadline = time.monotonic() + timeout_s
+    while port_in_use(handle.port) and time.monotonic() < deadline:
+        time.sleep(0.1)
+
+
+def restart_server(handle: MlflowServer, timeout_s: float = 90.0) -> MlflowServer:
+    """Start a stopped (or killed) server again: same home, port, backend store and artifacts."""
+    if handle.process.poll() is None:
+        raise ConfigError(f"mlflow server pid {handle.pid} on {handle.url} is still running; stop it first")
+    return start_server(handle.home, handle.port, handle.backend_uri or None, handle.artifacts or None,
+                        workers=handle.workers, timeout_s=timeout_s)  # fmt: skip
 
 
 def _is_our_mlflow(pid: int) -> bool:

@@ -331,9 +331,12 @@ def outcome_stage(
     }
     if approval:
         user = approval.get("responded_by_user") or {}
-        reviewer = user.get("name") or user.get("id") or "unknown"
         chosen = (approval.get("chosen_options") or ["?"])[0]
-        review = "approved" if chosen == "Approve" else "rejected"
+        if approval.get("timed_out"):
+            review, reviewer = "timed out", f"nobody (assigned: {', '.join(policy.reviewers)})"
+        else:
+            review = "approved" if chosen == "Approve" else "rejected"
+            reviewer = user.get("name") or user.get("id") or "unknown"
         at = str(approval.get("responded_at") or "")
         record_review(policy=policy, candidate_version=str(candidate["version"]), outcome=review, reviewer=reviewer, at=at)
         outcome.update(review=review, reviewer=reviewer, reviewed_at=at)
@@ -343,8 +346,12 @@ def outcome_stage(
         outcome["message"] = (f"promoted {candidate['model_name']} v{candidate['version']} to "
                               f"{promotion['registered_model']}@{promotion['alias']} (version {promotion['version']})")
     else:
-        why = (f"the model gate said hold: {'; '.join(decision['reasons'])}" if decision["action"] != "promote"
-               else f"the review was {outcome.get('review', 'not given')} by {outcome.get('reviewer', 'nobody')}")
+        if decision["action"] != "promote":
+            why = f"the model gate said hold: {'; '.join(decision['reasons'])}"
+        elif outcome.get("review") == "timed out":
+            why = f"the review timed out: {outcome['reviewer']} answered"
+        else:
+            why = f"the review was {outcome.get('review', 'not given')} by {outcome.get('reviewer', 'nobody')}"
         outcome.update(promoted=False, message=f"NOT promoted: {why}")
     write_summary(key, outcome)
     return outcome

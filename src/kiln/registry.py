@@ -8,26 +8,52 @@ other functions here, each idempotent and keyed by the Airflow run (``run_key`` 
                                  policy.candidate_model, tagged with its lineage
     champion_report(policy)      EvalReport of the version holding policy.alias (None: first model)
     decide(cand, champ, gate)    Decision("promote" | "hold", reasons)
-    promote(...)                 copy into policy.target_model → all tags → ``previous`` alias →
+    promote(...)                 (gate again if the champion changed since the decision) → copy
+                                 into policy.target_model → all tags → ``previous`` alias →
                                  policy.alias LAST, so readers never see a half-promoted model
     rollback(model, policy, …)   policy.alias back to the version holding ``previous`` (audited)
+    record_review(...)           the human review's outcome (approved / rejected / timed out) as
+                                 tags on the candidate; never moves an alias
 
 Every version this module writes carries its facts as tags prefixed ``kiln.`` (see ``TAGS``), so
 a reviewer reads the lineage in the MLflow UI and ``champion_report`` reads the champion's metrics
 back without any other store. mlflow is imported inside the functions (importing this module stays
 cheap) and its errors are translated here: ``raise RegistryError(...) from exc``.
+
+An unreachable or overloaded server (connection refused, timeout, HTTP 5xx/429) is retried with
+exponential backoff, bounded by ``KILN_REGISTRY_RETRIES`` (default 3 retries),
+``KILN_REGISTRY_BACKOFF_S`` (first wait, default 2 s, doubled each time) and
+``KILN_REGISTRY_BACKOFF_MAX_S`` (cap, default 30 s); then the call raises a retryable
+``RegistryError`` and the Airflow task retries. Each retry re-runs the *whole* operation from its
+first read: that is safe only because every write here is find-or-create keyed by the run, so a
+half-done attempt is completed, never repeated. (mlflow's own per-request retries,
+``MLFLOW_HTTP_REQUEST_MAX_RETRIES``, run inside each attempt and also retry POSTs: a lost response
+to a create can leave a second version with the same run key, which the next find removes.)
+
+Reviewers read, in the MLflow UI: the version's description (gate, metrics against the champion,
+lineage summary), the run's ``evaluation/report.html`` (self-contained: loss curve, metrics against
+the champion, gate reasons, lineage), ``evaluation/report.md`` and ``evaluation/loss_curve.png``
+(``.svg`` when matplotlib is not installed).
 """
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import datetime as dt
+import html
 import json
+import logging
 import math
+import os
+import re
 import subprocess
-from collections.abc import Iterator
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from kiln.errors import ConfigError, KilnError, ManifestError, PolicyError, RegistryError
 from kiln.policy import REPO_ROOT, GatePolicy, Policy
@@ -44,6 +70,9 @@ from kiln.refs import (
 if TYPE_CHECKING:
     from mlflow import MlflowClient
     from mlflow.entities.model_registry import ModelVersion
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 EVAL_SPLIT = "eval"
 PREVIOUS_ALIAS = "previous"
@@ -81,6 +110,7 @@ TAGS = {
     "decision": "kiln.decision",
     "decision_reasons": "kiln.decision.reasons",
     "decision_champion_bits_per_byte": "kiln.decision.champion_bits_per_byte",
+    "decision_champion_version": "kiln.decision.champion_version",
     "source_version": "kiln.source_version",
     "promotion_run_key": "kiln.promotion.run_key",
     "approver": "kiln.promotion.approver",
@@ -97,6 +127,12 @@ TAGS = {
 }
 RUN_MODEL_URI_TAG = "kiln.model_uri"
 """Run tag: the model already logged into this run for ``kiln.run_key`` (retries reuse it)."""
+RUN_STATUS_TAG = "kiln.register.run_status"
+"""Run tag: the run's status before registration first resumed it (restored after every attempt)."""
+REVIEW_OUTCOMES = ("approved", "rejected", "timed out")
+REPORT_DIR = "evaluation"
+LOSS_METRIC = "loss"
+"""The trainer's per-step training loss (MLflow metric and ``metrics.jsonl`` key)."""
 
 
 # --------------------------------------------------------------------------------------- the gate
@@ -170,6 +206,117 @@ def _translated(action: str) -> Iterator[None]:
         raise
 
 
+@dataclass(frozen=True, kw_only=True, slots=True)
+class RetryPolicy:
+    """How long registry calls keep trying an unreachable MLflow server before giving up."""
+
+    retries: int = 3
+    """Attempts after the first (``KILN_REGISTRY_RETRIES``); 0 = fail on the first transient error."""
+    backoff_s: float = 2.0
+    """Wait before the first retry (``KILN_REGISTRY_BACKOFF_S``); doubled for each further retry."""
+    backoff_max_s: float = 30.0
+    """Upper bound of one wait (``KILN_REGISTRY_BACKOFF_MAX_S``)."""
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.retries <= 20:
+            raise ConfigError(f"KILN_REGISTRY_RETRIES must be 0..20, got {self.retries}")
+        if not (math.isfinite(self.backoff_s) and self.backoff_s >= 0):
+            raise ConfigError(f"KILN_REGISTRY_BACKOFF_S must be a finite number >= 0, got {self.backoff_s}")
+        if not (math.isfinite(self.backoff_max_s) and self.backoff_max_s >= self.backoff_s):
+            raise ConfigError(
+                f"KILN_REGISTRY_BACKOFF_MAX_S must be >= KILN_REGISTRY_BACKOFF_S ({self.backoff_s}), "
+                f"got {self.backoff_max_s}"
+            )
+
+    def delays(self) -> list[float]:
+        """The waits before retry 1, 2, …: ``backoff_s * 2**i``, capped at ``backoff_max_s``."""
+        return [min(self.backoff_s * 2**i, self.backoff_max_s) for i in range(self.retries)]
+
+    @classmethod
+    def from_env(cls) -> RetryPolicy:
+        def read(name: str, kind: type, default: Any) -> Any:
+            raw = os.environ.get(name, "").strip()
+            if not raw:
+                return default
+            try:
+                return kind(raw)
+            except ValueError as exc:
+                raise ConfigError(f"{name} must be {'an integer' if kind is int else 'a number'}, got {raw!r}") from exc
+
+        defaults = cls()
+        return cls(
+            retries=read("KILN_REGISTRY_RETRIES", int, defaults.retries),
+            backoff_s=read("KILN_REGISTRY_BACKOFF_S", float, defaults.backoff_s),
+            backoff_max_s=read("KILN_REGISTRY_BACKOFF_MAX_S", float, defaults.backoff_max_s),
+        )
+
+
+_TRANSIENT_CODES = frozenset({"TEMPORARILY_UNAVAILABLE", "REQUEST_LIMIT_EXCEEDED", "DEADLINE_EXCEEDED"})
+# mlflow's rest_utils wraps transport failures in a plain MlflowException (no __cause__), so the
+# message is all there is to tell "server unreachable" from "server said no".
+_TRANSPORT_MESSAGE = re.compile(
+    r"API request to .* failed with (exception|timeout exception|error code (5\d\d|429))", re.DOTALL
+)
+
+
+def is_transient(exc: BaseException) -> bool:
+    """True for failures a later attempt can cure: unreachable server, timeout, HTTP 5xx / 429.
+
+    A refusal by a healthy server (not found, invalid parameter, permission denied) is not.
+    """
+    from mlflow.exceptions import MlflowException, RestException
+
+    if isinstance(exc, ConnectionError | TimeoutError):
+        return True
+    module = type(exc).__module__
+    if module.startswith("urllib3"):
+        return True
+    if module.startswith("requests"):
+        response = getattr(exc, "response", None)
+        status = getattr(response, "status_code", None)
+        return status is None or status >= 500 or status == 429
+    if isinstance(exc, MlflowException):
+        if exc.error_code in _TRANSIENT_CODES:
+            return True
+        if isinstance(exc, RestException) and exc.get_http_status_code() >= 500:
+            return True  # the server answered with an internal error (e.g. its database was busy)
+        return bool(_TRANSPORT_MESSAGE.search(str(exc)))
+    return False
+
+
+def _sleep(seconds: float) -> None:
+    """The backoff wait (a seam: tests record the waits instead of sleeping)."""
+    time.sleep(seconds)
+
+
+def _with_retries(action: str, body: Callable[[], T]) -> T:
+    """Run ``body`` (a whole idempotent registry operation), retrying transient MLflow failures.
+
+    Third-party errors leave as ``RegistryError``; kiln's own errors (``PolicyError``…) pass at once.
+    After the last attempt the error is a retryable ``RegistryError`` naming the attempts.
+    """
+    policy = RetryPolicy.from_env()
+    delays = policy.delays()
+    for attempt in range(len(delays) + 1):
+        try:
+            with _translated(action):
+                return body()
+        except RegistryError as err:
+            cause = err.__cause__
+            if cause is None or not is_transient(cause):
+                raise
+            if attempt == len(delays):
+                raise RegistryError(
+                    f"{action}: MLflow still unreachable after {attempt + 1} attempt(s) "
+                    f"(KILN_REGISTRY_RETRIES={policy.retries}); a re-run completes what this one "
+                    f"started: {cause}"
+                ) from cause
+            log.warning("%s: transient MLflow failure (attempt %d of %d), retrying in %.1fs: %s",
+                        action, attempt + 1, len(delays) + 1, delays[attempt], cause)  # fmt: skip
+            _sleep(delays[attempt])
+    raise AssertionError("unreachable")  # pragma: no cover (the loop returns or raises)
+
+
 def _client() -> MlflowClient:
     import mlflow
     from mlflow import MlflowClient
@@ -212,6 +359,29 @@ def _versions_with_tag(client: MlflowClient, model: str, key: str, value: str) -
         f"name = {_quote(model, 'model name')} AND tags.`{key}` = {_quote(value, key)}"
     )
     return sorted(found, key=lambda mv: int(mv.version))
+
+
+def _one_version_with_tag(client: MlflowClient, model: str, key: str, value: str) -> ModelVersion | None:
+    """The version of ``model`` tagged ``key == value`` (the lowest), after removing duplicates.
+
+    mlflow retries a POST whose response was lost, so a create that reached the server can be made
+    twice; the duplicate carries the same run key. A duplicate that holds an alias is someone's
+    choice and is kept (and logged); one that holds none is deleted, so the run key names one version.
+    """
+    found = _versions_with_tag(client, model, key, value)
+    if not found:
+        return None
+    keep, *extra = found
+    for dup in extra:
+        current = client.get_model_version(model, str(dup.version))
+        if current.aliases:
+            log.warning("%s version %s duplicates version %s (%s=%s) but holds aliases %s; kept",
+                        model, dup.version, keep.version, key, value, current.aliases)  # fmt: skip
+            continue
+        log.warning("%s version %s duplicates version %s (%s=%s), left by a retried request; deleting it",
+                    model, dup.version, keep.version, key, value)  # fmt: skip
+        client.delete_model_version(model, str(dup.version))
+    return keep
 
 
 def _now() -> str:
@@ -364,39 +534,241 @@ def lineage_tags(
     return tags
 
 
-def _description(tags: dict[str, str], decision: Decision, champion: EvalReport | None) -> str:
-    champ = f"{champion.bits_per_byte:.4f}" if champion else "none (first model)"
-    reasons = "\n".join(f"- {r}" for r in decision.reasons)
-    return (
-        f"kiln candidate from `{tags[RUN_KEY_TAG]}` (policy `{tags[TAGS['policy']]}`).\n\n"
-        f"| | value |\n|---|---|\n"
-        f"| eval bits/byte | {float(tags[TAGS['eval_bits_per_byte']]):.4f} |\n"
-        f"| champion bits/byte | {champ} |\n"
-        f"| snapshot | `{tags[TAGS['snapshot_id']]}` |\n"
-        f"| contract | `{tags[TAGS['contract']]}` (quarantined shards: {tags[TAGS['quarantined_shards']]}) |\n"
-        f"| weights sha256 | `{tags[TAGS['weights_sha256']]}` |\n"
-        f"| git | `{tags[TAGS['git_sha']]}` |\n\n"
-        f"Gate: **{decision.action}**\n\n{reasons}\n\n"
-        f"Evaluation report: run artifacts `evaluation/report.md`, `evaluation/eval_report.json`."
-    )
+# ----------------------------------------------------------------------------- evaluation report
 
 
-def _report_markdown(eval_report: EvalReport, champion: EvalReport | None, decision: Decision,
-                     tags: dict[str, str]) -> str:  # fmt: skip
-    rows = [("bits per byte", "bits_per_byte"), ("loss", "loss"), ("tokens", "tokens"), ("split", "split")]
-    table = "\n".join(
-        f"| {label} | {getattr(eval_report, attr)} | {getattr(champion, attr) if champion else '—'} |"
-        for label, attr in rows
-    )
+@dataclass(frozen=True, kw_only=True, slots=True)
+class LossCurve:
+    """The training loss per step, as a reviewer should read it (last value logged for each step)."""
+
+    points: list[tuple[int, float]]
+    """``(step, loss)`` sorted by step; a resumed run's re-logged steps keep their latest value."""
+    source: str
+    """Where the points came from, for the report ("MLflow metric `loss` of run …", a file path, "none")."""
+    rollbacks: list[int]
+    """Steps where the trainer's loss guard rolled back (drawn as markers)."""
+
+
+def read_loss_jsonl(path: Path) -> list[tuple[int, float]]:
+    """``(step, loss)`` from the trainer's ``metrics.jsonl``; events, non-finite and torn lines skipped."""
+    by_step: dict[int, float] = {}
+    try:
+        lines = path.read_text(encoding="utf-8", errors="replace").splitlines()
+    except OSError:
+        return []
+    for line in lines:
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            continue  # a line torn by a crash mid-write; the rest of the file is still good
+        if not isinstance(record, dict) or record.get("event"):
+            continue
+        step, loss = record.get("step"), record.get(LOSS_METRIC)
+        if isinstance(step, int) and isinstance(loss, int | float) and not isinstance(loss, bool) and math.isfinite(loss):
+            by_step[step] = float(loss)  # later lines (after a resume) replace earlier ones
+    return sorted(by_step.items())
+
+
+def loss_curve(client: MlflowClient, run_id: str, train: TrainResult) -> LossCurve:
+    """The training run's ``loss`` history from MLflow, else the trainer's ``RUN_DIR/metrics.jsonl``."""
+    rollbacks = sorted({int(e["at_step"]) for e in train.events
+                        if e.get("kind") == "rollback" and isinstance(e.get("at_step"), int)})  # fmt: skip
+    by_step: dict[int, float] = {}
+    if train.mlflow_run_id:
+        for metric in sorted(client.get_metric_history(run_id, LOSS_METRIC), key=lambda m: (m.timestamp, m.step)):
+            if math.isfinite(metric.value):
+                by_step[int(metric.step)] = float(metric.value)
+    if by_step:
+        return LossCurve(points=sorted(by_step.items()), source=f"MLflow metric `{LOSS_METRIC}` of run {run_id}",
+                         rollbacks=rollbacks)  # fmt: skip
+    jsonl = Path(train.run_dir) / "metrics.jsonl"
+    points = read_loss_jsonl(jsonl) if train.run_dir else []
+    return LossCurve(points=points, source=str(jsonl) if points else "none (no loss was logged)", rollbacks=rollbacks)
+
+
+def loss_curve_png(curve: LossCurve, references: dict[str, float]) -> bytes | None:
+    """The curve as a PNG (matplotlib, headless), with ``references`` as horizontal lines; None
+    when matplotlib is not installed or there is nothing to draw."""
+    if not curve.points:
+        return None
+    try:
+        from matplotlib.figure import Figure  # the OO API: no pyplot global state, no display needed
+    except ImportError:
+        return None
+    import io
+
+    steps, losses = zip(*curve.points, strict=True)
+    fig = Figure(figsize=(7.5, 3.6), dpi=100, layout="tight")
+    ax = fig.add_subplot()
+    ax.plot(steps, losses, color="tab:blue", linewidth=1.4, marker="o" if len(steps) <= 30 else None,
+            markersize=3, label=f"training {LOSS_METRIC}")  # fmt: skip
+    for (label, value), color in zip(references.items(), ("tab:green", "tab:orange"), strict=False):
+        ax.axhline(value, color=color, linestyle=":", linewidth=1.2, label=label)
+    for i, step in enumerate(curve.rollbacks):
+        ax.axvline(step, color="tab:red", linestyle="--", linewidth=1, label="guard rollback" if i == 0 else None)
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss (nats per byte)")
+    ax.set_title("Training loss")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize="small")
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png")
+    return buf.getvalue()
+
+
+def loss_curve_svg(curve: LossCurve, references: dict[str, float], width: int = 720, height: int = 320) -> str:
+    """The curve as a standalone SVG (no dependency): polyline, axis extremes, reference lines."""
+    left, right, top, bottom = 64, 16, 28, 40
+    if not curve.points:
+        return (f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="60">'
+                f'<text x="8" y="30" font-family="sans-serif" font-size="13">no training loss logged</text></svg>')  # fmt: skip
+    steps = [s for s, _ in curve.points]
+    values = [v for _, v in curve.points] + list(references.values())
+    x0, x1 = min(steps), max(steps)
+    y0, y1 = min(values), max(values)
+    if x1 == x0:
+        x1 = x0 + 1
+    if y1 == y0:
+        y0, y1 = y0 - 0.5, y1 + 0.5
+
+    def x(step: float) -> float:
+        return left + (step - x0) / (x1 - x0) * (width - left - right)
+
+    def y(value: float) -> float:
+        return top + (y1 - value) / (y1 - y0) * (height - top - bottom)
+
+    line = " ".join(f"{x(s):.1f},{y(v):.1f}" for s, v in curve.points)
+    parts = [
+        f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
+        f'viewBox="0 0 {width} {height}" font-family="sans-serif" font-size="11">',
+        f'<text x="{width / 2:.0f}" y="16" text-anchor="middle" font-size="13">Training loss</text>',
+        f'<rect x="{left}" y="{top}" width="{width - left - right}" height="{height - top - bottom}" '
+        f'fill="none" stroke="#999"/>',
+        f'<text x="{left - 4}" y="{top + 4}" text-anchor="end">{y1:.3f}</text>',
+        f'<text x="{left - 4}" y="{height - bottom}" text-anchor="end">{y0:.3f}</text>',
+        f'<text x="{left}" y="{height - bottom + 14}" text-anchor="middle">{x0}</text>',
+        f'<text x="{width - right}" y="{height - bottom + 14}" text-anchor="middle">{x1}</text>',
+        f'<text x="{width / 2:.0f}" y="{height - 8}" text-anchor="middle">step</text>',
+    ]
+    for (label, value), color in zip(references.items(), ("#2ca02c", "#ff7f0e"), strict=False):
+        parts.append(f'<line x1="{left}" x2="{width - right}" y1="{y(value):.1f}" y2="{y(value):.1f}" '
+                     f'stroke="{color}" stroke-dasharray="2,3"/>')  # fmt: skip
+        parts.append(f'<text x="{width - right - 4}" y="{y(value) - 3:.1f}" text-anchor="end" fill="{color}">'
+                     f"{html.escape(label)} {value:.3f}</text>")  # fmt: skip
+    for step in curve.rollbacks:
+        parts.append(f'<line x1="{x(step):.1f}" x2="{x(step):.1f}" y1="{top}" y2="{height - bottom}" '
+                     f'stroke="#d62728" stroke-dasharray="5,3"/>')  # fmt: skip
+    parts.append(f'<polyline points="{line}" fill="none" stroke="#1f77b4" stroke-width="1.5"/>')
+    parts.append("</svg>")
+    return "\n".join(parts)
+
+
+def _metric_rows(eval_report: EvalReport, champion: EvalReport | None) -> list[tuple[str, str, str, str]]:
+    """(metric, candidate, champion, change) — change is candidate minus champion."""
+    rows = []
+    for label, attr in (("bits per byte", "bits_per_byte"), ("loss", "loss"), ("tokens", "tokens"), ("split", "split")):
+        cand = getattr(eval_report, attr)
+        champ = getattr(champion, attr) if champion else None
+        if isinstance(cand, float):
+            text = f"{cand:.4f}"
+            champ_text = "—" if champ is None else f"{champ:.4f}"
+            change = f"{cand - champ:+.4f}" if isinstance(champ, float) and math.isfinite(cand - champ) else "—"
+        else:
+            text, champ_text, change = str(cand), "—" if champ is None else str(champ), "—"
+        rows.append((label, text, champ_text, change))
+    return rows
+
+
+def _champion_title(tags: dict[str, str]) -> str:
+    version = tags.get(TAGS["decision_champion_version"], "")
+    return f"champion (v{version})" if version else "champion (none: first model)"
+
+
+def report_markdown(eval_report: EvalReport, champion: EvalReport | None, decision: Decision,
+                    tags: dict[str, str], curve: LossCurve, plot_name: str | None) -> str:  # fmt: skip
+    table = "\n".join(f"| {' | '.join(row)} |" for row in _metric_rows(eval_report, champion))
     lineage = "\n".join(f"| `{k}` | `{v}` |" for k, v in sorted(tags.items()) if k != TAGS["dvc"])
     reasons = "\n".join(f"- {r}" for r in decision.reasons)
+    plot = (f"![training loss]({plot_name})\n\nSource: {curve.source}; {len(curve.points)} steps"
+            + (f"; guard rollbacks at steps {curve.rollbacks}" if curve.rollbacks else "")) if plot_name else (
+        f"No loss curve: {curve.source}.")  # fmt: skip
     return (
         f"# Evaluation report — {tags[RUN_KEY_TAG]}\n\n"
-        f"## Candidate vs champion\n\n| metric | candidate | champion |\n|---|---|---|\n{table}\n\n"
+        f"## Candidate vs {_champion_title(tags)}\n\n| metric | candidate | champion | change |\n|---|---|---|---|\n"
+        f"{table}\n\n"
         f"## Gate decision: {decision.action}\n\n{reasons}\n\n"
-        f"The loss curve: the training metrics of this run (Model metrics tab).\n\n"
+        f"## Training loss\n\n{plot}\n\n"
         f"## Lineage\n\n| tag | value |\n|---|---|\n{lineage}\n\n"
         f"## DVC snapshot\n\n```yaml\n{tags[TAGS['dvc']]}\n```\n"
+    )
+
+
+def report_html(eval_report: EvalReport, champion: EvalReport | None, decision: Decision,
+                tags: dict[str, str], curve: LossCurve, png: bytes | None, svg: str | None) -> str:  # fmt: skip
+    """A self-contained page (the plot inlined), so the MLflow UI's artifact view shows it whole."""
+    e = html.escape
+    rows = "\n".join("<tr>" + "".join(f"<td>{e(c)}</td>" for c in row) + "</tr>"
+                     for row in _metric_rows(eval_report, champion))  # fmt: skip
+    reasons = "\n".join(f'<li class="{"fail" if " FAILED: " in r else "pass"}">{e(r)}</li>' for r in decision.reasons)
+    lineage = "\n".join(f"<tr><td><code>{e(k)}</code></td><td><code>{e(v)}</code></td></tr>"
+                        for k, v in sorted(tags.items()) if k != TAGS["dvc"])  # fmt: skip
+    if png:
+        plot = f'<img alt="training loss" src="data:image/png;base64,{base64.b64encode(png).decode()}"/>'
+    elif svg:
+        plot = svg
+    else:
+        plot = ""
+    note = (f"Source: {e(curve.source)}; {len(curve.points)} steps"
+            + (f"; guard rollbacks at steps {e(str(curve.rollbacks))}" if curve.rollbacks else "")
+            if curve.points else f"No loss curve: {e(curve.source)}.")  # fmt: skip
+    return f"""<!doctype html>
+<html><head><meta charset="utf-8"><title>Evaluation report — {e(tags[RUN_KEY_TAG])}</title>
+<style>body{{font-family:sans-serif;margin:1.5em;max-width:60em}}table{{border-collapse:collapse}}
+td,th{{border:1px solid #ccc;padding:.2em .6em;text-align:left}}.fail{{color:#b00}}.pass{{color:#070}}
+code{{font-size:90%}}</style></head><body>
+<h1>Evaluation report — {e(tags[RUN_KEY_TAG])}</h1>
+<h2>Gate decision: {e(decision.action)}</h2>
+<ul>{reasons}</ul>
+<h2>Candidate vs {e(_champion_title(tags))}</h2>
+<table><tr><th>metric</th><th>candidate</th><th>champion</th><th>change</th></tr>
+{rows}</table>
+<h2>Training loss</h2>
+{plot}
+<p>{note}</p>
+<h2>Lineage</h2>
+<table>{lineage}</table>
+<h2>DVC snapshot</h2>
+<pre>{e(tags[TAGS["dvc"]])}</pre>
+</body></html>
+"""
+
+
+def _description(tags: dict[str, str], decision: Decision, run_id: str) -> str:
+    """The version's description, from its tags alone (so a retry rebuilds exactly the same text)."""
+    champion_bpb = tags.get(TAGS["decision_champion_bits_per_byte"], "")
+    bpb = float(tags[TAGS["eval_bits_per_byte"]])
+    if champion_bpb:
+        champ = f"{float(champion_bpb):.4f} ({_champion_title(tags)}; change {bpb - float(champion_bpb):+.4f})"
+    else:
+        champ = _champion_title(tags).removeprefix("champion ")
+    reasons = "\n".join(f"- {r}" for r in decision.reasons)
+    return (
+        f"kiln candidate from Airflow run `{tags[RUN_KEY_TAG]}` (policy `{tags[TAGS['policy']]}`), "
+        f"MLflow run `{run_id}`.\n\n"
+        f"Gate: **{decision.action}**\n\n{reasons}\n\n"
+        f"| | value |\n|---|---|\n"
+        f"| eval bits/byte | {bpb:.4f} |\n"
+        f"| champion bits/byte | {champ} |\n"
+        f"| eval loss / tokens | {float(tags[TAGS['eval_loss']]):.4f} / {tags[TAGS['eval_tokens']]} "
+        f"(split `{tags[TAGS['eval_split']]}`) |\n"
+        f"| training | step {tags[TAGS['train_steps']]}, completed {tags[TAGS['train_completed']]} |\n"
+        f"| snapshot | `{tags[TAGS['snapshot_id']]}` ({tags[TAGS['corpus']]}) |\n"
+        f"| contract | `{tags[TAGS['contract']]}` (quarantined shards: {tags[TAGS['quarantined_shards']]}) |\n"
+        f"| recipe sha256 | `{tags[TAGS['recipe_sha256']]}` |\n"
+        f"| weights sha256 | `{tags[TAGS['weights_sha256']]}` |\n"
+        f"| git | `{tags[TAGS['git_sha']]}` |\n\n"
+        f"Evaluation report (loss curve, metrics against the champion, full lineage): artifacts of run "
+        f"`{run_id}`, `{REPORT_DIR}/report.html` (also `report.md`, `eval_report.json`, `decision.json`)."
     )
 
 
@@ -439,15 +811,18 @@ def register_candidate(
     1. ``verify_checkpoint`` (every file's sha256; a tampered, partial or uncommitted checkpoint
        raises ``ManifestError`` naming the reason) and a cross-check of the refs against it;
     2. ``policy.check_model_write`` (``PolicyError`` before any request);
-    3. an existing version tagged ``kiln.run_key == run_key`` is returned as is (a retry);
+    3. an existing version tagged ``kiln.run_key == run_key`` is a retry: what an interrupted
+       attempt left undone (description, run status) is completed and the version returned;
     4. otherwise the model is logged into the training run (``train.mlflow_run_id``; a run of
        experiment ``kiln-<policy>`` keyed by ``run_key`` when empty) with the eval metrics, the
-       eval report (JSON + Markdown) and the decision as artifacts, and the version is created
-       with all lineage tags in the same request.
+       evaluation report (HTML + Markdown with the loss curve and the metrics against the
+       champion, JSON) and the decision as artifacts, and the version is created with all lineage
+       tags in the same request, then described.
 
     ``decision`` defaults to ``decide(eval_report, champion_report(policy), policy.gate)``.
-    Returns ``{"model_name", "version", "run_id", "model_uri", "source", "decision",
-    "created"}`` (JSON-safe; ``created`` is False on a retry that found the version).
+    Transient MLflow failures are retried (see the module docstring). Returns ``{"model_name",
+    "version", "run_id", "model_uri", "source", "decision", "created", "report_uri"}`` (JSON-safe;
+    ``created`` is False on a retry that found the version).
     """
     verified = _verify_checkpoint(train.checkpoint)
     _check_consistency(verified, train, eval_report, snapshot, manifest)
@@ -457,28 +832,54 @@ def register_candidate(
                         manifest=manifest, run_key=run_key, verified=verified, lineage=lineage or {})  # fmt: skip
     model = policy.candidate_model
 
-    with _translated(f"registering {model} for {run_key}"):
+    def attempt() -> dict[str, Any]:
         client = _client()
-        existing = _versions_with_tag(client, model, RUN_KEY_TAG, run_key)
-        if existing:
-            mv = existing[0]
+        mv = _one_version_with_tag(client, model, RUN_KEY_TAG, run_key)
+        if mv is not None:
             stored = _decision_from_tags(mv.tags, eval_report.bits_per_byte)
-            return {**_version_ref(mv), "decision": stored.to_json(), "created": False}
+            _finish_version(client, mv, stored)
+            _settle_run(client, mv.run_id, own_run=not train.mlflow_run_id)
+            return {**_version_ref(mv), "decision": stored.to_json(), "created": False,
+                    "report_uri": f"runs:/{mv.run_id}/{REPORT_DIR}/report.html"}  # fmt: skip
 
-        champion = champion_report(policy)
-        if decision is None:
-            decision = decide(eval_report, champion, policy.gate)
-        tags.update(_decision_tags(decision))
+        champion_mv = _version_by_alias(client, policy.target_model, policy.alias)
+        champion = None if champion_mv is None else _report_from_tags(champion_mv)
+        chosen = decision if decision is not None else decide(eval_report, champion, policy.gate)
+        version_tags = {**tags, **_decision_tags(chosen),
+                        TAGS["decision_champion_version"]: "" if champion_mv is None else str(champion_mv.version)}  # fmt: skip
         run_id, own_run = _find_or_start_run(client, policy, train, run_key)
-        model_uri = _log_into_run(client, run_id, run_key, train, eval_report, champion, decision, tags)
+        model_uri = _log_into_run(client, run_id, run_key, train, eval_report, champion, chosen, version_tags)
 
         import mlflow
 
-        mv = mlflow.register_model(model_uri, model, tags=tags)
-        client.update_model_version(model, mv.version, description=_description(tags, decision, champion))
-        if own_run:
+        mv = mlflow.register_model(model_uri, model, tags=version_tags)
+        _finish_version(client, mv, chosen)
+        _settle_run(client, run_id, own_run=own_run)
+        return {**_version_ref(mv), "decision": chosen.to_json(), "created": True,
+                "report_uri": f"runs:/{run_id}/{REPORT_DIR}/report.html"}  # fmt: skip
+
+    return _with_retries(f"registering {model} for {run_key}", attempt)
+
+
+def _finish_version(client: MlflowClient, mv: ModelVersion, decision: Decision) -> None:
+    """Give the version its description (rebuilt from its tags, so a retry writes the same text)."""
+    description = _description(mv.tags, decision, mv.run_id or "")
+    if (mv.description or "") != description:
+        client.update_model_version(mv.name, str(mv.version), description=description)
+
+
+def _settle_run(client: MlflowClient, run_id: str | None, *, own_run: bool) -> None:
+    """Leave the run in the status it should have after registration: FINISHED for a run that
+    registration created, otherwise the status it had before registration resumed it."""
+    if not run_id:
+        return
+    run = client.get_run(run_id)
+    wanted = "FINISHED" if own_run else run.data.tags.get(RUN_STATUS_TAG, run.info.status)
+    if run.info.status != wanted:
+        if wanted == "FINISHED":
             client.set_terminated(run_id, "FINISHED")
-        return {**_version_ref(mv), "decision": decision.to_json(), "created": True}
+        else:
+            client.update_run(run_id, status=wanted)
 
 
 def _log_into_run(
@@ -492,24 +893,50 @@ def _log_into_run(
     if already and run.data.tags.get(RUN_KEY_TAG) == run_key:
         return already  # a retry after the model was logged: never log a second copy
     client.set_tag(run_id, RUN_KEY_TAG, run_key)
+    if RUN_STATUS_TAG not in run.data.tags:
+        # start_run/end_run below change the run's status, which the DAG owns; remember it once, so
+        # that even a retry after an attempt that died inside start_run puts back the right one.
+        client.set_tag(run_id, RUN_STATUS_TAG, run.info.status)
     for name, value in (("eval_bits_per_byte", eval_report.bits_per_byte), ("eval_loss", eval_report.loss),
                         ("eval_tokens", float(eval_report.tokens))):  # fmt: skip
         if math.isfinite(value):
             client.log_metric(run_id, name, value)
-    client.log_dict(run_id, eval_report.to_json(), "evaluation/eval_report.json")
-    client.log_dict(run_id, decision.to_json(), "evaluation/decision.json")
+    client.log_dict(run_id, eval_report.to_json(), f"{REPORT_DIR}/eval_report.json")
+    client.log_dict(run_id, decision.to_json(), f"{REPORT_DIR}/decision.json")
     if champion is not None:
-        client.log_dict(run_id, champion.to_json(), "evaluation/champion_eval_report.json")
-    client.log_text(run_id, _report_markdown(eval_report, champion, decision, tags), "evaluation/report.md")
-    # log_model writes into the *active* run: resume the run just for that call. start_run/end_run
-    # change the run's status, which the DAG owns, so put back whatever status it had.
-    status = run.info.status
+        client.log_dict(run_id, champion.to_json(), f"{REPORT_DIR}/champion_eval_report.json")
+    _log_report(client, run_id, train, eval_report, champion, decision, tags)
+    # log_model writes into the *active* run: resume the run just for that call (_settle_run puts
+    # the status back afterwards).
     with mlflow.start_run(run_id=run_id):
         model_uri = _log_checkpoint_model(train.checkpoint)
-    if status != "FINISHED":
-        client.update_run(run_id, status=status)
     client.set_tag(run_id, RUN_MODEL_URI_TAG, model_uri)
     return model_uri
+
+
+def _log_report(
+    client: MlflowClient, run_id: str, train: TrainResult, eval_report: EvalReport, champion: EvalReport | None,
+    decision: Decision, tags: dict[str, str],
+) -> None:  # fmt: skip
+    """The reviewer's report: ``report.html`` (self-contained), ``report.md`` and the loss-curve image."""
+    curve = loss_curve(client, run_id, train)
+    references = {"candidate eval loss": eval_report.loss}
+    if champion is not None and math.isfinite(champion.loss):
+        references["champion eval loss"] = champion.loss
+    references = {k: v for k, v in references.items() if math.isfinite(v)}
+    png = loss_curve_png(curve, references)
+    svg = None if png or not curve.points else loss_curve_svg(curve, references)
+    plot_name = "loss_curve.png" if png else "loss_curve.svg" if svg else None
+    with tempfile.TemporaryDirectory(prefix="kiln-report-") as tmp:
+        if png:
+            (Path(tmp) / "loss_curve.png").write_bytes(png)
+            client.log_artifact(run_id, str(Path(tmp) / "loss_curve.png"), REPORT_DIR)
+    if svg:
+        client.log_text(run_id, svg, f"{REPORT_DIR}/loss_curve.svg")
+    client.log_text(run_id, report_markdown(eval_report, champion, decision, tags, curve, plot_name),
+                    f"{REPORT_DIR}/report.md")  # fmt: skip
+    client.log_text(run_id, report_html(eval_report, champion, decision, tags, curve, png, svg),
+                    f"{REPORT_DIR}/report.html")  # fmt: skip
 
 
 # ----------------------------------------------------------------------------------------- champion
@@ -535,8 +962,8 @@ def _report_from_tags(mv: ModelVersion) -> EvalReport:
 
 def version_report(model: str, version: str) -> EvalReport:
     """The evaluation a kiln-registered version carries in its tags (``RegistryError`` if none)."""
-    with _translated(f"reading {model}/{version}"):
-        return _report_from_tags(_client().get_model_version(model, str(version)))
+    return _with_retries(f"reading {model}/{version}",
+                         lambda: _report_from_tags(_client().get_model_version(model, str(version))))  # fmt: skip
 
 
 def champion_report(policy: Policy) -> EvalReport | None:
@@ -544,9 +971,11 @@ def champion_report(policy: Policy) -> EvalReport | None:
 
     ``None`` when nobody holds the alias yet (the first model). Read-only.
     """
-    with _translated(f"reading {policy.target_model}@{policy.alias}"):
+    def attempt() -> EvalReport | None:
         mv = _version_by_alias(_client(), policy.target_model, policy.alias)
         return None if mv is None else _report_from_tags(mv)
+
+    return _with_retries(f"reading {policy.target_model}@{policy.alias}", attempt)
 
 
 # ------------------------------------------------------------------------------------------ promote
@@ -564,6 +993,37 @@ def _target_version(client: MlflowClient, policy: Policy, candidate: ModelVersio
     return client.copy_model_version(f"models:/{candidate.name}/{candidate.version}", policy.target_model)
 
 
+def _record_of(mv: ModelVersion, policy: Policy, approver: str) -> PromotionRecord:
+    """The promotion a version's tags record (for a re-run that finds the alias already there)."""
+    return PromotionRecord(
+        registered_model=mv.name, version=str(mv.version), alias=policy.alias,
+        approver=mv.tags.get(TAGS["approver"], approver), at=mv.tags.get(TAGS["approved_at"], ""),
+        previous_version=mv.tags.get(TAGS["previous_version"]) or None,
+    )  # fmt: skip
+
+
+def _decision_still_valid(
+    decision: Decision, candidate: ModelVersion, holder: ModelVersion | None, policy: Policy
+) -> Decision:
+    """The decision to promote on: the caller's, or — when the champion changed since it was made
+    (another run was promoted while this one waited for its review) — the gate run again against
+    the current champion. ``PolicyError`` when the gate now holds."""
+    current = None if holder is None else _report_from_tags(holder)
+    then, now = decision.champion_bits_per_byte, None if current is None else current.bits_per_byte
+    if then is None and now is None:
+        return decision
+    if then is not None and now is not None and math.isclose(then, now, rel_tol=1e-9, abs_tol=1e-12):
+        return decision
+    fresh = decide(_report_from_tags(candidate), current, policy.gate)
+    if fresh.action != "promote":
+        raise PolicyError(
+            f"the champion changed since the gate decided (bits_per_byte then {then!r}, now {now!r} on "
+            f"{policy.target_model} version {holder.version if holder else '-'}); against it the gate holds "
+            f"{candidate.name} version {candidate.version}: {'; '.join(r for r in fresh.reasons if 'FAILED' in r)}"
+        )
+    return fresh
+
+
 def promote(
     *, policy: Policy, candidate_version: str, decision: Decision, approver: str, run_key: str
 ) -> PromotionRecord:
@@ -574,7 +1034,10 @@ def promote(
     Order: copy into the target model when it differs from the candidate model (found again by
     its ``kiln.run_key`` tag on retry) → approver, time, decision and reasons as tags → the old
     holder gets alias ``previous`` → ``policy.alias`` moves LAST. A re-run after success finds the
-    alias already on the version and writes nothing.
+    alias already on the version and writes nothing. When the champion changed since ``decision``
+    was made (e.g. during a 24 h review), the gate runs again against the current champion and a
+    hold is refused (``PolicyError``) before anything moves. Transient MLflow failures are retried
+    with backoff; a retry (or a re-run) completes a half-done promotion without a second copy.
     """
     if decision.action != "promote":
         raise PolicyError(f"the gate held this candidate; not promoting: {'; '.join(decision.reasons)}")
@@ -584,7 +1047,7 @@ def promote(
     policy.check_model_write(policy.candidate_model)
     target = policy.target_model
 
-    with _translated(f"promoting {policy.candidate_model}/{candidate_version} to {target}@{policy.alias}"):
+    def attempt() -> PromotionRecord:
         client = _client()
         candidate = client.get_model_version(policy.candidate_model, str(candidate_version))
         if RUN_KEY_TAG not in candidate.tags or TAGS["eval_bits_per_byte"] not in candidate.tags:
@@ -596,18 +1059,17 @@ def promote(
                 f"{candidate.name} version {candidate.version} was evaluated at {tagged_bpb!r}"
             )
 
+        holder = _version_by_alias(client, target, policy.alias)
+        if holder is not None and holder.tags.get(RUN_KEY_TAG) == candidate.tags[RUN_KEY_TAG]:
+            # Already promoted (this run or an earlier one; the copy carries the candidate's run
+            # key): change nothing, report what is there.
+            return _record_of(holder, policy, approver)
+        # Before the copy: a candidate the gate now holds leaves nothing in the target model.
+        chosen = _decision_still_valid(decision, candidate, holder, policy)
         mv = _target_version(client, policy, candidate, run_key)
         version = str(mv.version)
-        holder = _version_by_alias(client, target, policy.alias)
         if holder is not None and str(holder.version) == version:
-            # Already promoted (this run or an earlier one): change nothing, report what is there.
-            return PromotionRecord(
-                registered_model=target, version=version, alias=policy.alias,
-                approver=mv.tags.get(TAGS["approver"], approver),
-                at=mv.tags.get(TAGS["approved_at"], ""),
-                previous_version=mv.tags.get(TAGS["previous_version"]) or None,
-            )  # fmt: skip
-
+            return _record_of(holder, policy, approver)
         previous = str(holder.version) if holder is not None else None
         same_run = mv.tags.get(TAGS["promotion_run_key"]) == run_key
         at = mv.tags.get(TAGS["approved_at"]) if same_run and mv.tags.get(TAGS["approved_at"]) else _now()
@@ -617,7 +1079,7 @@ def promote(
             TAGS["approved_at"]: at,
             TAGS["previous_version"]: previous or "",
             TAGS["source_version"]: f"{candidate.name}/{candidate.version}",
-            **_decision_tags(decision),
+            **_decision_tags(chosen),
         }
         for key, value in tags.items():
             if mv.tags.get(key) != value:
@@ -630,6 +1092,8 @@ def promote(
             previous_version=previous,
         )  # fmt: skip
 
+    return _with_retries(f"promoting {policy.candidate_model}/{candidate_version} to {target}@{policy.alias}", attempt)
+
 
 def rollback(model: str, policy: Policy, actor: str) -> PromotionRecord:
     """Move ``policy.alias`` back to the version holding ``previous``, with audit tags.
@@ -640,7 +1104,7 @@ def rollback(model: str, policy: Policy, actor: str) -> PromotionRecord:
     if not actor.strip():
         raise PolicyError("rollback needs a named actor")
     policy.check_model_write(model)
-    with _translated(f"rolling back {model}@{policy.alias}"):
+    def attempt() -> PromotionRecord:
         client = _client()
         previous = _version_by_alias(client, model, PREVIOUS_ALIAS)
         if previous is None:
@@ -668,16 +1132,29 @@ def rollback(model: str, policy: Policy, actor: str) -> PromotionRecord:
             previous_version=from_version or None,
         )  # fmt: skip
 
+    return _with_retries(f"rolling back {model}@{policy.alias}", attempt)
+
 
 def record_review(*, policy: Policy, candidate_version: str, outcome: str, reviewer: str, at: str) -> None:
     """Tag a candidate version with the human review's outcome (``approved``/``rejected``/``timed out``).
 
-    Idempotent (tags are overwritten with the same values on a re-run). Promotion writes its own
-    approver tags on the promoted version; this records every review, including the ones that
-    stopped a promotion, on the candidate that was reviewed.
+    Only tags: nothing is copied and no alias moves, whatever the outcome. Idempotent (a re-run
+    writes the same values, and skips the ones already there). Promotion writes its own approver
+    tags on the promoted version; this records every review, including the ones that stopped a
+    promotion (a rejection, or nobody answering within the policy's approval timeout), on the
+    candidate that was reviewed. For a timeout, ``reviewer`` names who was asked (e.g. the
+    policy's reviewers) and ``at`` when the wait ended.
     """
+    if outcome not in REVIEW_OUTCOMES:
+        raise ConfigError(f"review outcome must be one of {REVIEW_OUTCOMES}, got {outcome!r}")
     policy.check_model_write(policy.candidate_model)
-    with _translated(f"recording the review of {policy.candidate_model} v{candidate_version}"):
+    wanted = {TAGS["review"]: outcome, TAGS["reviewer"]: reviewer, TAGS["reviewed_at"]: at}
+
+    def attempt() -> None:
         client = _client()
-        for key, value in {TAGS["review"]: outcome, TAGS["reviewer"]: reviewer, TAGS["reviewed_at"]: at}.items():
-            client.set_model_version_tag(policy.candidate_model, candidate_version, key, value)
+        mv = client.get_model_version(policy.candidate_model, str(candidate_version))
+        for key, value in wanted.items():
+            if mv.tags.get(key) != value:
+                client.set_model_version_tag(policy.candidate_model, str(candidate_version), key, value)
+
+    _with_retries(f"recording the review of {policy.candidate_model} v{candidate_version}", attempt)

@@ -121,6 +121,9 @@ def airflow_env(s: kiln_settings.Settings | None = None) -> dict[str, str]:
             "AIRFLOW__LOGGING__BASE_LOG_FOLDER": str(home / "logs"),
             "KILN_HOME": str(s.home),
             "MLFLOW_TRACKING_URI": s.mlflow_uri,
+            # kiln's registry retries whole operations with backoff (KILN_REGISTRY_RETRIES); keep
+            # MLflow's own per-request retries short so kiln's budget is what bounds the wait.
+            "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "2",
             "DVC_NO_ANALYTICS": "1",
             "GIT_PYTHON_REFRESH": "quiet",
             "PYTHONUNBUFFERED": "1",

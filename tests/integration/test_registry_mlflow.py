@@ -129,56 +129,6 @@ def production_policy(suffix: str) -> Policy:
 
 
 @pytest.fixture
-def logged_models(monkeypatch) -> list[str]:
-    """Stand-in for kiln_trainer.export.log_model: a tiny real pyfunc model in the active run."""
-    import mlflow
-
-    class ByteEcho(mlflow.pyfunc.PythonModel):
-        def predict(self, context, model_input: list[str], params=None) -> list[str]:
-            return model_input
-
-    calls: list[str] = []
-
-    def log_tiny_model(step_dir: str) -> str:
-        calls.append(step_dir)
-        info = mlflow.pyfunc.log_model(name=registry.MODEL_ARTIFACT_NAME, python_model=ByteEcho(),
-                                       pip_requirements=[])  # fmt: skip
-        return info.model_uri
-
-    monkeypatch.setattr(registry, "_log_checkpoint_model", log_tiny_model)
-    return calls
-
-
-class RecordingClient:
-    """Wraps the registry's MlflowClient and records every registry write, in order."""
-
-    WRITES = ("set_model_version_tag", "set_registered_model_alias", "copy_model_version",
-              "create_model_version", "delete_registered_model_alias")  # fmt: skip
-
-    def __init__(self, inner: Any, log: list[tuple]) -> None:
-        self._inner, self._log = inner, log
-
-    def __getattr__(self, name: str) -> Any:
-        attr = getattr(self._inner, name)
-        if name not in self.WRITES:
-            return attr
-
-        def recorded(*args: Any, **kwargs: Any) -> Any:
-            self._log.append((name, *map(str, args)))
-            return attr(*args, **kwargs)
-
-        return recorded
-
-
-@pytest.fixture
-def writes(monkeypatch) -> list[tuple]:
-    log: list[tuple] = []
-    real_client = registry._client
-    monkeypatch.setattr(registry, "_client", lambda: RecordingClient(real_client(), log))
-    return log
-
-
-@pytest.fixture
 def client(mlflow_uri):
     from mlflow import MlflowClient
 
@@ -455,6 +405,11 @@ def test_server_down_is_a_registry_error(tmp_path, unique_name, monkeypatch):
 
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"http://127.0.0.1:{free_port()}")
     monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
+    monkeypatch.setenv("KILN_REGISTRY_RETRIES", "1")
+    monkeypatch.delenv("KILN_REGISTRY_BACKOFF_S", raising=False)
+    monkeypatch.delenv("KILN_REGISTRY_BACKOFF_MAX_S", raising=False)
+    waits: list[float] = []
+    monkeypatch.setattr(registry, "_sleep", waits.append)
     previous = mlflow.get_tracking_uri()
     try:
         with pytest.raises(RegistryError) as err:
@@ -462,6 +417,7 @@ def test_server_down_is_a_registry_error(tmp_path, unique_name, monkeypatch):
     finally:
         mlflow.set_tracking_uri(previous)
     assert err.value.retryable and err.value.__cause__ is not None
+    assert "after 2 attempt(s)" in str(err.value) and waits == [2.0]  # retried once, with backoff
 
 
 def write_real_checkpoint(run_dir: Path, manifest: TrainingManifest, step: int = 4) -> Path:
@@ -519,3 +475,60 @@ def test_real_checkpoint_is_registered_as_a_pytorch_model_that_generates(tmp_pat
     tags = client.get_model_version(policy.candidate_model, ref["version"]).tags
     assert tags["kiln.weights_sha256"] == verified["weights_sha256"]
     assert tags["kiln.recipe_sha256"] == verified["recipe_sha256"]
+
+
+def _write_metrics_jsonl(run_dir: Path) -> None:
+    """The trainer's metrics.jsonl: steps 1-6, a rollback event, a resume that re-logs step 5-6, a torn line."""
+    lines = [{"step": s, "loss": 5.0 - 0.5 * s, "lr": 0.1} for s in range(1, 7)]
+    lines.insert(4, {"step": 4, "event": "rollback", "kind": "rollback", "at_step": 4, "to_step": 2})
+    lines += [{"step": 5, "loss": 2.4}, {"step": 6, "loss": 2.1}, {"step": 7, "loss": None}]
+    text = "\n".join(json.dumps(line) for line in lines) + '\n{"step": 8, "lo'
+    (run_dir / "metrics.jsonl").write_text(text)
+
+
+def test_evaluation_report_has_loss_curve_and_metrics_against_the_champion(tmp_path, client, unique_name, logged_models):
+    import mlflow.artifacts
+
+    policy = production_policy(unique_name)
+    a = make_candidate(tmp_path, "a", 3.0)
+    ref_a = registry.register_candidate(policy=policy, run_key=f"kiln_production/a-{unique_name}", **a.kwargs())
+    registry.promote(policy=policy, candidate_version=ref_a["version"], approver="alice",
+                     decision=registry.decide(a.eval_report, None, policy.gate),
+                     run_key=f"kiln_production/a-{unique_name}")  # fmt: skip
+    first_report = mlflow.artifacts.load_text(ref_a["report_uri"])
+    assert "No loss curve" in first_report and "none: first model" in first_report  # no history, no champion
+
+    # Candidate b: no MLflow training run, so the curve comes from the trainer's metrics.jsonl.
+    b = make_candidate(tmp_path, "b", 2.9)
+    b.train = dataclasses.replace(b.train, events=[{"kind": "rollback", "at_step": 4, "to_step": 2}])
+    _write_metrics_jsonl(Path(b.train.run_dir))
+    ref_b = registry.register_candidate(policy=policy, run_key=f"kiln_production/b-{unique_name}", **b.kwargs())
+
+    assert ref_b["report_uri"] == f"runs:/{ref_b['run_id']}/evaluation/report.html"
+    page = mlflow.artifacts.load_text(ref_b["report_uri"])
+    assert '<img alt="training loss" src="data:image/png;base64,' in page  # self-contained for the UI
+    assert "champion (v1)" in page and "<td>2.9000</td><td>3.0000</td><td>-0.1000</td>" in page
+    assert "metrics.jsonl; 6 steps; guard rollbacks at steps [4]" in page
+    assert "regression passed" in page
+    markdown = mlflow.artifacts.load_text(f"runs:/{ref_b['run_id']}/evaluation/report.md")
+    assert "![training loss](loss_curve.png)" in markdown and "| bits per byte | 2.9000 | 3.0000 | -0.1000 |" in markdown
+    png = Path(mlflow.artifacts.download_artifacts(f"runs:/{ref_b['run_id']}/evaluation/loss_curve.png",
+                                                   dst_path=str(tmp_path / "dl")))  # fmt: skip
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+    description = client.get_model_version(policy.candidate_model, ref_b["version"]).description
+    assert "Gate: **promote**" in description and "champion (v1)" in description and "-0.1000" in description
+    assert f"`{ref_b['run_id']}`" in description and "evaluation/report.html" in description
+    assert "step 10/10, completed true" in description
+
+    # Candidate c: its training run logged `loss` to MLflow; that history is the curve (re-logged
+    # step 2 after a resume: the later value wins).
+    experiment_id = client.create_experiment(f"train-{unique_name}")
+    run_id = client.create_run(experiment_id).info.run_id
+    for step, loss, ts in ((1, 4.0, 1000), (2, 3.9, 2000), (3, 3.5, 3000), (2, 3.6, 4000)):
+        client.log_metric(run_id, "loss", loss, timestamp=ts, step=step)
+    c = make_candidate(tmp_path, "c", 2.95, mlflow_run_id=run_id)
+    ref_c = registry.register_candidate(policy=policy, run_key=f"kiln_production/c-{unique_name}", **c.kwargs())
+    page = mlflow.artifacts.load_text(ref_c["report_uri"])
+    assert f"Source: MLflow metric `loss` of run {run_id}; 3 steps" in page
+    assert registry.loss_curve(client, run_id, c.train).points == [(1, 4.0), (2, 3.6), (3, 3.5)]

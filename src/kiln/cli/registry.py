@@ -7,8 +7,11 @@
 
 ``promote`` runs the same gate as the DAG (``kiln.registry.decide`` of the version's evaluation
 against the current champion) and refuses a candidate the gate holds (exit 3); there is no
-override. Both are idempotent: running one twice changes nothing the second time. The
-``PromotionRecord`` is printed as JSON on stdout, the gate's reasons on stderr.
+override. Both are idempotent: running one twice changes nothing the second time, and one
+interrupted half-way (MLflow down) completes when run again. An unreachable MLflow server is
+retried with backoff (``KILN_REGISTRY_RETRIES``, ``KILN_REGISTRY_BACKOFF_S``,
+``KILN_REGISTRY_BACKOFF_MAX_S``; see ``kiln.registry``). The ``PromotionRecord`` is printed as
+JSON on stdout, the gate's reasons on stderr.
 """
 
 from __future__ import annotations

@@ -57,3 +57,18 @@ def test_batches_grow_so_a_huge_corpus_stays_under_max_map_length():
     batches = pipeline.shard_batches(SANDBOX, snap)
     assert len(batches) <= SANDBOX.validation_max_tasks < 1024
     assert sum(len(b) for b in batches) == 100_000
+
+
+def test_outcome_of_a_timed_out_review_names_no_reviewer(tmp_path, monkeypatch):
+    from kiln import registry
+    from kiln.policy import PRODUCTION
+
+    recorded = {}
+    monkeypatch.setenv("KILN_HOME", str(tmp_path))
+    monkeypatch.setattr(registry, "record_review", lambda **kw: recorded.update(kw))
+    candidate = {"model_name": PRODUCTION.candidate_model, "version": "4",
+                 "decision": {"action": "promote", "reasons": ["threshold: ok"], "candidate_bits_per_byte": 3.1}}
+    review = {"chosen_options": ["Reject"], "responded_by_user": {}, "timed_out": True, "responded_at": "2026-11-30T03:00:00"}
+    out = pipeline.outcome_stage(PRODUCTION, candidate, review, None, "kiln_production/scheduled__x")
+    assert out["promoted"] is False and out["review"] == "timed out" and "timed out" in out["message"]
+    assert recorded["outcome"] == "timed out" and recorded["candidate_version"] == "4"

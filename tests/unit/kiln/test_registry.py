@@ -15,7 +15,7 @@ import sys
 import pytest
 
 from kiln import registry
-from kiln.errors import ConfigError, PolicyError
+from kiln.errors import ConfigError, PolicyError, RegistryError
 from kiln.policy import PRODUCTION, PRODUCTION_MODEL, SANDBOX, GatePolicy
 from kiln.refs import Decision, EvalReport
 
@@ -182,3 +182,165 @@ def test_importing_registry_stays_cheap():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
+
+
+def test_record_review_refuses_an_unknown_outcome_before_any_request(no_mlflow_requests):
+    with pytest.raises(ConfigError, match="outcome"):
+        registry.record_review(policy=PRODUCTION, candidate_version="1", outcome="approved-ish", reviewer="a", at="")
+
+
+# ------------------------------------------------------------------------------ retry with backoff
+
+
+def test_retry_policy_from_env_defaults_and_capped_exponential_delays(monkeypatch):
+    for name in ("KILN_REGISTRY_RETRIES", "KILN_REGISTRY_BACKOFF_S", "KILN_REGISTRY_BACKOFF_MAX_S"):
+        monkeypatch.delenv(name, raising=False)
+    assert registry.RetryPolicy.from_env().delays() == [2.0, 4.0, 8.0]
+    monkeypatch.setenv("KILN_REGISTRY_RETRIES", "5")
+    monkeypatch.setenv("KILN_REGISTRY_BACKOFF_S", "1.5")
+    monkeypatch.setenv("KILN_REGISTRY_BACKOFF_MAX_S", "5")
+    assert registry.RetryPolicy.from_env().delays() == [1.5, 3.0, 5.0, 5.0, 5.0]
+    monkeypatch.setenv("KILN_REGISTRY_RETRIES", "0")
+    assert registry.RetryPolicy.from_env().delays() == []
+
+
+@pytest.mark.parametrize(
+    ("name", "value"),
+    [("KILN_REGISTRY_RETRIES", "three"), ("KILN_REGISTRY_RETRIES", "-1"), ("KILN_REGISTRY_BACKOFF_S", "nan"),
+     ("KILN_REGISTRY_BACKOFF_MAX_S", "0.1")],
+)  # fmt: skip
+def test_bad_retry_settings_name_the_variable(monkeypatch, name, value):
+    monkeypatch.setenv(name, value)
+    with pytest.raises(ConfigError, match=name):
+        registry.RetryPolicy.from_env()
+
+
+def _mlflow_errors():
+    import requests
+    from mlflow.exceptions import MlflowException, RestException
+
+    down = MlflowException("API request to http://127.0.0.1:1/api/2.0/mlflow/model-versions/get failed with "
+                           "exception HTTPConnectionPool(host='127.0.0.1', port=1): Max retries exceeded")  # fmt: skip
+    bad_gateway = MlflowException("API request to endpoint /api/2.0/mlflow/x failed with error code 502 != 200. "
+                                  "Response body: 'Bad Gateway'")  # fmt: skip
+    transient = {
+        "connection refused": down,
+        "HTTP 502": bad_gateway,
+        "server error": RestException({"error_code": "INTERNAL_ERROR", "message": "database is locked"}),
+        "unavailable": RestException({"error_code": "TEMPORARILY_UNAVAILABLE", "message": "later"}),
+        "requests": requests.exceptions.ConnectionError("reset"),
+        "socket": ConnectionRefusedError(111, "refused"),
+    }
+    permanent = {
+        "not found": RestException({"error_code": "RESOURCE_DOES_NOT_EXIST", "message": "no such version"}),
+        "bad value": RestException({"error_code": "INVALID_PARAMETER_VALUE", "message": "bad"}),
+        "client-side": MlflowException("Run with UUID abc is already active."),
+        "programming": ValueError("bug"),
+    }
+    return transient, permanent
+
+
+def test_transient_failures_are_told_apart_from_refusals():
+    transient, permanent = _mlflow_errors()
+    assert {k for k, e in transient.items() if not registry.is_transient(e)} == set()
+    assert {k for k, e in permanent.items() if registry.is_transient(e)} == set()
+
+
+def _flaky(failures: list[BaseException], result: str = "done"):
+    calls = []
+
+    def body() -> str:
+        calls.append(1)
+        if failures:
+            raise failures.pop(0)
+        return result
+
+    return body, calls
+
+
+@pytest.fixture
+def sleeps(monkeypatch) -> list[float]:
+    recorded: list[float] = []
+    monkeypatch.setattr(registry, "_sleep", recorded.append)
+    monkeypatch.setenv("KILN_REGISTRY_RETRIES", "3")
+    monkeypatch.setenv("KILN_REGISTRY_BACKOFF_S", "1")
+    monkeypatch.delenv("KILN_REGISTRY_BACKOFF_MAX_S", raising=False)
+    return recorded
+
+
+def test_transient_failures_are_retried_with_backoff_until_success(sleeps):
+    transient, _ = _mlflow_errors()
+    body, calls = _flaky([transient["connection refused"], transient["server error"]])
+    assert registry._with_retries("promoting x", body) == "done"
+    assert len(calls) == 3 and sleeps == [1.0, 2.0]
+
+
+def test_retries_are_bounded_then_a_retryable_registry_error(sleeps):
+    transient, _ = _mlflow_errors()
+    body, calls = _flaky([transient["connection refused"]] * 10)
+    with pytest.raises(RegistryError, match=r"after 4 attempt\(s\)") as err:
+        registry._with_retries("promoting x", body)
+    assert err.value.retryable and err.value.__cause__ is transient["connection refused"]
+    assert len(calls) == 4 and sleeps == [1.0, 2.0, 4.0]
+
+
+def test_refusals_and_kiln_errors_are_not_retried(sleeps):
+    _, permanent = _mlflow_errors()
+    body, calls = _flaky([permanent["not found"]])
+    with pytest.raises(RegistryError, match="no such version"):
+        registry._with_retries("reading x", body)
+    body, policy_calls = _flaky([PolicyError("no")])
+    with pytest.raises(PolicyError):
+        registry._with_retries("promoting x", body)
+    body, bug_calls = _flaky([ValueError("bug")])
+    with pytest.raises(ValueError):
+        registry._with_retries("promoting x", body)
+    assert (len(calls), len(policy_calls), len(bug_calls)) == (1, 1, 1) and sleeps == []
+
+
+# ------------------------------------------------------------------------------- evaluation report
+
+
+def test_loss_history_from_metrics_jsonl_keeps_the_last_value_per_step(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    path.write_text(
+        '{"step": 1, "loss": 4.0}\n{"step": 2, "loss": 3.0}\n'
+        '{"step": 2, "event": "rollback", "kind": "rollback", "at_step": 2, "loss": 99.0}\n'
+        '{"step": 2, "loss": 3.5}\n{"step": 3, "loss": null}\n{"step": 4, "lr": 0.1}\n'
+        'not json\n{"step": 5, "loss": 2.0}\n{"step": 6, "lo'
+    )
+    assert registry.read_loss_jsonl(path) == [(1, 4.0), (2, 3.5), (5, 2.0)]
+    assert registry.read_loss_jsonl(tmp_path / "missing.jsonl") == []
+
+
+def test_loss_curve_svg_is_well_formed_and_draws_every_point():
+    import xml.etree.ElementTree as ET
+
+    curve = registry.LossCurve(points=[(1, 4.0), (2, 3.0), (10, 2.5)], source="test", rollbacks=[2])
+    svg = ET.fromstring(registry.loss_curve_svg(curve, {"candidate <eval> loss": 2.7}))
+    ns = "{http://www.w3.org/2000/svg}"
+    (polyline,) = svg.iter(f"{ns}polyline")
+    assert len(polyline.get("points").split()) == 3
+    assert any("candidate <eval> loss" in (t.text or "") for t in svg.iter(f"{ns}text"))
+    assert len(list(svg.iter(f"{ns}line"))) == 2  # the reference line and the rollback marker
+    empty = ET.fromstring(registry.loss_curve_svg(registry.LossCurve(points=[], source="none", rollbacks=[]), {}))
+    assert "no training loss" in "".join(empty.itertext())
+
+
+def test_loss_curve_png_when_matplotlib_is_installed():
+    pytest.importorskip("matplotlib")
+    curve = registry.LossCurve(points=[(1, 4.0), (2, 3.0)], source="test", rollbacks=[])
+    assert registry.loss_curve_png(curve, {"candidate eval loss": 2.9})[:8] == b"\x89PNG\r\n\x1a\n"
+    assert registry.loss_curve_png(registry.LossCurve(points=[], source="none", rollbacks=[]), {}) is None
+
+
+def test_report_compares_candidate_and_champion_and_escapes_html():
+    tags = {registry.RUN_KEY_TAG: "kiln_production/<run>", registry.TAGS["dvc"]: "outs: []",
+            registry.TAGS["decision_champion_version"]: "4", "kiln.note": "<script>"}  # fmt: skip
+    decision = registry.decide(report(2.9), report(3.0), GATE)
+    curve = registry.LossCurve(points=[], source="none (no loss was logged)", rollbacks=[])
+    page = registry.report_html(report(2.9), report(3.0), decision, tags, curve, None, None)
+    assert "<td>2.9000</td><td>3.0000</td><td>-0.1000</td>" in page and "champion (v4)" in page
+    assert "<script>" not in page and "&lt;script&gt;" in page and "&lt;run&gt;" in page
+    markdown = registry.report_markdown(report(2.9), None, registry.decide(report(2.9), None, GATE), tags, curve, None)
+    assert "| bits per byte | 2.9000 | — | — |" in markdown and "No loss curve" in markdown
