@@ -8,6 +8,7 @@
     │   └── DataGateError          quarantined share above the policy threshold (no retry)
     ├── ManifestError              TrainingManifest / checkpoint manifest missing, tampered, partial
     ├── LaunchError                the training job could not start or ended in failure
+    │   └── TrainingFaultError     the trainer diagnosed a fault a retry cannot fix (exit 2) — kiln.launchers
     ├── RegistryError              MLflow registration / alias move failed
     └── PolicyError                a policy forbids this (sandbox → production name…) (no retry)
 

@@ -194,8 +194,10 @@ def train_stage(
     policy: Policy, snapshot: dict[str, Any], data: dict[str, Any], params: dict[str, Any], key: str,
     *, log_line=print,
 ) -> dict[str, Any]:
-    """Train on the manifest's healthy shards with the local torchrun launcher; resume if interrupted."""
-    from kiln.launchers import LaunchSpec, launch_local, read_result
+    """Train on the manifest's healthy shards with the policy's launcher; resume if interrupted.
+
+    A trainer fault (exit 2: tampered data, divergence) raises a non-retryable TrainingFaultError."""
+    from kiln.launchers import LaunchSpec, launch, read_result
 
     manifest = TrainingManifest.read(data["manifest"])
     if manifest.sha256 != data["manifest_sha256"]:
@@ -228,7 +230,8 @@ def train_stage(
 
     runs = mlflow.MlflowClient(tracking_uri=s.mlflow_uri)
     try:
-        result = launch_local(spec, log=log_line)
+        options = {"partition": policy.slurm_partition, "qos": policy.slurm_qos} if policy.launcher == "slurm" else {}
+        result = launch(spec, backend=policy.launcher, log=log_line, **options)
         _verify_checkpoint(result.checkpoint)
     except BaseException:
         runs.set_terminated(mlflow_run_id, "FAILED")

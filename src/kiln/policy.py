@@ -71,6 +71,12 @@ class Policy:
     nodes: int
     nproc_per_node: int
     max_restarts: int
+    launcher: str = "local"
+    """Launcher backend (``kiln.launchers``): ``local`` (torchrun agents on this machine) or ``slurm``."""
+    slurm_partition: str | None = None
+    """Slurm partition and QoS when ``launcher == "slurm"`` (production preempts sandbox through
+    them on a real cluster; None uses the cluster's defaults)."""
+    slurm_qos: str | None = None
     candidate_model: str
     """Registered model the candidate version is created in."""
     target_model: str

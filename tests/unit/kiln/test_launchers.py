@@ -1,11 +1,28 @@
 from __future__ import annotations
 
+import json
+import os
 from pathlib import Path
 
 import pytest
 
 from kiln.errors import ConfigError, LaunchError
-from kiln.launchers import LaunchSpec, agent_argv, read_result
+from kiln.launchers import (
+    JobHandle,
+    JobStatus,
+    LaunchSpec,
+    LocalLauncher,
+    SlurmLauncher,
+    TrainingFaultError,
+    agent_argv,
+    get_launcher,
+    read_result,
+    render_sbatch,
+)
+from kiln.launchers.base import fatal_markers, result_for
+from kiln.launchers.local import kill_tagged
+from kiln.launchers.stragglers import StragglerDetector, StragglerPolicy, detect, rank_step_times_from_metrics
+from kiln.launchers.worker import write_fatal_marker
 
 
 def _spec(tmp_path: Path, **kw) -> LaunchSpec:
@@ -15,10 +32,12 @@ def _spec(tmp_path: Path, **kw) -> LaunchSpec:
 def test_agent_argv_forms_one_multi_node_gang(tmp_path):
     spec = _spec(tmp_path, nodes=2, max_restarts=3, overrides=("train.seed=7",), max_steps=20)
     argv = agent_argv(spec, 1, 29400)
-    assert "--nnodes=2" in argv and "--node-rank=1" in argv and "--max-restarts=3" in argv
+    assert "--nnodes=2" in argv and "--max-restarts=3" in argv
     assert "--rdzv-endpoint=127.0.0.1:29400" in argv and "--rdzv-backend=c10d" in argv
+    # The supervisor hosts the rendezvous store, so losing any node never loses the rendezvous.
+    assert "--rdzv-conf=is_host=false" in argv
     assert any(a.startswith("--rdzv-id=kiln_sandbox_manual__2026") for a in argv)
-    assert argv[len(argv) - 1 - argv[::-1].index("-m") + 1] == "kiln_trainer.train"
+    assert argv[len(argv) - 1 - argv[::-1].index("-m") + 1] == "kiln.launchers.worker"
     assert argv[-4:] == ["--set", "train.seed=7", "--max-steps", "20"]
 
 
@@ -28,6 +47,158 @@ def test_launch_spec_names_the_bad_field(tmp_path, field, value):
         _spec(tmp_path, **{field: value})
 
 
+def test_launch_spec_round_trips_through_json(tmp_path):
+    spec = _spec(tmp_path, nodes=2, overrides=("a.b=1",), env={"X": "1"})
+    again = LaunchSpec.from_json(json.loads(json.dumps(spec.to_json())))
+    assert again == spec
+
+
 def test_missing_result_is_a_launch_error(tmp_path):
     with pytest.raises(LaunchError, match="result.json"):
         read_result(tmp_path)
+
+
+def test_get_launcher_by_name_and_unknown_backend():
+    assert isinstance(get_launcher("local"), LocalLauncher)
+    assert isinstance(get_launcher("slurm", partition="p", qos="q"), SlurmLauncher)
+    with pytest.raises(ConfigError, match="kubernetes"):
+        get_launcher("kubernetes")
+    with pytest.raises(ConfigError, match="no options"):
+        get_launcher("local", partition="p")
+
+
+def test_render_sbatch_gangs_one_agent_per_node(tmp_path):
+    spec = _spec(tmp_path, nodes=2, max_restarts=2, env={"MLFLOW_RUN_ID": "abc def"})
+    script = render_sbatch(spec, partition="prod", qos="high", time_limit="01:00:00", exclude=("node7",))
+    assert script.startswith("#!/bin/bash\n")
+    for directive in ("--nodes=2", "--ntasks-per-node=1", "--partition=prod", "--qos=high", "--time=01:00:00",
+                      "--exclude=node7", "--no-requeue", f"--output={tmp_path}/.launch/slurm-%j.log"):
+        assert f"#SBATCH {directive}\n" in script
+    assert "export MLFLOW_RUN_ID='abc def'" in script and "export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1" in script
+    srun = script[script.index("srun "):]
+    assert "--kill-on-bad-exit=1" in srun and "--ntasks=2" in srun
+    assert '--rdzv-endpoint="${KILN_RDZV_ENDPOINT}"' in srun and "--max-restarts=2" in srun
+    assert "kiln.launchers.worker" in srun
+
+
+def test_render_sbatch_without_partition_or_qos_leaves_them_to_slurm(tmp_path):
+    script = render_sbatch(_spec(tmp_path))
+    assert "--partition" not in script and "--qos" not in script
+
+
+def test_render_sbatch_refuses_a_partition_that_is_not_a_name(tmp_path):
+    with pytest.raises(ConfigError, match="partition"):
+        render_sbatch(_spec(tmp_path), partition="prod; rm -rf /")
+
+
+def test_worker_fatal_marker_is_read_back(tmp_path):
+    assert fatal_markers(tmp_path) == []
+    write_fatal_marker(tmp_path, 3, "ResumeMismatchError: world_size 4 != 2")
+    (marker,) = fatal_markers(tmp_path)
+    assert marker["rank"] == 3 and "ResumeMismatchError" in marker["error"]
+
+
+def test_worker_marks_exit_2_and_only_exit_2(tmp_path, monkeypatch):
+    import kiln_trainer.train as trainer
+
+    from kiln.launchers import worker
+
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
+    monkeypatch.setattr(trainer, "main", lambda argv: 1)
+    assert worker.main(["--run-dir", str(tmp_path)]) == 1
+    assert fatal_markers(tmp_path) == []
+    monkeypatch.setattr(trainer, "main", lambda argv: 2)
+    monkeypatch.setenv("RANK", "1")
+    assert worker.main(["--run-dir", str(tmp_path)]) == 2
+    assert [m["rank"] for m in fatal_markers(tmp_path)] == [1]
+
+
+@pytest.mark.parametrize(
+    "state,error,retryable",
+    [("FATAL", TrainingFaultError, False), ("FAILED", LaunchError, True), ("CANCELLED", LaunchError, True),
+     ("RUNNING", LaunchError, True)],
+)
+def test_result_for_maps_each_end_state_to_its_error(tmp_path, state, error, retryable):
+    handle = JobHandle(backend="local", job_id="1", run_dir=str(tmp_path))
+    with pytest.raises(error, match="local job 1") as info:
+        result_for(JobStatus(state=state, reason="because"), handle)
+    assert type(info.value).retryable is retryable
+
+
+def test_training_fault_is_a_non_retryable_launch_error():
+    assert issubclass(TrainingFaultError, LaunchError) and TrainingFaultError.retryable is False
+
+
+def test_local_poll_reports_a_dead_supervisor_without_status(tmp_path):
+    handle = JobHandle(backend="local", job_id=str(2**22 + 12345), run_dir=str(tmp_path))
+    status = LocalLauncher().poll(handle)
+    assert status.state == "FAILED" and "died" in status.reason
+
+
+def test_local_poll_reads_the_final_status(tmp_path):
+    (tmp_path / ".launch").mkdir()
+    (tmp_path / ".launch" / "status.json").write_text(json.dumps({"state": "FATAL", "reason": "rank 0 exited 2", "restarts": 1}))
+    status = LocalLauncher().poll(JobHandle(backend="local", job_id="1", run_dir=str(tmp_path)))
+    assert status == JobStatus(state="FATAL", reason="rank 0 exited 2", restarts=1)
+
+
+def test_kill_tagged_signals_only_tagged_processes(tmp_path):
+    import subprocess
+    import sys
+
+    tagged = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"],
+                              env={**os.environ, "KILN_LAUNCH_NODE": "unit-test-tag"})
+    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"],
+                             env={**os.environ, "KILN_LAUNCH_NODE": "unit-test-tag-other"})
+    try:
+        assert kill_tagged("unit-test-tag") == 1
+        assert tagged.wait(timeout=10) == -9
+        assert other.poll() is None
+    finally:
+        other.kill()
+        other.wait()
+        tagged.kill()
+        tagged.wait()
+
+
+# ------------------------------------------------------------------------------- stragglers
+
+
+def test_a_rank_slow_for_k_windows_is_flagged_once():
+    policy = StragglerPolicy(factor=1.5, windows=3)
+    windows = [(step, [0.10, 0.10, 0.25, 0.11]) for step in (10, 20, 30, 40, 50)]
+    flags = detect(windows, policy)
+    assert [(f.rank, f.step) for f in flags] == [(2, 30)]
+    assert flags[0].ratio == pytest.approx(2.5) and "rank 2 at step 30" in flags[0].message
+
+
+def test_two_ranks_compare_with_the_other_rank():
+    flags = detect([(s, [0.10, 0.16]) for s in (5, 10)], StragglerPolicy(factor=1.5, windows=2))
+    assert [f.rank for f in flags] == [1]
+
+
+def test_clean_run_and_interrupted_streak_raise_no_flag():
+    policy = StragglerPolicy(factor=1.5, windows=3)
+    assert detect([(s, [0.10, 0.11, 0.12, 0.10]) for s in range(10, 200, 10)], policy) == []
+    # slow, slow, recovered, slow, slow: never 3 in a row
+    pattern = [[0.1, 0.2], [0.1, 0.2], [0.1, 0.1], [0.1, 0.2], [0.1, 0.2]]
+    assert detect(list(zip(range(5), pattern)), policy) == []
+
+
+def test_a_second_slow_streak_flags_again():
+    detector = StragglerDetector(policy=StragglerPolicy(factor=1.5, windows=1))
+    assert len(detector.observe(1, [0.1, 0.3])) == 1
+    assert detector.observe(2, [0.1, 0.1]) == []
+    assert len(detector.observe(3, [0.1, 0.3])) == 1
+
+
+@pytest.mark.parametrize("kw,field", [({"factor": 1.0}, "factor"), ({"windows": 0}, "windows"), ({"action": "reboot"}, "action")])
+def test_straggler_policy_names_the_bad_field(kw, field):
+    with pytest.raises(ConfigError, match=field):
+        StragglerPolicy(**kw)
+
+
+def test_rank_step_times_are_read_from_metrics_jsonl(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"step": 10, "loss": 3.0}\n{"step": 20, "rank_step_times": [0.1, 0.2]}\n{"step": 30, "rank_')
+    assert list(rank_step_times_from_metrics(path)) == [(20, [0.1, 0.2])]

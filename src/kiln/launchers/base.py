@@ -1,0 +1,244 @@
+"""What every launcher backend shares: the job spec, the job handle and status, the interface.
+
+A backend turns a ``LaunchSpec`` into one gang of torchrun agents (one per node) and reports on it::
+
+    handle = launcher.submit(spec)          # returns at once; JSON-safe, survives the process
+    status = launcher.poll(handle)          # PENDING | RUNNING | SUCCEEDED | FAILED | FATAL | CANCELLED
+    launcher.logs(handle, offset)           # (new text, next offset): streamable into a task log
+    launcher.cancel(handle)                 # ends every agent and worker of the job
+    result = launcher.result(handle)        # TrainResult, or the error the final status calls for
+
+``wait`` (poll until terminal, streaming logs) is shared. Everything a backend needs to find its job
+again lives in the handle and in ``RUN/.launch/``, so a deferrable Airflow trigger can poll from
+another process.
+
+Fatal trainer faults: every worker runs ``kiln.launchers.worker``, which calls the trainer and, when it
+exits 2 (a fault a retry cannot fix), drops ``RUN/.launch/fatal/rank-N.json``. Backends check for that
+marker on each poll and end the whole job at once, so neither torchrun's restarts nor Airflow's
+retries repeat a run that must fail the same way: the status is FATAL and ``result`` raises
+``TrainingFaultError`` (``retryable = False``).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Literal, Protocol
+
+from kiln.errors import ConfigError, LaunchError
+from kiln.refs import TrainResult
+
+LAUNCH_SUBDIR = ".launch"
+"""Per-run launcher state under the run dir: job log, status, agent pids, fatal markers."""
+FATAL_SUBDIR = "fatal"
+WORKER_MODULE = "kiln.launchers.worker"
+
+State = Literal["PENDING", "RUNNING", "SUCCEEDED", "FAILED", "FATAL", "CANCELLED"]
+TERMINAL_STATES: frozenset[str] = frozenset({"SUCCEEDED", "FAILED", "FATAL", "CANCELLED"})
+
+
+class TrainingFaultError(LaunchError):
+    """A worker exited 2: the trainer diagnosed a fault (bad recipe, tampered data or checkpoint,
+    resume mismatch, divergence) that a restart or a retry would only repeat."""
+
+    retryable = False
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class LaunchSpec:
+    """One training job: what to run, on how many nodes, and where it writes."""
+
+    run_dir: Path
+    """Shared by every node (checkpoints, metrics, result.json, ``.launch/``)."""
+    manifest: Path
+    recipe: Path
+    run_key: str
+    """Stable id of the job (DAG id + run id): the rendezvous id and the MLflow run key."""
+    nodes: int = 1
+    nproc_per_node: int = 1
+    max_restarts: int = 0
+    """Whole-group restarts torchrun may make after a worker fails; on the local backend also the
+    number of lost agents (nodes) the launcher replaces."""
+    overrides: tuple[str, ...] = ()
+    """``section.key=value`` recipe overrides (run params win over the recipe)."""
+    max_steps: int | None = None
+    env: dict[str, str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.nodes <= 64:
+            raise ConfigError(f"nodes must be within [1, 64], got {self.nodes}")
+        if not 1 <= self.nproc_per_node <= 64:
+            raise ConfigError(f"nproc_per_node must be within [1, 64], got {self.nproc_per_node}")
+        if self.max_restarts < 0:
+            raise ConfigError(f"max_restarts must be >= 0, got {self.max_restarts}")
+        if self.max_steps is not None and self.max_steps < 1:
+            raise ConfigError(f"max_steps must be >= 1, got {self.max_steps}")
+
+    @property
+    def launch_dir(self) -> Path:
+        return Path(self.run_dir) / LAUNCH_SUBDIR
+
+    @property
+    def rdzv_id(self) -> str:
+        return re.sub(r"[^A-Za-z0-9_-]", "_", self.run_key)[-64:]
+
+    def to_json(self) -> dict[str, Any]:
+        d = asdict(self)
+        d.update(run_dir=str(self.run_dir), manifest=str(self.manifest), recipe=str(self.recipe),
+                 overrides=list(self.overrides))
+        return d
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> LaunchSpec:
+        return cls(**{**d, "run_dir": Path(d["run_dir"]), "manifest": Path(d["manifest"]),
+                      "recipe": Path(d["recipe"]), "overrides": tuple(d.get("overrides", ()))})
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class JobHandle:
+    """Finds a submitted job again, from any process: ``{"backend", "job_id", "run_dir"}``."""
+
+    backend: str
+    job_id: str
+    run_dir: str
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> JobHandle:
+        return cls(backend=str(d["backend"]), job_id=str(d["job_id"]), run_dir=str(d["run_dir"]))
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class JobStatus:
+    state: State
+    reason: str = ""
+    """Why the job is not (yet) a success: names the node, exit code or fatal rank."""
+    restarts: int = 0
+    """Lost nodes the launcher replaced (local backend); torchrun's own restarts are in the log."""
+
+    @property
+    def done(self) -> bool:
+        return self.state in TERMINAL_STATES
+
+
+class Launcher(Protocol):
+    name: str
+
+    def submit(self, spec: LaunchSpec) -> JobHandle: ...
+    def poll(self, handle: JobHandle) -> JobStatus: ...
+    def cancel(self, handle: JobHandle) -> None: ...
+    def logs(self, handle: JobHandle, offset: int = 0) -> tuple[str, int]: ...
+    def result(self, handle: JobHandle) -> TrainResult: ...
+
+
+def trainer_args(spec: LaunchSpec) -> list[str]:
+    """The worker's own arguments (after ``-m kiln.launchers.worker``)."""
+    argv = ["--manifest", str(spec.manifest), "--recipe", str(spec.recipe), "--run-dir", str(spec.run_dir)]
+    for item in spec.overrides:
+        argv += ["--set", item]
+    if spec.max_steps is not None:
+        argv += ["--max-steps", str(spec.max_steps)]
+    return argv
+
+
+def torchrun_argv(spec: LaunchSpec, endpoint: str, *, python: str = sys.executable,
+                  node_rank: int | None = None, rdzv_conf: str | None = None) -> list[str]:
+    """One node's torchrun agent: c10d rendezvous at ``endpoint``, the worker shim as entry point."""
+    argv = [
+        python, "-m", "torch.distributed.run",
+        f"--nnodes={spec.nodes}", f"--nproc-per-node={spec.nproc_per_node}",
+        "--rdzv-backend=c10d", f"--rdzv-endpoint={endpoint}", f"--rdzv-id={spec.rdzv_id}",
+        f"--max-restarts={spec.max_restarts}", "--monitor-interval=1",
+    ]
+    if node_rank is not None:
+        argv.insert(5, f"--node-rank={node_rank}")
+    if rdzv_conf:
+        argv.append(f"--rdzv-conf={rdzv_conf}")
+    return argv + ["-m", WORKER_MODULE, *trainer_args(spec)]
+
+
+def fatal_markers(run_dir: str | Path) -> list[dict[str, Any]]:
+    """Markers the worker shim left for ranks that exited 2 (oldest first)."""
+    folder = Path(run_dir) / LAUNCH_SUBDIR / FATAL_SUBDIR
+    found = []
+    for path in sorted(folder.glob("rank-*.json")):
+        try:
+            found.append(json.loads(path.read_text()))
+        except (OSError, ValueError):  # being written: the next poll reads it
+            continue
+    return found
+
+
+def fatal_reason(markers: list[dict[str, Any]]) -> str:
+    m = markers[0]
+    return f"rank {m.get('rank')} exited 2 (trainer fault, not retried): {m.get('error') or 'see the job log'}"
+
+
+def clear_launch_state(spec: LaunchSpec) -> Path:
+    """Before a (re)submission: forget the previous attempt's fatal markers and status."""
+    folder = spec.launch_dir
+    (folder / FATAL_SUBDIR).mkdir(parents=True, exist_ok=True)
+    for path in (folder / FATAL_SUBDIR).glob("rank-*.json"):
+        path.unlink(missing_ok=True)
+    (folder / "status.json").unlink(missing_ok=True)
+    return folder
+
+
+def wait(launcher: Launcher, handle: JobHandle, *, log: Callable[[str], None] = print,
+         poll_s: float = 0.5) -> JobStatus:
+    """Poll until the job ends, passing every new log line to ``log``; cancel if interrupted."""
+    offset = 0
+    pending = ""
+    try:
+        while True:
+            status = launcher.poll(handle)
+            text, offset = launcher.logs(handle, offset)
+            pending += text
+            *lines, pending = pending.split("\n")
+            for line in lines:
+                log(line)
+            if status.done:
+                text, offset = launcher.logs(handle, offset)
+                for line in (pending + text).splitlines():
+                    log(line)
+                return status
+            time.sleep(poll_s)
+    except BaseException:
+        # The caller is going away (task killed, Ctrl-C): never leave a gang running behind it.
+        launcher.cancel(handle)
+        raise
+
+
+def result_for(status: JobStatus, handle: JobHandle, log_tail: str = "") -> TrainResult:
+    """The TrainResult of a finished job, or the error its status calls for."""
+    if status.state == "SUCCEEDED":
+        return read_result(Path(handle.run_dir))
+    where = f"{handle.backend} job {handle.job_id}"
+    tail = f"\nlast log lines:\n{log_tail}" if log_tail else ""
+    if status.state == "FATAL":
+        raise TrainingFaultError(f"{where}: {status.reason}{tail}")
+    if status.state == "CANCELLED":
+        raise LaunchError(f"{where} was cancelled: {status.reason}{tail}")
+    if status.state == "FAILED":
+        raise LaunchError(f"{where} failed: {status.reason}{tail}")
+    raise LaunchError(f"{where} has not finished (state {status.state})")
+
+
+def read_result(run_dir: Path) -> TrainResult:
+    path = Path(run_dir) / "result.json"
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise LaunchError(f"training finished without a readable {path}: {exc}") from exc
+    return TrainResult.from_json(data)
+
+
+def tail_text(text: str, lines: int = 12) -> str:
+    return "\n".join(text.splitlines()[-lines:])

@@ -1,0 +1,461 @@
+"""``local`` backend: N torchrun agents on this machine form one N-node job, kept alive by a supervisor.
+
+``submit`` starts a detached supervisor process (``kiln.launchers.local.supervise(RUN/.launch/spec.json)``
+in its own session) and returns; everything else finds it again through ``RUN/.launch/``:
+``job.log`` (every agent's output, prefixed ``[node i]``), ``status.json`` (state, reason, agent pids,
+replaced nodes) and ``supervisor.pid``. So the job outlives the submitting process, and a deferrable
+trigger or a retried task can poll, stream and cancel it.
+
+The supervisor plays the cluster scheduler of a real multi-node job:
+
+* it hosts the c10d rendezvous store in a process of its own (agents use ``is_host=false``), so the
+  rendezvous survives the loss of any node, including the first;
+* each agent (node) runs in its own process group, so a node is lost or cancelled as a whole;
+* a worker that dies is torchrun's business: its agent restarts the whole group (``--max-restarts``)
+  and every rank resumes from the newest committed checkpoint;
+* an agent that dies (a lost node) is the supervisor's: it kills what is left of that node (orphaned
+  workers), starts a replacement agent, and the surviving agents re-rendezvous with it — up to
+  ``max_restarts`` replacements;
+* an agent that exits non-zero on its own has spent torchrun's restarts: the job FAILED;
+* a fatal marker (a rank exited 2) ends the job at once: FATAL, not restarted, not retried.
+
+Launch lines (what the supervisor runs, for each of the N nodes)::
+
+    torchrun --nnodes=N --nproc-per-node=P --rdzv-backend=c10d --rdzv-endpoint=127.0.0.1:PORT \\
+        --rdzv-id=RUN --max-restarts=R --monitor-interval=1 --rdzv-conf=is_host=false \\
+        -m kiln.launchers.worker --manifest M.json --recipe R.toml --run-dir DIR
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from pathlib import Path
+from typing import IO, Any
+
+from kiln.errors import LaunchError
+from kiln.launchers.base import (
+    JobHandle,
+    JobStatus,
+    LaunchSpec,
+    clear_launch_state,
+    fatal_markers,
+    fatal_reason,
+    result_for,
+    tail_text,
+    torchrun_argv,
+    wait,
+)
+from kiln.refs import TrainResult
+
+_STORE_CODE = """
+import sys, time
+from datetime import timedelta
+from torch.distributed import TCPStore
+store = TCPStore("127.0.0.1", int(sys.argv[1]), is_master=True, wait_for_workers=False,
+                 multi_tenant=True, timeout=timedelta(seconds=60))
+print("rendezvous store ready on port", sys.argv[1], flush=True)
+while True:
+    time.sleep(3600)
+"""
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def agent_env(spec: LaunchSpec) -> dict[str, str]:
+    cores = os.cpu_count() or 1
+    threads = str(max(1, cores // (spec.nodes * spec.nproc_per_node)))
+    return {
+        **os.environ,
+        # Agents share this host: split the cores, never oversubscribe. Determinism depends on the
+        # thread count, so a spec that pins KILN_TORCH_THREADS (below, spec.env) wins.
+        "OMP_NUM_THREADS": threads,
+        "KILN_TORCH_THREADS": threads,
+        # Whole-group restarts on one host succeed reliably only without the shared TCP store
+        # (FIELD-NOTES: 2/7 with it, 6/6 without).
+        "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
+        "PYTHONUNBUFFERED": "1",
+        **spec.env,
+    }
+
+
+def agent_argv(spec: LaunchSpec, node_rank: int, port: int) -> list[str]:
+    """Node ``node_rank``'s agent: c10d rendezvous on the supervisor's store at 127.0.0.1:port.
+
+    c10d assigns node ranks at each rendezvous (a replacement agent may get another one), so
+    ``node_rank`` names the agent's slot in the supervisor and its log prefix, not a torch rank.
+    """
+    del node_rank
+    return torchrun_argv(spec, f"127.0.0.1:{port}", rdzv_conf="is_host=false")
+
+
+NODE_TAG_ENV = "KILN_LAUNCH_NODE"
+"""Set on each agent and inherited by its workers: torchrun starts workers in sessions of their own,
+so a node's processes are found by this tag, as a cgroup would find them on a real node."""
+
+
+def kill_tagged(tag: str, sig: int = signal.SIGKILL) -> int:
+    """Signal every process of this machine whose environment carries ``KILN_LAUNCH_NODE=tag``."""
+    needle = f"{NODE_TAG_ENV}={tag}".encode() + b"\0"
+    hit = 0
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            with open(f"/proc/{entry.name}/environ", "rb") as fh:
+                if needle not in fh.read() + b"\0":
+                    continue
+            os.kill(int(entry.name), sig)
+            hit += 1
+        except (OSError, ValueError):
+            continue
+    return hit
+
+
+def _kill_group(pid: int, sig: int = signal.SIGKILL) -> None:
+    try:
+        os.killpg(pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def cancel(procs: list[subprocess.Popen[Any]]) -> None:
+    """End every agent's process group: TERM (torchrun then stops its workers), KILL after 10 s.
+
+    Workers live in sessions of their own; the supervisor also kills them by node tag."""
+    for proc in procs:
+        if proc.poll() is None:
+            _kill_group(proc.pid, signal.SIGTERM)
+    deadline = time.monotonic() + 10
+    for proc in procs:
+        try:
+            proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            _kill_group(proc.pid)  # not reaped yet, so the pid is still this agent's
+            proc.wait()
+
+
+# ------------------------------------------------------------------------------------ supervisor
+class _Supervisor:
+    def __init__(self, spec: LaunchSpec) -> None:
+        self.spec = spec
+        self.folder = spec.launch_dir
+        self.env = agent_env(spec)
+        self.lock = threading.Lock()
+        self.agents: list[subprocess.Popen[str]] = []
+        self.tails: list[deque[str]] = []
+        self.replaced = 0
+        self.stop_signal: int | None = None
+        self.store: subprocess.Popen[str] | None = None
+        self.port = 0
+        self.started = time.time()
+
+    def say(self, line: str) -> None:
+        with self.lock:
+            sys.stdout.write(line + "\n")
+            sys.stdout.flush()
+
+    def write_status(self, state: str, reason: str = "") -> None:
+        body = {
+            "state": state, "reason": reason, "restarts": self.replaced, "rdzv_port": self.port,
+            "agents": {str(i): a.pid for i, a in enumerate(self.agents)}, "supervisor": os.getpid(),
+            "time": time.time(),
+        }
+        tmp = self.folder / "status.json.tmp"
+        tmp.write_text(json.dumps(body))
+        os.replace(tmp, self.folder / "status.json")
+
+    def start_store(self) -> None:
+        for _ in range(3):
+            self.port = _free_port()
+            proc = subprocess.Popen(
+                [sys.executable, "-c", _STORE_CODE, str(self.port)], stdin=subprocess.DEVNULL,
+                env={**self.env, NODE_TAG_ENV: f"{self.spec.rdzv_id}.{os.getpid()}.store"},
+                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            )
+            assert proc.stdout is not None
+            first = proc.stdout.readline()
+            if "ready" in first:
+                threading.Thread(target=self._pump, args=(proc.stdout, "[rdzv] ", None), daemon=True).start()
+                self.store = proc
+                return
+            proc.kill()
+            proc.wait()
+            self.say(f"[launcher] rendezvous store on port {self.port} did not start: {first.strip()}")
+        raise LaunchError("could not start the rendezvous store (3 ports tried)")
+
+    def node_tag(self, node: int) -> str:
+        return f"{self.spec.rdzv_id}.{os.getpid()}.{node}"
+
+    def kill_node(self, node: int) -> None:
+        """The whole node: its agent and every worker it started (orphans included), by tag: the
+        agent's pid, already reaped, may belong to another process by now."""
+        kill_tagged(self.node_tag(node))
+
+    def start_agent(self, node: int) -> subprocess.Popen[str]:
+        proc = subprocess.Popen(
+            agent_argv(self.spec, node, self.port), env={**self.env, NODE_TAG_ENV: self.node_tag(node)},
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, text=True,
+            start_new_session=True, cwd=self.spec.run_dir,
+        )
+        tail: deque[str] = deque(maxlen=40)
+        assert proc.stdout is not None
+        threading.Thread(target=self._pump, args=(proc.stdout, f"[node {node}] ", tail), daemon=True).start()
+        if node < len(self.agents):
+            self.agents[node], self.tails[node] = proc, tail
+        else:
+            self.agents.append(proc)
+            self.tails.append(tail)
+        return proc
+
+    def _pump(self, stream: IO[str], prefix: str, tail: deque[str] | None) -> None:
+        for line in stream:
+            line = line.rstrip("\n")
+            if tail is not None:
+                tail.append(line)
+            self.say(prefix + line)
+
+    def end_all(self) -> None:
+        cancel(self.agents)
+        for node in range(len(self.agents)):
+            kill_tagged(self.node_tag(node))
+
+    def finished_training(self) -> bool:
+        try:
+            return (self.spec.run_dir / "result.json").stat().st_mtime >= self.started
+        except OSError:
+            return False
+
+    def node_detail(self, node: int) -> str:
+        return " | ".join(list(self.tails[node])[-6:])
+
+    def run(self) -> tuple[str, str]:
+        spec = self.spec
+        self.start_store()
+        for node in range(spec.nodes):
+            self.start_agent(node)
+        self.write_status("RUNNING")
+        self.say(f"[launcher] {spec.nodes} agent(s) started; rendezvous 127.0.0.1:{self.port} id {spec.rdzv_id}")
+        while True:
+            if self.stop_signal is not None:
+                self.end_all()
+                return "CANCELLED", f"cancelled (signal {self.stop_signal})"
+            markers = fatal_markers(spec.run_dir)
+            if markers:
+                self.end_all()
+                return "FATAL", fatal_reason(markers)
+            codes = [a.poll() for a in self.agents]
+            if all(c == 0 for c in codes):
+                return "SUCCEEDED", ""
+            for node, code in enumerate(codes):
+                if code is None or code == 0:
+                    continue
+                if code < 0:  # killed by a signal: the node is lost, not finished
+                    self.kill_node(node)  # its orphaned workers would train on as if nothing happened
+                    if self.finished_training():
+                        # Lost after the last step: the survivors would wait out torchrun's exit
+                        # barrier (300 s) for it; the committed result is all that matters.
+                        self.end_all()
+                        return "SUCCEEDED", f"node {node} lost after training finished"
+                    if self.replaced >= spec.max_restarts:
+                        self.end_all()
+                        return "FAILED", (
+                            f"node {node} lost (agent killed by signal {-code}) and the restart budget is spent "
+                            f"(max_restarts={spec.max_restarts}, {self.replaced} node(s) replaced)"
+                        )
+                    self.replaced += 1
+                    self.say(f"[launcher] node {node} lost (agent killed by signal {-code}): starting a replacement "
+                             f"agent ({self.replaced}/{spec.max_restarts}); the group restarts from the last checkpoint")
+                    self.start_agent(node)
+                    self.write_status("RUNNING")
+                    continue
+                # torchrun gave up on its own: the worker group failed more than max_restarts times.
+                time.sleep(0.5)  # let a fatal marker that explains it land first
+                markers = fatal_markers(spec.run_dir)
+                self.end_all()
+                if markers:
+                    return "FATAL", fatal_reason(markers)
+                return "FAILED", (
+                    f"node {node}: torchrun exited {code}: the worker group kept failing and torchrun's restarts "
+                    f"are spent (max_restarts={spec.max_restarts}); last lines: {self.node_detail(node)}"
+                )
+            time.sleep(0.2)
+
+    def close(self) -> None:
+        if self.store is not None and self.store.poll() is None:
+            self.store.kill()
+            self.store.wait()
+
+
+def supervise(spec_path: str | Path) -> int:
+    spec = LaunchSpec.from_json(json.loads(Path(spec_path).read_text()))
+    sup = _Supervisor(spec)
+
+    def on_signal(signum: int, _frame: Any) -> None:
+        sup.stop_signal = signum
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    try:
+        state, reason = sup.run()
+    except BaseException as exc:
+        sup.end_all()
+        state, reason = "FAILED", f"launcher error: {type(exc).__name__}: {exc}"
+    finally:
+        sup.close()
+    sup.write_status(state, reason)
+    sup.say(f"[launcher] job {state}" + (f": {reason}" if reason else ""))
+    return 0 if state == "SUCCEEDED" else 1
+
+
+# ------------------------------------------------------------------------------------- interface
+def _alive(pid: int) -> bool:
+    try:  # reap it if it is our child, so a finished supervisor is not a zombie that looks alive
+        done, _ = os.waitpid(pid, os.WNOHANG)
+        if done == pid:
+            return False
+    except ChildProcessError:
+        pass
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            state = fh.read().rsplit(")", 1)[1].split()[0]
+        with open(f"/proc/{pid}/cmdline", "rb") as fh:
+            cmdline = fh.read()
+    except OSError:
+        return False
+    return state not in ("Z", "X") and b"kiln.launchers.local" in cmdline
+
+
+def _read_status(run_dir: str | Path) -> dict[str, Any] | None:
+    try:
+        return json.loads((Path(run_dir) / ".launch" / "status.json").read_text())
+    except (OSError, ValueError):
+        return None
+
+
+class LocalLauncher:
+    """The ``local`` backend (see the module docstring)."""
+
+    name = "local"
+
+    def submit(self, spec: LaunchSpec) -> JobHandle:
+        """Start the job, or re-attach to this run dir's job if it is still running the same spec.
+
+        The supervisor outlives the process that submitted it; a retried Airflow task that submits
+        again must not start a second gang writing the same checkpoints.
+        """
+        spec.run_dir.mkdir(parents=True, exist_ok=True)
+        running = self.find_running(spec.run_dir)
+        if running is not None:
+            try:
+                same = json.loads((spec.launch_dir / "spec.json").read_text()) == json.loads(json.dumps(spec.to_json()))
+            except (OSError, ValueError):
+                same = False
+            if same:
+                return running
+            self.cancel(running)
+        folder = clear_launch_state(spec)
+        spec_path = folder / "spec.json"
+        spec_path.write_text(json.dumps(spec.to_json(), indent=1))
+        log_path = folder / "job.log"
+        if log_path.exists():  # one log per attempt: a retry streams only its own lines
+            os.replace(log_path, folder / "job.previous.log")
+        with open(log_path, "w") as log_file:
+            log_file.write(f"[launcher] submit {spec.run_key} at {time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())}\n")
+            log_file.flush()
+            proc = subprocess.Popen(
+                [sys.executable, "-c", "import sys; from kiln.launchers.local import supervise; "
+                 "sys.exit(supervise(sys.argv[1]))", str(spec_path)], stdin=subprocess.DEVNULL,
+                stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True, cwd=spec.run_dir,
+                env={**os.environ, "PYTHONUNBUFFERED": "1"},
+            )
+        (folder / "supervisor.pid").write_text(str(proc.pid))
+        return JobHandle(backend=self.name, job_id=str(proc.pid), run_dir=str(spec.run_dir))
+
+    def find_running(self, run_dir: Path) -> JobHandle | None:
+        """The live supervisor of ``run_dir``, if any."""
+        try:
+            pid = int((Path(run_dir) / ".launch" / "supervisor.pid").read_text())
+        except (OSError, ValueError):
+            return None
+        status = _read_status(run_dir)
+        if _alive(pid) and (status is None or status.get("state") == "RUNNING"):
+            return JobHandle(backend=self.name, job_id=str(pid), run_dir=str(run_dir))
+        return None
+
+    def poll(self, handle: JobHandle) -> JobStatus:
+        status = _read_status(handle.run_dir)
+        if status and status["state"] != "RUNNING":
+            return JobStatus(state=status["state"], reason=status.get("reason", ""), restarts=status.get("restarts", 0))
+        if _alive(int(handle.job_id)):
+            return JobStatus(state="RUNNING" if status else "PENDING", restarts=(status or {}).get("restarts", 0))
+        status = _read_status(handle.run_dir)  # it may have finished between the two reads
+        if status and status["state"] != "RUNNING":
+            return JobStatus(state=status["state"], reason=status.get("reason", ""), restarts=status.get("restarts", 0))
+        reason = f"launcher supervisor {handle.job_id} died without a final status"
+        self._end_leftovers(handle, "FAILED", reason)  # its agents must not train on unsupervised
+        return JobStatus(state="FAILED", reason=reason)
+
+    def cancel(self, handle: JobHandle) -> None:
+        pid = int(handle.job_id)
+        if _alive(pid):
+            _kill_group(pid, signal.SIGTERM)
+            deadline = time.monotonic() + 20
+            while _alive(pid) and time.monotonic() < deadline:
+                time.sleep(0.2)
+        self._end_leftovers(handle, "CANCELLED", "cancelled")
+
+    def _end_leftovers(self, handle: JobHandle, state: str, reason: str) -> None:
+        """Kill whatever a gone supervisor left (every node's processes, then its own group) and
+        record ``state`` unless the supervisor recorded a final one."""
+        # By tag only: a dead supervisor's or agent's pid may already belong to someone else.
+        pid = int(handle.job_id)
+        try:
+            spec = LaunchSpec.from_json(json.loads((Path(handle.run_dir) / ".launch" / "spec.json").read_text()))
+            for node in [*range(spec.nodes), "store"]:
+                kill_tagged(f"{spec.rdzv_id}.{pid}.{node}")
+        except (OSError, ValueError, KeyError, TypeError):
+            pass
+        status = _read_status(handle.run_dir)
+        if not status or status["state"] == "RUNNING":
+            tmp = Path(handle.run_dir) / ".launch" / "status.json.tmp"
+            tmp.parent.mkdir(parents=True, exist_ok=True)
+            tmp.write_text(json.dumps({"state": state, "reason": reason, "restarts": (status or {}).get("restarts", 0)}))
+            os.replace(tmp, tmp.with_name("status.json"))
+
+    def logs(self, handle: JobHandle, offset: int = 0) -> tuple[str, int]:
+        path = Path(handle.run_dir) / ".launch" / "job.log"
+        try:
+            with open(path, "rb") as fh:
+                fh.seek(offset)
+                data = fh.read()
+        except OSError:
+            return "", offset
+        cut = data.rfind(b"\n") + 1  # whole lines only; the rest comes with the next call
+        return data[:cut].decode("utf-8", errors="replace"), offset + cut
+
+    def result(self, handle: JobHandle) -> TrainResult:
+        status = self.poll(handle)
+        text, _ = self.logs(handle, 0)
+        return result_for(status, handle, tail_text(text) if status.state != "SUCCEEDED" else "")
+
+
+def launch_local(spec: LaunchSpec, *, log: Callable[[str], None] = print) -> TrainResult:
+    """Run the job to completion on this machine; stream every agent's output through ``log``."""
+    launcher = LocalLauncher()
+    handle = launcher.submit(spec)
+    wait(launcher, handle, log=log, poll_s=0.5)
+    return launcher.result(handle)
+

@@ -1,0 +1,153 @@
+"""The slurm backend against a real 2-node Slurm cluster on localhost (kiln.slurm_cluster).
+
+Needs Debian's slurm-wlm + munge (``make system-deps``) and root; skipped, with that reason, where
+``slurm_unavailable()`` names one.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import subprocess
+import sysconfig
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from kiln.launchers import LaunchSpec, SlurmLauncher, TrainingFaultError, get_launcher, launch, wait
+from kiln.refs import canonical_json
+from kiln.slurm_cluster import PARTITION, SlurmCluster, slurm_unavailable, start_cluster, stop_cluster
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(slurm_unavailable() is not None, reason=f"no local Slurm: {slurm_unavailable()}"),
+]
+
+REPO = Path(__file__).resolve().parents[2]
+TINY = REPO / "training" / "recipes" / "tiny.toml"
+
+
+def _shard(path: Path, docs: list[tuple[str, str]]) -> dict:
+    pq.write_table(pa.table({"doc_id": [n for n, _ in docs], "text": [t for _, t in docs],
+                             "source": ["stdlib"] * len(docs)}), path)
+    return {"path": str(path), "sha256": hashlib.sha256(path.read_bytes()).hexdigest(), "rows": len(docs)}
+
+
+@pytest.fixture(scope="module")
+def manifest(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("corpus")
+    docs, total = [], 0
+    for path in sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py")):
+        docs.append((path.name, path.read_text(encoding="utf-8", errors="replace")))
+        total += len(docs[-1][1])
+        if total > 200_000:
+            break
+    body = {"snapshot_id": "0123456789abcdef0123456789abcdef.dir", "corpus": "stdlib-py", "contract": "stdlib-py@1",
+            "shards": [_shard(root / f"train-{i}.parquet", docs[i::2]) for i in range(2)],
+            "eval_shards": [_shard(root / "eval.parquet", docs[:3])], "quarantined": []}
+    out = root / "manifest.json"
+    out.write_text(json.dumps({"kind": "kiln.TrainingManifest", **body,
+                               "sha256": hashlib.sha256(canonical_json(body)).hexdigest()}))
+    return out
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SlurmCluster]:
+    handle = start_cluster(tmp_path_factory.mktemp("slurm"))
+    try:
+        yield handle
+    finally:
+        stop_cluster(handle)
+
+
+def _launcher(cluster: SlurmCluster) -> SlurmLauncher:
+    return get_launcher("slurm", partition=PARTITION, env={**cluster.env})  # type: ignore[return-value]
+
+
+def _spec(run_dir: Path, manifest: Path, *overrides: str) -> LaunchSpec:
+    return LaunchSpec(run_dir=run_dir, manifest=manifest, recipe=TINY, run_key=f"slurm-{run_dir.parent.name}",
+                      nodes=2, max_restarts=1,
+                      overrides=("train.steps=60", "checkpoint.every_steps=10", "train.log_every=10", *overrides),
+                      env={"KILN_TORCH_THREADS": "1", "OMP_NUM_THREADS": "1"})
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(cluster, manifest, tmp_path_factory) -> tuple[object, list[str], Path]:
+    run_dir = tmp_path_factory.mktemp("slurm-ref") / "run"
+    lines: list[str] = []
+    result = launch(_spec(run_dir, manifest), backend="slurm", log=lines.append, poll_s=0.5,
+                    partition=PARTITION, env=cluster.env)
+    return result, lines, run_dir
+
+
+def test_two_node_job_runs_through_the_slurm_backend(uninterrupted):
+    from kiln_trainer.checkpoint_manifest import verify_checkpoint
+
+    result, lines, run_dir = uninterrupted
+    assert result.completed and result.step == 60 and result.world_size == 2
+    verify_checkpoint(result.checkpoint)
+    log_text = "\n".join(lines)
+    assert "on node[1-2]" in log_text, log_text[-2000:]  # one agent on each Slurm node
+    script = (run_dir / ".launch" / "job.sbatch").read_text()
+    assert "#SBATCH --nodes=2" in script and f"#SBATCH --partition={PARTITION}" in script
+
+
+def _job_workers(job_id: str) -> list[int]:
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                environ = (entry / "environ").read_bytes()
+                cmdline = (entry / "cmdline").read_bytes()
+            except OSError:
+                continue
+            if f"SLURM_JOB_ID={job_id}\0".encode() in environ and b"kiln.launchers.worker" in cmdline:
+                found.append(int(entry.name))
+    return found
+
+
+def test_worker_killed_in_a_slurm_job_restarts_the_group_to_identical_weights(uninterrupted, cluster, manifest, tmp_path):
+    import os
+    import signal
+
+    reference = uninterrupted[0]
+    launcher = _launcher(cluster)
+    spec = _spec(tmp_path / "run", manifest)
+    handle = launcher.submit(spec)
+    deadline = time.monotonic() + 120  # safety net, not a timing assertion
+    while not (spec.run_dir / "checkpoints" / "step-00000010" / "manifest.json").exists():
+        assert time.monotonic() < deadline and not launcher.poll(handle).done, launcher.logs(handle)[0][-2000:]
+        time.sleep(0.02)
+    os.kill(max(_job_workers(handle.job_id)), signal.SIGKILL)
+    lines: list[str] = []
+    status = wait(launcher, handle, log=lines.append, poll_s=0.5)
+    assert status.state == "SUCCEEDED", "\n".join(lines)[-3000:]
+    assert "resumed from" in "\n".join(lines)
+    assert launcher.result(handle).weights_sha256 == reference.weights_sha256
+
+
+def test_cancel_ends_the_job_with_scancel(cluster, manifest, tmp_path):
+    launcher = _launcher(cluster)
+    spec = _spec(tmp_path / "run", manifest, "train.steps=100000")
+    handle = launcher.submit(spec)
+    deadline = time.monotonic() + 120  # safety net, not a timing assertion
+    while not list((spec.run_dir / "checkpoints").glob("step-*/manifest.json")):
+        assert time.monotonic() < deadline, launcher.logs(handle)[0][-2000:]
+        assert not launcher.poll(handle).done, launcher.logs(handle)[0][-2000:]
+        time.sleep(0.2)
+    launcher.cancel(handle)
+    status = wait(launcher, handle, log=lambda _line: None, poll_s=0.5)
+    assert status.state == "CANCELLED", status
+    queue = subprocess.run(["squeue", "-h", "-j", handle.job_id], capture_output=True, text=True, env=cluster.env)
+    assert queue.stdout.strip() == ""
+
+
+def test_trainer_fault_is_fatal_on_slurm(cluster, manifest, tmp_path):
+    with pytest.raises(TrainingFaultError, match="exited 2") as info:
+        launch(_spec(tmp_path / "run", manifest, "train.no_such_field=1"), backend="slurm",
+               log=lambda _line: None, poll_s=0.5, partition=PARTITION, env=cluster.env)
+    assert info.value.retryable is False
