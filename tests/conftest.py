@@ -19,3 +19,24 @@ os.environ["DVC_NO_ANALYTICS"] = "1"
 os.environ["GIT_PYTHON_REFRESH"] = "quiet"
 os.environ.pop("MLFLOW_TRACKING_URI", None)
 os.environ.pop("MLFLOW_RUN_ID", None)
+
+
+import sys
+
+import pytest
+
+
+@pytest.fixture(autouse=True)
+def _isolate_mlflow_global_tracking_uri():
+    """Give every test mlflow's process-global tracking URI as it found it.
+
+    ``mlflow.set_tracking_uri`` (which kiln.registry calls for the fluent API) outlives a test and
+    beats MLFLOW_TRACKING_URI; a URI of a server a finished test stopped would make later tests
+    retry against nothing for minutes. mlflow has no public "unset", hence the private attribute.
+    """
+    utils = sys.modules.get("mlflow.tracking._tracking_service.utils")
+    before = getattr(utils, "_tracking_uri", None) if utils else None
+    yield
+    utils = sys.modules.get("mlflow.tracking._tracking_service.utils")
+    if utils is not None and hasattr(utils, "_tracking_uri"):
+        utils._tracking_uri = before

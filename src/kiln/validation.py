@@ -1003,8 +1003,11 @@ def publish_quarantine_report(
     if mlflow_run_id:
         from mlflow import MlflowClient
 
+        from kiln.settings import load
+
         try:
-            client = MlflowClient()
+            # Explicit URI: mlflow's process-global one may have been set by other code in this process.
+            client = MlflowClient(tracking_uri=load().mlflow_uri)
             for path in (json_path, html_path):
                 client.log_artifact(mlflow_run_id, str(path), artifact_path=QUARANTINE_ARTIFACT_DIR)
             base = client.get_run(mlflow_run_id).info.artifact_uri.rstrip("/")

@@ -534,8 +534,9 @@ def test_publish_writes_json_and_html_without_mlflow(poisoned_reports, stdlib_co
 def test_publish_logs_both_files_to_the_mlflow_run(poisoned_reports, stdlib_contract, tmp_path: Path, monkeypatch) -> None:
     from mlflow import MlflowClient
 
-    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
-    client = MlflowClient()
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    client = MlflowClient(tracking_uri=uri)
     experiment = client.create_experiment("kiln-quarantine", artifact_location=(tmp_path / "artifacts").as_uri())
     run_id = client.create_run(experiment).info.run_id
     kwargs = {"snapshot_id": "abc.dir", "contract": stdlib_contract, "max_quarantine_share": 0.25, "mlflow_run_id": run_id}
@@ -557,6 +558,9 @@ def test_publish_translates_mlflow_failures(poisoned_reports, stdlib_contract, t
     from kiln.errors import RegistryError
 
     class DownClient:
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            pass
+
         def log_artifact(self, *args: Any, **kwargs: Any) -> None:
             raise MlflowException("tracking server unreachable")
 

@@ -1,0 +1,102 @@
+# syntax=docker/dockerfile:1
+# kiln's Airflow image: Airflow 3.3.2 + standard and celery providers + kiln's orchestration library,
+# with the DAGs and plugins baked in. NO torch: training runs in the trainer image
+# (docker/trainer.Dockerfile), on GPU nodes, through a launcher.
+#
+# Build from the repository root (the compose file does this):
+#   docker build -f docker/airflow.Dockerfile -t kiln-airflow:dev .
+#
+# Every Python package is pinned by the repository's constraints.txt (the same lock `make` installs),
+# so the image runs the exact versions the test suite ran. No Docker engine runs on the development
+# machines: this file is linted (tests/unit/test_docker_files.py, hadolint), not built, there.
+
+ARG PYTHON_IMAGE=python:3.11.14-slim-bookworm
+FROM ${PYTHON_IMAGE}
+
+SHELL ["/bin/bash", "-o", "pipefail", "-c"]
+
+ENV PYTHONUNBUFFERED=1 \
+    PYTHONDONTWRITEBYTECODE=1 \
+    PIP_NO_CACHE_DIR=1 \
+    PIP_DISABLE_PIP_VERSION_CHECK=1 \
+    DVC_NO_ANALYTICS=1 \
+    GIT_PYTHON_REFRESH=quiet
+
+# git: DVC and kiln's lineage (`git rev-parse`, answers "unknown" without a checkout); tini: PID 1
+# that reaps the task processes the scheduler, workers and triggerer fork.
+RUN apt-get update \
+    && apt-get install -y --no-install-recommends git=1:2.39.* tini=0.19.* \
+    && rm -rf /var/lib/apt/lists/*
+
+RUN groupadd --gid 50000 airflow \
+    && useradd --uid 50000 --gid airflow --create-home --home-dir /home/airflow --shell /bin/bash airflow
+
+COPY constraints.txt /opt/kiln/constraints.txt
+
+# Orchestration dependencies, each pinned by constraints.txt. This list is pyproject.toml's
+# `dependencies` WITHOUT torch, plus what the production-like stack needs on top of the embedded one
+# (celery provider for the CeleryExecutor over Redis, psycopg2 for the PostgreSQL metadata database).
+# The lock pins torch to a CPU build; torch is filtered out of the constraints here because it is
+# never installed in this image.
+RUN grep -v '^torch==' /opt/kiln/constraints.txt > /tmp/constraints.txt \
+    && python -m pip install --constraint /tmp/constraints.txt \
+        "apache-airflow==3.3.2" \
+        apache-airflow-providers-standard \
+        apache-airflow-providers-celery \
+        psycopg2-binary \
+        "mlflow==3.17.2" \
+        "dvc[s3]==3.67.1" \
+        "great-expectations==1.24.1" \
+        numpy \
+        pyarrow \
+        boto3 \
+        requests \
+    && rm /tmp/constraints.txt
+
+# kiln itself. `kiln` is ONE distribution today (packages `kiln` and `kiln_trainer`), and its
+# pyproject lists torch as a dependency, so a plain install would pull torch (a multi-GB CUDA build).
+# Install it with --no-deps: its orchestration dependencies are the explicit list above. That is
+# safe because kiln never imports torch at module level (ARCHITECTURE.md: "never torch at module
+# level"), and tests/unit/test_docker_files.py imports the DAG files and plugins with torch blocked.
+# Editable (-e), like `make`: kiln finds data_contracts/, training/recipes/, dags/ relative to the
+# repository root (kiln.policy.REPO_ROOT), so the source tree lives at /opt/kiln.
+# Stages that need torch (train with the `local` launcher, evaluate, export/register the model)
+# must run in the trainer image; see docker/README.md "Known gaps".
+COPY pyproject.toml README.md /opt/kiln/
+COPY src /opt/kiln/src
+COPY training /opt/kiln/training
+COPY data_contracts /opt/kiln/data_contracts
+COPY dags /opt/kiln/dags
+COPY plugins /opt/kiln/plugins
+RUN python -m pip install --constraint /opt/kiln/constraints.txt --no-deps -e /opt/kiln \
+    && if python -c "import torch" 2>/dev/null; then echo "torch must not be in the Airflow image" >&2; exit 1; fi \
+    && { python -m pip check || true; } \
+        | grep -v -e '^kiln .* requires torch, which is not installed' -e '^No broken requirements found' \
+        | { if grep .; then echo "pip check found broken requirements (above)" >&2; exit 1; fi; } \
+    && python -c "import kiln.pipeline, kiln.registry, kiln.signals, kiln.snapshot, kiln.validation"
+
+COPY docker/airflow/kiln-healthcheck.sh /usr/local/bin/kiln-healthcheck
+COPY docker/airflow/kiln-init.sh /usr/local/bin/kiln-init
+
+ENV AIRFLOW_HOME=/opt/airflow \
+    KILN_HOME=/var/lib/kiln \
+    AIRFLOW__CORE__DAGS_FOLDER=/opt/kiln/dags \
+    AIRFLOW__CORE__PLUGINS_FOLDER=/opt/kiln/plugins \
+    AIRFLOW__CORE__LOAD_EXAMPLES=False
+
+RUN mkdir -p /opt/airflow/logs /var/lib/kiln /var/lib/airflow-auth \
+    && chown -R airflow:airflow /opt/airflow /var/lib/kiln /var/lib/airflow-auth \
+    && chmod 0755 /usr/local/bin/kiln-healthcheck /usr/local/bin/kiln-init
+
+USER 50000:50000
+WORKDIR /opt/airflow
+
+EXPOSE 8080
+
+# One check for every component; KILN_AIRFLOW_COMPONENT (set per service in compose.yaml) picks
+# what "healthy" means: api-server answers /api/v2/monitor/health, scheduler / dag-processor /
+# triggerer have a live job heartbeat, a celery worker answers a ping.
+HEALTHCHECK --interval=30s --timeout=20s --start-period=60s --retries=5 CMD ["/usr/local/bin/kiln-healthcheck"]
+
+ENTRYPOINT ["/usr/bin/tini", "--", "airflow"]
+CMD ["api-server"]

@@ -1,0 +1,51 @@
+#!/usr/bin/env bash
+# One-shot setup of the production-like stack (the `airflow-init` service in compose.yaml), safe to
+# run again and again:
+#   1. migrate the Airflow metadata database (PostgreSQL);
+#   2. create kiln's pools (same slots as the embedded stack, kiln.stack.POOL_SLOTS);
+#   3. write the SimpleAuthManager passwords file from the environment (.env), mode 0600, into the
+#      volume the api-server reads it from;
+#   4. create the S3 buckets for the DVC remote and MLflow artifacts if they do not exist.
+set -euo pipefail
+
+: "${AIRFLOW_ADMIN_PASSWORD:?set AIRFLOW_ADMIN_PASSWORD in docker/.env}"
+: "${AIRFLOW_REVIEWER_PASSWORD:?set AIRFLOW_REVIEWER_PASSWORD in docker/.env}"
+: "${AIRFLOW_SANDBOX_PASSWORD:?set AIRFLOW_SANDBOX_PASSWORD in docker/.env}"
+: "${AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_PASSWORDS_FILE:?}"
+
+airflow db migrate
+airflow pools set kiln_sandbox 2 "kiln sandbox runs"
+airflow pools set kiln_production 2 "kiln production runs"
+
+python - <<'PY'
+import json, os, tempfile
+
+path = os.environ["AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_PASSWORDS_FILE"]
+passwords = {
+    "admin": os.environ["AIRFLOW_ADMIN_PASSWORD"],
+    "reviewer": os.environ["AIRFLOW_REVIEWER_PASSWORD"],
+    "demo-reviewer": os.environ["AIRFLOW_REVIEWER_PASSWORD"],
+    "sandbox-user": os.environ["AIRFLOW_SANDBOX_PASSWORD"],
+}
+fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path))
+with os.fdopen(fd, "w") as fh:
+    json.dump(passwords, fh)
+os.chmod(tmp, 0o600)
+os.replace(tmp, path)
+PY
+
+python - <<'PY'
+import os
+
+import boto3
+from botocore.exceptions import ClientError
+
+s3 = boto3.client("s3", endpoint_url=os.environ["KILN_DVC_REMOTE_ENDPOINT"])
+for bucket in (os.environ["KILN_DVC_BUCKET"], os.environ["KILN_MLFLOW_BUCKET"]):
+    try:
+        s3.head_bucket(Bucket=bucket)
+    except ClientError:
+        s3.create_bucket(Bucket=bucket)
+        print(f"kiln-init: created s3://{bucket}")
+PY
+echo "kiln-init: done"
