@@ -15,18 +15,13 @@ demo's stack.
 from __future__ import annotations
 
 import os
-import socket
 import time
 from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+from kiln.netutil import free_port  # noqa: E402
 
 
 def _in_process(policy, key: str) -> dict[str, float]:
@@ -92,9 +87,9 @@ def _through_airflow(policy) -> tuple[float, float, dict[str, float]]:
 
 def main() -> dict[str, Any]:
     os.environ["KILN_HOME"] = str(REPO / ".kiln" / "bench")
-    os.environ["KILN_AIRFLOW_PORT"] = str(_free_port())
-    os.environ["KILN_MLFLOW_PORT"] = str(_free_port())
-    os.environ["KILN_SIGNALS_PORT"] = str(_free_port())
+    os.environ["KILN_AIRFLOW_PORT"] = str(free_port())
+    os.environ["KILN_MLFLOW_PORT"] = str(free_port())
+    os.environ["KILN_SIGNALS_PORT"] = str(free_port())
     os.environ.pop("MLFLOW_TRACKING_URI", None)
     from kiln import settings as kiln_settings
     from kiln import stack

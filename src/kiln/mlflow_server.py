@@ -33,6 +33,7 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from kiln.netutil import free_port  # noqa: F401 - re-exported for the stack and tests
 from kiln.errors import ConfigError, KilnError, RegistryError
 
 HOST = "127.0.0.1"
@@ -73,11 +74,6 @@ def port_in_use(port: int, host: str = HOST) -> bool:
         return sock.connect_ex((host, port)) == 0
 
 
-def free_port(host: str = HOST) -> int:
-    """A port nobody listens on right now (the kernel picks it)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        return int(sock.getsockname()[1])
 
 
 def log_tail(path: Path, lines: int = 40) -> str:

@@ -5,17 +5,12 @@ e2e package and stopped after it, so it never loads the machine during other tes
 from __future__ import annotations
 
 import os
-import socket
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+from kiln.netutil import free_port
 
 
 @pytest.fixture(scope="package")
@@ -25,9 +20,9 @@ def stack(tmp_path_factory) -> Iterator[dict[str, str]]:
     home: Path = tmp_path_factory.mktemp("e2e") / "kiln"
     saved = {k: os.environ.get(k) for k in ("KILN_HOME", "KILN_AIRFLOW_PORT", "KILN_MLFLOW_PORT", "KILN_SIGNALS_PORT", "MLFLOW_TRACKING_URI")}
     os.environ["KILN_HOME"] = str(home)
-    os.environ["KILN_AIRFLOW_PORT"] = str(_free_port())
-    os.environ["KILN_MLFLOW_PORT"] = str(_free_port())
-    os.environ["KILN_SIGNALS_PORT"] = str(_free_port())
+    os.environ["KILN_AIRFLOW_PORT"] = str(free_port())
+    os.environ["KILN_MLFLOW_PORT"] = str(free_port())
+    os.environ["KILN_SIGNALS_PORT"] = str(free_port())
     os.environ.pop("MLFLOW_TRACKING_URI", None)
     try:
         info = kiln_stack.up(timeout=240, quiet=True)

@@ -71,12 +71,7 @@ def test_promtool_rule_tests_can_fail(tmp_path):
 
 
 # ------------------------------------------------------------------------------------ end to end
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from kiln.netutil import free_port as _free_port  # noqa: E402
 
 
 def _fast_rules(dest: Path) -> Path:

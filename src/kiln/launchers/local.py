@@ -31,7 +31,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -42,6 +41,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from kiln.errors import LaunchError
+from kiln.netutil import free_port
 from kiln.launchers.base import (
     JobHandle,
     JobStatus,
@@ -66,12 +66,6 @@ print("rendezvous store ready on port", sys.argv[1], flush=True)
 while True:
     time.sleep(3600)
 """
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def agent_env(spec: LaunchSpec) -> dict[str, str]:
@@ -179,7 +173,7 @@ class _Supervisor:
 
     def start_store(self) -> None:
         for _ in range(3):
-            self.port = _free_port()
+            self.port = free_port()
             proc = subprocess.Popen(
                 [sys.executable, "-c", _STORE_CODE, str(self.port)], stdin=subprocess.DEVNULL,
                 env={**self.env, NODE_TAG_ENV: f"{self.spec.rdzv_id}.{os.getpid()}.store"},
