@@ -6,20 +6,15 @@ Needs Debian's slurm-wlm + munge (``make system-deps``) and root; skipped, with 
 
 from __future__ import annotations
 
-import hashlib
-import json
 import subprocess
-import sysconfig
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
-import pyarrow as pa
-import pyarrow.parquet as pq
 import pytest
+from training_manifests import stdlib_manifest
 
 from kiln.launchers import LaunchSpec, SlurmLauncher, TrainingFaultError, get_launcher, launch, wait
-from kiln.refs import canonical_json
 from kiln.slurm_cluster import PARTITION, SlurmCluster, slurm_unavailable, start_cluster, stop_cluster
 
 pytestmark = [
@@ -31,28 +26,9 @@ REPO = Path(__file__).resolve().parents[2]
 TINY = REPO / "training" / "recipes" / "tiny.toml"
 
 
-def _shard(path: Path, docs: list[tuple[str, str]]) -> dict:
-    pq.write_table(pa.table({"doc_id": [n for n, _ in docs], "text": [t for _, t in docs],
-                             "source": ["stdlib"] * len(docs)}), path)
-    return {"path": str(path), "sha256": hashlib.sha256(path.read_bytes()).hexdigest(), "rows": len(docs)}
-
-
 @pytest.fixture(scope="module")
 def manifest(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    root = tmp_path_factory.mktemp("corpus")
-    docs, total = [], 0
-    for path in sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py")):
-        docs.append((path.name, path.read_text(encoding="utf-8", errors="replace")))
-        total += len(docs[-1][1])
-        if total > 200_000:
-            break
-    body = {"snapshot_id": "0123456789abcdef0123456789abcdef.dir", "corpus": "stdlib-py", "contract": "stdlib-py@1",
-            "shards": [_shard(root / f"train-{i}.parquet", docs[i::2]) for i in range(2)],
-            "eval_shards": [_shard(root / "eval.parquet", docs[:3])], "quarantined": []}
-    out = root / "manifest.json"
-    out.write_text(json.dumps({"kind": "kiln.TrainingManifest", **body,
-                               "sha256": hashlib.sha256(canonical_json(body)).hexdigest()}))
-    return out
+    return stdlib_manifest(tmp_path_factory.mktemp("corpus"), max_chars=200_000)
 
 
 @pytest.fixture(scope="module")
