@@ -20,7 +20,7 @@ help:
 
 $(STAMP): pyproject.toml requirements.in constraints.txt
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install --disable-pip-version-check -q $(FIND_LINKS) -c constraints.txt -r requirements.in
+	$(BIN)/pip install --disable-pip-version-check -qq $(FIND_LINKS) -c constraints.txt -r requirements.in
 	$(BIN)/pip install --disable-pip-version-check -q --no-deps --no-build-isolation -e .
 	@touch $@
 
