@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kiln.netutil import free_port  # noqa: F401 - re-exported for the stack and tests
+from kiln.procutil import end_process_group
 from kiln.errors import ConfigError, KilnError, RegistryError
 
 HOST = "127.0.0.1"
@@ -173,14 +174,6 @@ def start_server(
     return handle
 
 
-def _group_alive(pgid: int) -> bool:
-    try:
-        os.killpg(pgid, 0)
-    except ProcessLookupError:
-        return False
-    return True
-
-
 def _end_group(pid: int, timeout_s: float, reap: subprocess.Popen[bytes] | None = None) -> None:
     """SIGTERM the process group led by ``pid``; SIGKILL whatever is left after ``timeout_s``."""
     try:
@@ -190,16 +183,7 @@ def _end_group(pid: int, timeout_s: float, reap: subprocess.Popen[bytes] | None 
     if pgid != pid:  # not the group leader we started: end only the process itself
         os.kill(pid, signal.SIGTERM)
         return
-    os.killpg(pgid, signal.SIGTERM)
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if reap is not None:
-            reap.poll()  # our own child stays a zombie (and the group "alive") until reaped
-        if not _group_alive(pgid):
-            return
-        time.sleep(0.1)
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(pgid, signal.SIGKILL)
+    end_process_group(pgid, timeout_s, reap=reap)
 
 
 def stop_server(handle: MlflowServer, timeout_s: float = 10.0) -> None:

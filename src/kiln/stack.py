@@ -16,7 +16,6 @@ from __future__ import annotations
 import json
 import os
 import secrets
-import signal
 import subprocess
 import sys
 import time
@@ -30,6 +29,7 @@ from kiln.errors import KilnError
 from kiln.fsutil import atomic_write_text
 from kiln.mlflow_server import server_command
 from kiln.policy import POLICIES, REPO_ROOT
+from kiln.procutil import end_process_group
 
 AIRFLOW_USERS = {
     "admin": "admin",
@@ -259,24 +259,10 @@ def down(*, timeout: float = 20.0) -> list[str]:
         path = _pidfile(s, svc.name)
         pid = running_pid(s, svc.name)
         if pid is not None:
-            _terminate_group(pid, timeout)
+            end_process_group(pid, timeout)  # started with start_new_session: pid is the pgid
             stopped.append(svc.name)
         path.unlink(missing_ok=True)
     return stopped
-
-
-def _terminate_group(pid: int, timeout: float) -> None:
-    try:
-        os.killpg(pid, signal.SIGTERM)
-    except ProcessLookupError:
-        return
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline and _alive(pid):
-        time.sleep(0.2)
-    try:
-        os.killpg(pid, signal.SIGKILL)  # the group may hold task processes that outlived the leader
-    except ProcessLookupError:
-        pass
 
 
 def status() -> dict[str, int | None]:

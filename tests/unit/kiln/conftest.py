@@ -64,3 +64,12 @@ def kiln_cli() -> Callable[[list[str]], int]:
     """A local ``kiln`` with only the corpus and validate subcommands: isolated from the other
     subcommands (the real ``kiln.cli.main`` registers them the same way, via ``add_parser``)."""
     return _run_cli
+
+
+@pytest.fixture()
+def home(tmp_path, monkeypatch):
+    """A throwaway KILN_HOME with the default (local) DVC remote."""
+    monkeypatch.setenv("KILN_HOME", str(tmp_path / "kiln"))
+    monkeypatch.delenv("KILN_DVC_REMOTE", raising=False)
+    monkeypatch.delenv("KILN_DVC_REMOTE_ENDPOINT", raising=False)
+    return tmp_path / "kiln"

@@ -15,14 +15,6 @@ from kiln import snapshot
 from kiln.errors import SnapshotError
 
 
-@pytest.fixture()
-def home(tmp_path, monkeypatch):
-    monkeypatch.setenv("KILN_HOME", str(tmp_path / "kiln"))
-    monkeypatch.delenv("KILN_DVC_REMOTE", raising=False)
-    monkeypatch.delenv("KILN_DVC_REMOTE_ENDPOINT", raising=False)
-    return tmp_path / "kiln"
-
-
 def _corpus(name: str = "demo", payload: bytes = b"") -> Path:
     root = kiln_settings.load().corpus_root / name
     (root / "train").mkdir(parents=True, exist_ok=True)
