@@ -11,6 +11,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from kiln.errors import ConfigError
 from kiln.policy import REPO_ROOT
 
 
@@ -32,6 +33,10 @@ class Settings:
     dvc_remote_endpoint: str | None
     """S3 endpoint URL (``KILN_DVC_REMOTE_ENDPOINT``; a moto server in tests). Credentials come only
     from the standard AWS_* environment / AWS config files or DVC's config outside the workspace."""
+    dvc_hash_jobs: int = 1
+    """Threads that hash files during a snapshot (``KILN_DVC_HASH_JOBS``; default: every core, at
+    most 8). DVC's own default is half the cores, i.e. one thread on a 2-core machine, which makes
+    a snapshot hash slower than ``md5sum``; md5 releases the GIL, so threads scale."""
     runs_dir: Path
     """Per-DAG-run working directories: training runs, reports, manifests."""
     corpus_root: Path
@@ -61,6 +66,20 @@ def load() -> Settings:
         dvc_repo=home / "dvc-repo",
         dvc_remote=os.environ.get("KILN_DVC_REMOTE", str(home / "dvc-remote")),
         dvc_remote_endpoint=os.environ.get("KILN_DVC_REMOTE_ENDPOINT") or None,
+        dvc_hash_jobs=_positive_int("KILN_DVC_HASH_JOBS", min(8, os.cpu_count() or 1)),
         runs_dir=home / "runs",
         corpus_root=home / "dvc-repo" / "corpora",
     )
+
+
+def _positive_int(name: str, default: int) -> int:
+    raw = os.environ.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        value = int(raw)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise ConfigError(f"{name} must be a positive integer, got {raw!r}")
+    return value

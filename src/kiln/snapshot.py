@@ -98,7 +98,17 @@ def _remote_section(s: kiln_settings.Settings) -> dict[str, str]:
     return section
 
 
-def _configure_repo(root: Path, s: kiln_settings.Settings) -> None:
+WORKSPACE_LINKS = "hardlink,copy"
+"""How ``dvc add`` puts workspace files into the cache: a hardlink (no second copy of the corpus on
+disk and none of the time to write it; DVC links only when ``hardlink`` comes first, and then
+still prefers a reflink where the filesystem has them), else a copy (cache on another filesystem). DVC makes linked files read-only; a shard that is nevertheless rewritten in place (root
+ignores the mode) changes the cache object too — never the remote, which always gets its own copy
+(``dvc push`` copies), and ``restore_snapshot`` evicts such an object and fetches it again."""
+RESTORE_LINKS = "reflink,copy"
+"""Restored snapshots never share an inode with the cache: readers get bytes nobody else writes."""
+
+
+def _configure_repo(root: Path, s: kiln_settings.Settings, links: str = WORKSPACE_LINKS) -> None:
     """Point a DVC repo at kiln's shared cache and the configured remote (idempotent)."""
     from dvc.repo import Repo
 
@@ -111,13 +121,17 @@ def _configure_repo(root: Path, s: kiln_settings.Settings) -> None:
             and current.get("cache", {}).get("dir") == str(s.dvc_cache)
             and current.get("core", {}).get("site_cache_dir") == str(s.dvc_site_cache)
             and dict(current.get("remote", {}).get(_REMOTE, {})) == wanted
+            and str(current.get("core", {}).get("checksum_jobs")) == str(s.dvc_hash_jobs)
+            and current.get("cache", {}).get("type") == links
         ):
             return  # unchanged: do not rewrite the config on every snapshot
         with repo.config.edit() as conf:
             conf["core"]["remote"] = _REMOTE
             conf["core"]["analytics"] = False
             conf["core"]["site_cache_dir"] = str(s.dvc_site_cache)
+            conf["core"]["checksum_jobs"] = s.dvc_hash_jobs
             conf["cache"]["dir"] = str(s.dvc_cache)
+            conf["cache"]["type"] = links
             conf["remote"][_REMOTE] = dict(wanted)  # replaced whole: a dropped endpoint goes too
     finally:
         repo.close()
@@ -326,7 +340,9 @@ def restore_snapshot(ref_or_id: SnapshotRef | str, dest: str | Path) -> Path:
     Works from the ``.dvc`` text alone: a scratch DVC repo with that file is pulled, every file's
     md5 is checked against the snapshot's ``.dir`` listing (DVC itself does not re-hash what it
     downloads or checks out), and the result is moved into place only when complete and verified,
-    so ``dest`` is never half-written or wrong.
+    so ``dest`` is never half-written or wrong. Cache objects that fail the check (bit rot, or a
+    hardlinked shard rewritten in place) are evicted and fetched once more from the remote; only
+    when the remote's bytes are wrong too does the restore fail.
     """
     _env()
     ref = ref_or_id if isinstance(ref_or_id, SnapshotRef) else show_snapshot(ref_or_id)
@@ -335,13 +351,39 @@ def restore_snapshot(ref_or_id: SnapshotRef | str, dest: str | Path) -> Path:
     if dest.exists() and any(dest.iterdir()):
         raise SnapshotError(f"restore target {dest} exists and is not empty")
     dest.parent.mkdir(parents=True, exist_ok=True)
+    for attempt in (1, 2):
+        scratch = Path(tempfile.mkdtemp(prefix=".restore-", dir=dest.parent))
+        try:
+            restored = _pull_into(scratch, ref, s)
+            problems, bad_objects = _verify_restored(restored, ref.id, s)
+            if not problems:
+                if dest.exists():
+                    dest.rmdir()
+                os.replace(restored, dest)
+                return dest
+            if attempt == 1 and bad_objects:
+                log.warning("snapshot %s: %d cache object(s) do not match their hashes (%s); evicting them "
+                            "and fetching again from the remote", ref.id, len(bad_objects), "; ".join(problems[:3]))
+                _evict(s, bad_objects)
+                continue
+            raise SnapshotError(
+                f"restored bytes of snapshot {ref.id} do not match its hashes ({len(problems)} file(s): "
+                f"{'; '.join(problems[:5])}); the objects on the remote {_public_remote(s.dvc_remote)} are "
+                "corrupted or missing — the snapshot cannot be restored from it"
+            )
+        finally:
+            shutil.rmtree(scratch, ignore_errors=True)
+    raise AssertionError("unreachable")  # pragma: no cover
+
+
+def _pull_into(scratch: Path, ref: SnapshotRef, s: kiln_settings.Settings) -> Path:
+    """``dvc pull`` the snapshot into ``scratch/data`` through a throwaway repo on kiln's cache."""
     from dvc.repo import Repo
 
-    scratch = Path(tempfile.mkdtemp(prefix=".restore-", dir=dest.parent))
     site_cache: str | None = None
     try:
         Repo.init(str(scratch), no_scm=True).close()
-        _configure_repo(scratch, s)
+        _configure_repo(scratch, s, links=RESTORE_LINKS)
         dvc_file = scratch / "data.dvc"
         dvc_file.write_text(_rename_out(ref.dvc, "data"))
         repo = Repo(str(scratch))
@@ -352,45 +394,48 @@ def restore_snapshot(ref_or_id: SnapshotRef | str, dest: str | Path) -> Path:
             raise SnapshotError(f"cannot restore snapshot {ref.id}: {type(exc).__name__}: {exc}") from exc
         finally:
             repo.close()
-        restored = scratch / "data"
-        if not restored.is_dir():
-            raise SnapshotError(f"DVC restored nothing for snapshot {ref.id}")
-        _verify_restored(restored, ref.id, s)
-        if dest.exists():
-            dest.rmdir()
-        os.replace(restored, dest)
     finally:
-        shutil.rmtree(scratch, ignore_errors=True)
         if site_cache:
             shutil.rmtree(site_cache, ignore_errors=True)
-    return dest
+    restored = scratch / "data"
+    if not restored.is_dir():
+        raise SnapshotError(f"DVC restored nothing for snapshot {ref.id}")
+    return restored
 
 
-def _verify_restored(tree: Path, snapshot_id: str, s: kiln_settings.Settings) -> None:
+def _cache_object(s: kiln_settings.Settings, md5: str) -> Path:
+    return s.dvc_cache / "files" / "md5" / md5[:2] / md5[2:]
+
+
+def _evict(s: kiln_settings.Settings, md5s: set[str]) -> None:
+    """Remove cache objects (only the cache's name: a hardlinked workspace file keeps its bytes)."""
+    for md5 in md5s:
+        _cache_object(s, md5).unlink(missing_ok=True)
+
+
+def _verify_restored(tree: Path, snapshot_id: str, s: kiln_settings.Settings) -> tuple[list[str], set[str]]:
     """Every file under ``tree`` has the md5 the snapshot's ``.dir`` listing names, and no file is
-    missing or extra; the listing itself must hash to the id."""
+    missing or extra; the listing itself must hash to the id. Returns the problems and the cache
+    objects (md5s, listing included) that caused them."""
     md5 = snapshot_id.removesuffix(".dir")
-    listing = s.dvc_cache / "files" / "md5" / md5[:2] / f"{md5[2:]}.dir"
+    listing = _cache_object(s, md5 + ".dir")
     try:
         raw = listing.read_bytes()
-    except OSError as exc:
-        raise SnapshotError(f"snapshot {snapshot_id}: its .dir listing {listing} is missing after the pull") from exc
+    except OSError:
+        return [f"its .dir listing {listing} is missing after the pull"], {md5 + ".dir"}
     if hashlib.md5(raw, usedforsecurity=False).hexdigest() != md5:
-        raise SnapshotError(f"snapshot {snapshot_id}: its .dir listing {listing} is corrupted (md5 differs from the id)")
+        return [f"its .dir listing {listing} is corrupted (md5 differs from the id)"], {md5 + ".dir"}
     expected = {entry["relpath"]: entry["md5"] for entry in json.loads(raw)}
     found = {p.relative_to(tree).as_posix(): p for p in tree.rglob("*") if not p.is_dir()}
     problems = [f"{rel}: missing" for rel in sorted(expected.keys() - found.keys())]
     problems += [f"{rel}: not in the snapshot" for rel in sorted(found.keys() - expected.keys())]
+    bad = {expected[rel] for rel in sorted(expected.keys() - found.keys())}
     for rel in sorted(expected.keys() & found.keys()):
         with open(found[rel], "rb") as fh:
             if hashlib.file_digest(fh, "md5").hexdigest() != expected[rel]:
                 problems.append(f"{rel}: md5 differs")
-    if problems:
-        raise SnapshotError(
-            f"restored bytes of snapshot {snapshot_id} do not match its hashes ({len(problems)} file(s): "
-            f"{'; '.join(problems[:5])}); a corrupted object on the remote or in the cache {s.dvc_cache} "
-            "— remove it there and restore again"
-        )
+                bad.add(expected[rel])
+    return problems, bad
 
 
 def _rename_out(dvc_text: str, new_path: str) -> str:

@@ -12,7 +12,7 @@ import pytest
 
 from kiln import settings as kiln_settings
 from kiln import snapshot
-from kiln.errors import SnapshotError
+from kiln.errors import ConfigError, SnapshotError
 
 
 def _corpus(name: str = "demo", payload: bytes = b"") -> Path:
@@ -429,3 +429,38 @@ def test_announce_login_comes_from_the_environment_or_the_stack(home, monkeypatc
     monkeypatch.setenv("KILN_AIRFLOW_PASSWORD", "pw-from-env")
     client = airflow_client()
     assert client.username == "corpus-bot" and client._password == "pw-from-env"
+
+
+def test_cache_links_the_workspace_but_the_remote_keeps_its_own_copy(home, caplog):
+    """Snapshotting writes the corpus once (to the remote), not twice: the cache object is a hardlink
+    of the workspace shard. A shard rewritten in place (root ignores the read-only mode DVC sets)
+    changes that cache object too — the old snapshot still restores, healed from the remote copy."""
+    corpus = _corpus()
+    shard = corpus / "train" / "shard-00001.parquet"
+    original = shard.read_bytes()
+    ref = snapshot.create_snapshot(corpus)
+    md5 = hashlib.md5(original).hexdigest()
+    cached = snapshot._cache_object(kiln_settings.load(), md5)
+    remote = Path(ref.remote) / "files" / "md5" / md5[:2] / md5[2:]
+    assert os.path.samefile(shard, cached), "dvc add copied the shard instead of linking it"
+    assert not os.path.samefile(cached, remote), "the remote must hold an independent copy"
+    assert shard.stat().st_mode & 0o222 == 0, "DVC leaves linked workspace files read-only"
+
+    with open(shard, "r+b") as fh:  # in place: same inode, so the cache object changes too
+        fh.write(b"rewritten in place")
+    assert cached.read_bytes() != original
+    with caplog.at_level("WARNING", logger="kiln.snapshot"):
+        restored = snapshot.restore_snapshot(ref.id, home / "restored")
+    assert (restored / "train" / "shard-00001.parquet").read_bytes() == original
+    assert "evicting them and fetching again from the remote" in caplog.text
+    assert cached.read_bytes() == original, "the evicted object was fetched again"
+    assert not os.path.samefile(restored / "train" / "shard-00001.parquet", cached)
+
+
+def test_hash_jobs_reach_the_workspace_config_and_bad_values_are_refused(home, monkeypatch):
+    monkeypatch.setenv("KILN_DVC_HASH_JOBS", "3")
+    root = snapshot.ensure_workspace()
+    assert "checksum_jobs = 3" in (root / ".dvc" / "config").read_text()
+    monkeypatch.setenv("KILN_DVC_HASH_JOBS", "zero")
+    with pytest.raises(ConfigError, match="KILN_DVC_HASH_JOBS must be a positive integer, got 'zero'"):
+        kiln_settings.load()
