@@ -7,7 +7,7 @@ never retried).
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
 
@@ -19,6 +19,14 @@ PRODUCTION_RECIPES_DIR = RECIPES_DIR / "production"
 
 PRODUCTION_MODEL = "kiln-stdlib-lm"
 """The registered model that serves: only the production identity may write it."""
+APPROVAL_TIMEOUT_MIN_S = 60
+APPROVAL_TIMEOUT_MAX_S = 30 * 24 * 3600
+"""Bounds of a review's response timeout: a shorter one leaves no time to read the report, a longer
+one parks a production run (``max_active_runs = 1``) for more than a month."""
+LAUNCHERS = ("local", "slurm", "kubernetes")
+LAUNCHER_FIELDS = ("launcher", "slurm_partition", "slurm_qos", "slurm_conf", "k8s_namespace", "k8s_queue",
+                   "k8s_priority_class", "k8s_checkpoint_claim", "k8s_image", "k8s_runtime")
+"""What a deployment may set about where a policy's training runs (``Policy.with_launcher``)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -77,6 +85,18 @@ class Policy:
     """Slurm partition and QoS when ``launcher == "slurm"`` (production preempts sandbox through
     them on a real cluster; None uses the cluster's defaults)."""
     slurm_qos: str | None = None
+    slurm_conf: str | None = None
+    """The cluster's ``slurm.conf`` (``SLURM_CONF`` for sbatch/squeue/scancel) when the submit host's
+    default (``/etc/slurm/slurm.conf``) is not the cluster to use."""
+    k8s_namespace: str = "kiln"
+    """Kubernetes launcher: namespace of the TrainJobs, Kueue LocalQueue and WorkloadPriorityClass
+    (production outranks sandbox: Kueue admits and may preempt in that order), the PVC holding run
+    dirs and checkpoints (mounted at the same path as KILN_HOME), trainer image and runtime."""
+    k8s_queue: str = "kiln"
+    k8s_priority_class: str | None = None
+    k8s_checkpoint_claim: str = "kiln-shared"
+    k8s_image: str = "kiln-trainer:cpu"
+    k8s_runtime: str = "torch-distributed"
     candidate_model: str
     """Registered model the candidate version is created in."""
     target_model: str
@@ -89,14 +109,26 @@ class Policy:
     """Cron (UTC) of scheduled runs; None means runs start only by hand."""
     schedule_on_corpus_asset: bool = False
     """Also run whenever a new snapshot of the corpus is announced (Airflow Asset event)."""
+    champion_watch_dag_id: str | None = None
+    """DAG that re-evaluates the serving ``alias`` on a schedule and proposes a rollback through a
+    review (``kiln.champion_watch``); None: no watch."""
+    champion_watch_cron: str | None = None
+    """Cron (UTC) of the champion watch."""
     max_active_runs: int = 8
     reviewers: tuple[str, ...] = ()
     approval_timeout_s: int = 24 * 3600
     gate: GatePolicy = field(default_factory=lambda: GatePolicy(max_bits_per_byte=8.0, max_regression=0.05))
     writable_models: tuple[str, ...] = ()
     """Registered-model names this policy may create versions in or move aliases on."""
+    mlflow_conn_id: str | None = None
+    """Airflow connection (login/password) of the MLflow identity every task of this policy uses
+    (``kiln.mlflow_auth.MlflowIdentity``); without it ``KILN_MLFLOW_<POLICY>_USERNAME/PASSWORD``."""
 
     def __post_init__(self) -> None:
+        if self.launcher not in LAUNCHERS:
+            raise PolicyError(f"launcher must be one of {', '.join(LAUNCHERS)}, got {self.launcher!r}")
+        if bool(self.champion_watch_dag_id) != bool(self.champion_watch_cron):
+            raise PolicyError("champion_watch_dag_id and champion_watch_cron must be set together")
         if not 1 <= self.validation_batch_shards <= 10_000:
             raise PolicyError(f"validation_batch_shards must be within [1, 10000], got {self.validation_batch_shards}")
         if not 0 <= self.max_quarantine_share <= 1:
@@ -106,6 +138,63 @@ class Policy:
                 raise PolicyError(f"policy {self.name!r} names model {model!r} it may not write")
         if self.name == "sandbox" and PRODUCTION_MODEL in self.writable_models:
             raise PolicyError("the sandbox policy may never write the production model")
+        if not APPROVAL_TIMEOUT_MIN_S <= self.approval_timeout_s <= APPROVAL_TIMEOUT_MAX_S:
+            raise PolicyError(
+                f"approval_timeout_s must be within [{APPROVAL_TIMEOUT_MIN_S}, {APPROVAL_TIMEOUT_MAX_S}] "
+                f"seconds, got {self.approval_timeout_s}"
+            )
+
+    def with_approval_timeout(self, raw: str | int | None, source: str) -> Policy:
+        """This policy with the review timeout an operator set in ``source`` (None/"" keeps it).
+
+        ``PolicyError`` naming ``source`` for a value that is not a whole number of seconds within
+        the bounds, so a typo shows as a DAG import error instead of a review that never times out.
+        """
+        if raw is None or str(raw).strip() == "":
+            return self
+        try:
+            seconds = int(str(raw).strip())
+        except ValueError:
+            raise PolicyError(f"{source} must be a whole number of seconds, got {raw!r}") from None
+        if not APPROVAL_TIMEOUT_MIN_S <= seconds <= APPROVAL_TIMEOUT_MAX_S:
+            raise PolicyError(
+                f"{source} must be within [{APPROVAL_TIMEOUT_MIN_S}, {APPROVAL_TIMEOUT_MAX_S}] seconds, got {seconds}"
+            )
+        return replace(self, approval_timeout_s=seconds)
+
+    def with_launcher(self, raw: str | None, source: str) -> Policy:
+        """This policy with the launcher settings a deployment gave in ``source`` (JSON object of
+        ``LAUNCHER_FIELDS``, e.g. ``{"launcher": "slurm", "slurm_partition": "gpu"}``; None/"" keeps
+        it). Where training runs is the deployment's business; gates, models and pools are not, so
+        any other key is refused with ``PolicyError`` naming it."""
+        if raw is None or str(raw).strip() == "":
+            return self
+        import json
+
+        try:
+            settings = json.loads(raw) if isinstance(raw, str) else raw
+        except ValueError as exc:
+            raise PolicyError(f"{source} must be a JSON object, got {raw!r}: {exc}") from None
+        if not isinstance(settings, dict):
+            raise PolicyError(f"{source} must be a JSON object, got {raw!r}")
+        unknown = sorted(set(settings) - set(LAUNCHER_FIELDS))
+        if unknown:
+            raise PolicyError(f"{source} may set only {', '.join(LAUNCHER_FIELDS)}; not {', '.join(unknown)}")
+        return replace(self, **settings)
+
+    def launcher_options(self, shared_root: Path | None = None) -> dict[str, Any]:
+        """Constructor options of this policy's launcher backend (``kiln.launchers.get_launcher``),
+        JSON-safe so a deferrable trigger can rebuild the launcher from them."""
+        if self.launcher == "slurm":
+            options: dict[str, Any] = {"partition": self.slurm_partition, "qos": self.slurm_qos}
+            if self.slurm_conf:
+                options["env"] = {"SLURM_CONF": self.slurm_conf}
+            return options
+        if self.launcher == "kubernetes":
+            return {"namespace": self.k8s_namespace, "queue": self.k8s_queue, "priority_class": self.k8s_priority_class,
+                    "checkpoint_claim": self.k8s_checkpoint_claim, "image": self.k8s_image, "runtime": self.k8s_runtime,
+                    "shared_root": str(shared_root) if shared_root else None}
+        return {}
 
     def check_model_write(self, model: str) -> None:
         """Refuse, before any request is sent, a write to a model this policy does not own."""
@@ -158,12 +247,15 @@ SANDBOX = Policy(
     nodes=1,
     nproc_per_node=1,
     max_restarts=1,
+    k8s_queue="kiln-sandbox",
+    k8s_priority_class="kiln-sandbox",
     candidate_model="sandbox.kiln-stdlib-lm",
     target_model="sandbox.kiln-stdlib-lm",
     alias="sandbox-champion",
     requires_approval=False,
     gate=GatePolicy(max_bits_per_byte=8.0, max_regression=8.0),
     writable_models=("sandbox.kiln-stdlib-lm",),
+    mlflow_conn_id="kiln_mlflow_sandbox",
 )
 
 PRODUCTION = Policy(
@@ -188,6 +280,8 @@ PRODUCTION = Policy(
     nodes=2,
     nproc_per_node=1,
     max_restarts=2,
+    k8s_queue="kiln-production",
+    k8s_priority_class="kiln-production",
     candidate_model="kiln-stdlib-lm.candidates",
     target_model=PRODUCTION_MODEL,
     alias="champion",
@@ -195,11 +289,15 @@ PRODUCTION = Policy(
     pinned_inputs=True,
     schedule_cron="0 3 * * 1",
     schedule_on_corpus_asset=True,
+    # Daily, off the Monday 03:00 retrain: a stale champion is caught within a day.
+    champion_watch_dag_id="kiln_champion_watch",
+    champion_watch_cron="30 5 * * *",
     max_active_runs=1,
     reviewers=("demo-reviewer", "reviewer"),
     approval_timeout_s=24 * 3600,
     gate=GatePolicy(max_bits_per_byte=7.5, max_regression=0.05),
     writable_models=("kiln-stdlib-lm.candidates", PRODUCTION_MODEL),
+    mlflow_conn_id="kiln_mlflow_production",
 )
 
 POLICIES: dict[str, Policy] = {p.name: p for p in (SANDBOX, PRODUCTION)}

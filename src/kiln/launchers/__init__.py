@@ -7,6 +7,12 @@ Backends share one interface (``kiln.launchers.base``): ``submit(spec) -> JobHan
   lost agents replaced, the rendezvous store outlives any node.
 * ``slurm`` (``kiln.launchers.slurm``): ``sbatch -N<nodes>`` with ``srun torchrun`` on each node,
   state from squeue/scontrol/sacct, ``scancel``; partition and QoS from the policy.
+* ``kubernetes`` (``kiln.launchers.kubernetes``): a Kubeflow Trainer ``TrainJob`` with Kueue queue and
+  priority labels (gang admission); state from its status conditions, cancel deletes it.
+
+Inside Airflow, slurm and kubernetes jobs are waited for by a deferrable trigger
+(``kiln.launchers.triggers.LaunchedJobTrigger``); the local backend runs in the task (its agents are
+the task's children and stream into its log).
 
 ``launch(spec, backend=...)`` and ``launch_local(spec, log=...)`` run a job to completion. A worker
 exiting 2 (a trainer fault) ends the whole job at once with ``TrainingFaultError`` (not retryable).
@@ -28,27 +34,31 @@ from kiln.launchers.base import (
     torchrun_argv,
     wait,
 )
+from kiln.launchers.kubernetes import KubernetesLauncher, render_trainjob
 from kiln.launchers.local import LocalLauncher, agent_argv, cancel, launch_local
 from kiln.launchers.slurm import SlurmLauncher, render_sbatch
 from kiln.refs import TrainResult
 
-BACKENDS = ("local", "slurm")
+BACKENDS = ("local", "slurm", "kubernetes")
 
 __all__ = [
-    "BACKENDS", "JobHandle", "JobStatus", "LaunchSpec", "Launcher", "LocalLauncher", "SlurmLauncher",
+    "BACKENDS", "JobHandle", "JobStatus", "KubernetesLauncher", "LaunchSpec", "Launcher", "LocalLauncher", "SlurmLauncher",
     "TrainingFaultError", "agent_argv", "cancel", "get_launcher", "launch", "launch_local", "read_result",
-    "render_sbatch", "torchrun_argv", "wait",
+    "render_sbatch", "render_trainjob", "torchrun_argv", "wait",
 ]
 
 
 def get_launcher(backend: str, **options: Any) -> Launcher:
-    """The backend by name; ``options`` go to its constructor (slurm: partition, qos, ...)."""
+    """The backend by name; ``options`` go to its constructor (slurm: partition, qos, ...;
+    kubernetes: namespace, queue, shared_root, checkpoint_claim, ...)."""
     if backend == "local":
         if options:
             raise ConfigError(f"launcher 'local' takes no options, got {sorted(options)}")
         return LocalLauncher()
     if backend == "slurm":
         return SlurmLauncher(**options)
+    if backend == "kubernetes":
+        return KubernetesLauncher(**options)
     raise ConfigError(f"launcher backend must be one of {BACKENDS}, got {backend!r}")
 
 

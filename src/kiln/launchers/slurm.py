@@ -14,6 +14,7 @@ and QoS come from the policy (production may preempt sandbox); ``scancel`` cance
 
 from __future__ import annotations
 
+import os
 import re
 import shlex
 import shutil
@@ -89,8 +90,10 @@ def render_sbatch(spec: LaunchSpec, *, partition: str | None = None, qos: str | 
 
 
 def _run(argv: list[str], env: dict[str, str] | None, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    # ``env`` adds to this process's environment (e.g. only SLURM_CONF from a trigger's kwargs).
     try:
-        return subprocess.run(argv, capture_output=True, text=True, env=env, timeout=timeout)
+        return subprocess.run(argv, capture_output=True, text=True, env={**os.environ, **env} if env else None,
+                              timeout=timeout)
     except FileNotFoundError as exc:
         raise LaunchError(f"{argv[0]} not found: is this a Slurm submit host? ({exc})") from exc
     except subprocess.TimeoutExpired as exc:
@@ -98,8 +101,8 @@ def _run(argv: list[str], env: dict[str, str] | None, timeout: float = 60) -> su
 
 
 class SlurmLauncher:
-    """The ``slurm`` backend. ``env`` reaches the cluster (e.g. ``SLURM_CONF``); it is passed to the
-    Slurm tools only, the job's own environment is the spec's."""
+    """The ``slurm`` backend. ``env`` reaches the cluster (e.g. ``SLURM_CONF``): it is added to the
+    environment of the Slurm tools only; the job's own environment is the spec's."""
 
     name = "slurm"
 

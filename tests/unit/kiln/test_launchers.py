@@ -61,8 +61,8 @@ def test_missing_result_is_a_launch_error(tmp_path):
 def test_get_launcher_by_name_and_unknown_backend():
     assert isinstance(get_launcher("local"), LocalLauncher)
     assert isinstance(get_launcher("slurm", partition="p", qos="q"), SlurmLauncher)
-    with pytest.raises(ConfigError, match="kubernetes"):
-        get_launcher("kubernetes")
+    with pytest.raises(ConfigError, match="local, slurm, kubernetes|'local', 'slurm', 'kubernetes'"):
+        get_launcher("k8s")
     with pytest.raises(ConfigError, match="no options"):
         get_launcher("local", partition="p")
 
@@ -202,3 +202,57 @@ def test_rank_step_times_are_read_from_metrics_jsonl(tmp_path):
     path = tmp_path / "metrics.jsonl"
     path.write_text('{"step": 10, "loss": 3.0}\n{"step": 20, "rank_step_times": [0.1, 0.2]}\n{"step": 30, "rank_')
     assert list(rank_step_times_from_metrics(path)) == [(20, [0.1, 0.2])]
+
+
+# ------------------------------------------------------------------------ deferrable trigger
+def test_trigger_serializes_to_json_and_rebuilds(tmp_path):
+    from airflow.sdk.module_loading import import_string
+
+    from kiln.launchers.triggers import LaunchedJobTrigger
+
+    trigger = LaunchedJobTrigger(handle={"backend": "slurm", "job_id": "42", "run_dir": str(tmp_path)}, backend="slurm",
+                                 options={"partition": "kiln", "qos": None, "env": {"SLURM_CONF": "/x/slurm.conf"}}, poll_s=2)
+    classpath, kwargs = trigger.serialize()
+    again = import_string(classpath)(**json.loads(json.dumps(kwargs)))  # what the triggerer does
+    assert again.serialize() == (classpath, kwargs)
+    assert again._launcher().env == {"SLURM_CONF": "/x/slurm.conf"}
+
+
+def test_trigger_waits_while_the_job_runs_and_fires_once_with_reason_and_log_tail(tmp_path):
+    """The real local backend's poll on a live process (a stand-in for the job's supervisor):
+    no event while it runs, one event with the launcher's reason and the log tail when it ends."""
+    import asyncio
+    import subprocess
+
+    from kiln.launchers.triggers import LaunchedJobTrigger
+
+    import sys
+
+    # The local backend recognises its supervisor by "kiln.launchers.local" in the command line.
+    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)", "kiln.launchers.local"],
+                               start_new_session=True)
+    launch_dir = tmp_path / ".launch"
+    launch_dir.mkdir()
+    (launch_dir / "job.log").write_text("[node 0] step 10\n[node 1] RuntimeError: boom\n")
+    handle = JobHandle(backend="local", job_id=str(sleeper.pid), run_dir=str(tmp_path))
+    trigger = LaunchedJobTrigger(handle=handle.to_json(), backend="local", poll_s=0.05)
+
+    async def scenario():
+        events = trigger.run()
+        first = asyncio.ensure_future(events.__anext__())
+        await asyncio.sleep(0.5)
+        assert not first.done(), "the trigger fired while the job was still running"
+        (launch_dir / "status.json").write_text(json.dumps({"state": "FAILED", "reason": "node 1 lost"}))
+        event = await asyncio.wait_for(first, timeout=60)
+        with pytest.raises(StopAsyncIteration):  # one event, then the trigger is done
+            await events.__anext__()
+        return event
+
+    try:
+        event = asyncio.run(scenario())
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+    assert event.payload["state"] == "FAILED" and event.payload["reason"] == "node 1 lost"
+    assert event.payload["handle"] == handle.to_json()
+    assert "RuntimeError: boom" in event.payload["log_tail"]
