@@ -106,7 +106,29 @@ def test_worker_killed_in_a_slurm_job_restarts_the_group_to_identical_weights(un
     assert launcher.result(handle).weights_sha256 == reference.weights_sha256
 
 
-def test_cancel_ends_the_job_with_scancel(cluster, manifest, tmp_path):
+def _trigger(cluster: SlurmCluster, handle, poll_s: float = 0.5):
+    from kiln.launchers.triggers import LaunchedJobTrigger
+
+    # Only SLURM_CONF, as a DAG's trigger carries it (the tools get it added to their environment).
+    return LaunchedJobTrigger(handle=handle.to_json(), backend="slurm", poll_s=poll_s,
+                              options={"partition": PARTITION, "env": {"SLURM_CONF": str(cluster.conf)}})
+
+
+def _first_event(trigger) -> dict:
+    import asyncio
+
+    async def first():
+        async for event in trigger.run():
+            return event.payload
+        raise AssertionError("the trigger ended without an event")
+
+    return asyncio.run(asyncio.wait_for(first(), timeout=300))  # safety net, not a timing assertion
+
+
+def test_killing_the_deferred_task_cancels_the_job_with_scancel(cluster, manifest, tmp_path):
+    """The trigger's on_kill (a user kills the deferred train task) ends the Slurm job."""
+    import asyncio
+
     launcher = _launcher(cluster)
     spec = _spec(tmp_path / "run", manifest, "train.steps=100000")
     handle = launcher.submit(spec)
@@ -115,15 +137,21 @@ def test_cancel_ends_the_job_with_scancel(cluster, manifest, tmp_path):
         assert time.monotonic() < deadline, launcher.logs(handle)[0][-2000:]
         assert not launcher.poll(handle).done, launcher.logs(handle)[0][-2000:]
         time.sleep(0.2)
-    launcher.cancel(handle)
+    asyncio.run(_trigger(cluster, handle).on_kill())
     status = wait(launcher, handle, log=lambda _line: None, poll_s=0.5)
     assert status.state == "CANCELLED", status
     queue = subprocess.run(["squeue", "-h", "-j", handle.job_id], capture_output=True, text=True, env=cluster.env)
     assert queue.stdout.strip() == ""
 
 
-def test_trainer_fault_is_fatal_on_slurm(cluster, manifest, tmp_path):
+def test_trainer_fault_is_fatal_on_slurm_and_the_trigger_says_why(cluster, manifest, tmp_path):
+    """Waited for the way the DAG waits (the deferrable trigger): one FATAL event naming the rank and
+    the trainer's error, with the job log's tail; the result is a non-retryable TrainingFaultError."""
+    launcher = _launcher(cluster)
+    handle = launcher.submit(_spec(tmp_path / "run", manifest, "train.no_such_field=1"))
+    event = _first_event(_trigger(cluster, handle))
+    assert event["state"] == "FATAL" and "exited 2" in event["reason"], event
+    assert event["handle"] == handle.to_json() and event["log_tail"], event
     with pytest.raises(TrainingFaultError, match="exited 2") as info:
-        launch(_spec(tmp_path / "run", manifest, "train.no_such_field=1"), backend="slurm",
-               log=lambda _line: None, poll_s=0.5, partition=PARTITION, env=cluster.env)
+        launcher.result(handle)
     assert info.value.retryable is False
