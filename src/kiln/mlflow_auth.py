@@ -23,17 +23,26 @@ file holds no credential. The Flask secret key (CSRF) is generated once per inst
 ``HOME/auth/flask_secret_key`` (mode 0600) unless ``KILN_MLFLOW_SECRET_KEY`` provides one.
 Clients authenticate with ``MLFLOW_TRACKING_USERNAME`` / ``MLFLOW_TRACKING_PASSWORD``.
 
+Per-policy client identity (``MlflowIdentity``): every task of a DAG talks to MLflow as its
+policy's identity, taken from the Airflow connection ``Policy.mlflow_conn_id`` (resolved by the
+Airflow adapter, ``kiln.dagfactory``) or from ``KILN_MLFLOW_<POLICY>_USERNAME`` / ``_PASSWORD``;
+``use_identity`` puts it into ``MLFLOW_TRACKING_USERNAME`` / ``_PASSWORD`` for the duration of one
+task (the task's own process and the trainer it launches), and removes any other identity the
+worker's environment carried, so a sandbox task can never act with production credentials that
+happen to be in the worker's environment.
+
 Importing this module is cheap: mlflow is imported inside the functions.
 """
 
 from __future__ import annotations
 
 import configparser
+import contextlib
 import logging
 import os
 import secrets
-from collections.abc import Iterable
-from dataclasses import dataclass
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -321,3 +330,69 @@ def effective_permission(tracking_uri: str, admin_user: str, admin_password: str
     """What the server resolves for ``username`` on registered model ``model`` (e.g. ``READ``)."""
     auth = _admin_client(tracking_uri, admin_user, admin_password)
     return str(auth.get_user_permission(username, REGISTERED_MODEL, model).permission)
+
+
+# ------------------------------------------------------------------------- client identities
+
+USERNAME_ENV = "MLFLOW_TRACKING_USERNAME"
+PASSWORD_ENV = "MLFLOW_TRACKING_PASSWORD"  # noqa: S105 (a variable name, not a password)
+
+
+@dataclass(frozen=True, slots=True)
+class MlflowIdentity:
+    """Who a task is to MLflow. The password never appears in ``repr`` (logs, tracebacks)."""
+
+    username: str
+    password: str = field(repr=False)
+    source: str = ""
+    """Where it came from, for messages: ``connection kiln_mlflow_production``, ``environment``."""
+
+    def __post_init__(self) -> None:
+        if not self.username or not self.password:
+            raise ConfigError(f"MLflow identity from {self.source or 'unknown source'} needs a login and a password")
+
+
+def identity_env_names(policy: Policy) -> tuple[str, str]:
+    """``KILN_MLFLOW_<POLICY>_USERNAME`` / ``_PASSWORD``: the identity without an Airflow connection."""
+    prefix = f"KILN_MLFLOW_{policy.name.upper()}"
+    return f"{prefix}_USERNAME", f"{prefix}_PASSWORD"
+
+
+def identity_from_env(policy: Policy, environ: dict[str, str] | None = None) -> MlflowIdentity | None:
+    """The policy's identity from ``KILN_MLFLOW_<POLICY>_USERNAME/PASSWORD``; None when unset.
+
+    Half a pair (a username without password or the reverse) is a ``ConfigError``, not a silent
+    anonymous client.
+    """
+    env = os.environ if environ is None else environ
+    user_var, password_var = identity_env_names(policy)
+    user, password = env.get(user_var, ""), env.get(password_var, "")
+    if not user and not password:
+        return None
+    if not (user and password):
+        raise ConfigError(f"set both {user_var} and {password_var} (or neither)")
+    return MlflowIdentity(user, password, source="environment")
+
+
+@contextlib.contextmanager
+def use_identity(identity: MlflowIdentity | None) -> Iterator[None]:
+    """Act as ``identity`` towards MLflow (this process and children) until the block ends.
+
+    ``None`` means anonymous: any ``MLFLOW_TRACKING_USERNAME/PASSWORD`` inherited from the worker
+    is removed for the block, so a task never borrows another policy's identity. The previous
+    values come back afterwards.
+    """
+    saved = {key: os.environ.get(key) for key in (USERNAME_ENV, PASSWORD_ENV)}
+    try:
+        for key in saved:
+            os.environ.pop(key, None)
+        if identity is not None:
+            os.environ[USERNAME_ENV] = identity.username
+            os.environ[PASSWORD_ENV] = identity.password
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value

@@ -30,6 +30,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -56,6 +57,10 @@ class MlflowServer:
     """Where runs and the registry live; a restart with the same one finds everything again."""
     artifacts: str = ""
     workers: int = 1
+    extra_args: tuple[str, ...] = ()
+    """Further ``mlflow server`` arguments (e.g. ``mlflow_auth.SERVER_ARGS``), kept for a restart."""
+    extra_env: dict[str, str] = field(default_factory=dict, repr=False)
+    """Further server environment (e.g. ``mlflow_auth.server_env``: holds secrets, hence no repr)."""
     _log_file: object = field(default=None, repr=False)
 
     @property
@@ -120,6 +125,8 @@ def start_server(
     *,
     workers: int = 1,
     timeout_s: float = 90.0,
+    extra_args: Sequence[str] = (),
+    extra_env: Mapping[str, str] | None = None,
 ) -> MlflowServer:
     """Start ``mlflow server`` on ``127.0.0.1:port`` and return once ``/health`` answers.
 
@@ -127,6 +134,11 @@ def start_server(
     Raises ``ConfigError`` when the port is already taken (a stray server would answer our health
     check and hide the failure) and ``RegistryError`` with the log tail when the server exits or
     stays unhealthy past ``timeout_s``.
+
+    ``extra_args`` go after the standard arguments and ``extra_env`` over the inherited
+    environment; for basic-auth: ``extra_args=mlflow_auth.SERVER_ARGS,
+    extra_env=mlflow_auth.server_env(home, admin_password)``. Both stay on the handle (the env
+    out of its repr) so that ``restart_server`` starts the same server again.
     """
     home = Path(home).resolve()
     home.mkdir(parents=True, exist_ok=True)
@@ -138,11 +150,14 @@ def start_server(
         Path(artifacts).mkdir(parents=True, exist_ok=True)
     log_path = home / LOG_NAME
     env = {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false", "PYTHONUNBUFFERED": "1"}
-    # A client-side tracking URI in the caller's environment means nothing to the server.
-    env.pop("MLFLOW_TRACKING_URI", None)
+    # A client-side tracking URI or identity in the caller's environment means nothing to the server.
+    for key in ("MLFLOW_TRACKING_URI", "MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD"):
+        env.pop(key, None)
+    extra_env = dict(extra_env or {})
+    env.update(extra_env)
     log_file = open(log_path, "ab")  # noqa: SIM115 (owned by the handle, closed in stop_server)
     process = subprocess.Popen(
-        server_command(home, port, backend_uri, artifacts, workers),
+        [*server_command(home, port, backend_uri, artifacts, workers), *extra_args],
         cwd=home,
         env=env,
         stdin=subprocess.DEVNULL,
@@ -154,7 +169,7 @@ def start_server(
     )
     handle = MlflowServer(process=process, url=f"http://{HOST}:{port}", home=home, log_path=log_path,
                           port=port, backend_uri=backend_uri, artifacts=artifacts, workers=workers,
-                          _log_file=log_file)  # fmt: skip
+                          extra_args=tuple(extra_args), extra_env=extra_env, _log_file=log_file)  # fmt: skip
     (home / PID_NAME).write_text(f"{process.pid}\n")
     deadline = time.monotonic() + timeout_s
     while not _healthy(handle.url):
@@ -221,7 +236,8 @@ def restart_server(handle: MlflowServer, timeout_s: float = 90.0) -> MlflowServe
     if handle.process.poll() is None:
         raise ConfigError(f"mlflow server pid {handle.pid} on {handle.url} is still running; stop it first")
     return start_server(handle.home, handle.port, handle.backend_uri or None, handle.artifacts or None,
-                        workers=handle.workers, timeout_s=timeout_s)  # fmt: skip
+                        workers=handle.workers, timeout_s=timeout_s, extra_args=handle.extra_args,
+                        extra_env=handle.extra_env)  # fmt: skip
 
 
 def _is_our_mlflow(pid: int) -> bool:

@@ -190,14 +190,13 @@ def _mlflow_run(policy: Policy, key: str, tags: dict[str, str]) -> str:
     return run.info.run_id
 
 
-def train_stage(
+def prepare_train(
     policy: Policy, snapshot: dict[str, Any], data: dict[str, Any], params: dict[str, Any], key: str,
-    *, log_line=print,
 ) -> dict[str, Any]:
-    """Train on the manifest's healthy shards with the policy's launcher; resume if interrupted.
-
-    A trainer fault (exit 2: tampered data, divergence) raises a non-retryable TrainingFaultError."""
-    from kiln.launchers import LaunchSpec, launch, read_result
+    """Everything before the launch, as a JSON-safe plan: ``{"done": TrainResult}`` when this run's
+    training already finished (a retry hands back what was committed), else ``{"spec", "backend",
+    "options", "mlflow_run_id"}`` for ``submit_train``/``finish_train`` (or ``train_stage``)."""
+    from kiln.launchers import LaunchSpec, read_result
 
     manifest = TrainingManifest.read(data["manifest"])
     if manifest.sha256 != data["manifest_sha256"]:
@@ -209,7 +208,7 @@ def train_stage(
     if result_file.is_file():  # a retry after a finished run: hand back what was committed
         result = read_result(spec_dir)
         _verify_checkpoint(result.checkpoint)
-        return result.to_json()
+        return {"done": result.to_json()}
     overrides = []
     if params.get("seed") is not None:
         overrides.append(f"train.seed={int(params['seed'])}")
@@ -218,7 +217,7 @@ def train_stage(
     mlflow_run_id = _mlflow_run(
         policy, key,
         {"kiln.snapshot_id": snapshot["id"], "kiln.policy": policy.name, "kiln.recipe": str(recipe.name),
-         "kiln.training_manifest_sha256": manifest.sha256},
+         "kiln.training_manifest_sha256": manifest.sha256, "kiln.launcher": policy.launcher},
     )
     s = kiln_settings.load()
     spec = LaunchSpec(
@@ -226,20 +225,80 @@ def train_stage(
         nproc_per_node=policy.nproc_per_node, max_restarts=policy.max_restarts, overrides=tuple(overrides),
         env={"MLFLOW_RUN_ID": mlflow_run_id, "MLFLOW_TRACKING_URI": s.mlflow_uri},
     )
+    return {"spec": spec.to_json(), "backend": policy.launcher, "options": policy.launcher_options(shared_root=s.home),
+            "mlflow_run_id": mlflow_run_id}
+
+
+def plan_launcher(plan: dict[str, Any]):  # -> kiln.launchers.Launcher
+    from kiln.launchers import get_launcher
+
+    return get_launcher(plan["backend"], **plan["options"])
+
+
+def submit_train(plan: dict[str, Any]) -> dict[str, Any]:
+    """Submit the planned job (or re-attach to it); the JSON handle a trigger polls."""
+    from kiln.launchers import LaunchSpec
+
+    return plan_launcher(plan).submit(LaunchSpec.from_json(plan["spec"])).to_json()
+
+
+def finish_train(
+    policy: Policy, plan: dict[str, Any], handle: dict[str, Any], outcome: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """The TrainResult of a finished job (checkpoint verified, the policy's MLflow run closed), or the
+    launcher's error for it. ``outcome`` is a deferrable trigger's event (state, reason, log tail);
+    without it the job is polled once more."""
     import mlflow
 
-    runs = mlflow.MlflowClient(tracking_uri=s.mlflow_uri)
+    from kiln.launchers import JobHandle, JobStatus
+    from kiln.launchers.base import result_for
+
+    job = JobHandle.from_json(handle)
+    runs = mlflow.MlflowClient(tracking_uri=kiln_settings.load().mlflow_uri)
     try:
-        options = {"partition": policy.slurm_partition, "qos": policy.slurm_qos} if policy.launcher == "slurm" else {}
-        result = launch(spec, backend=policy.launcher, log=log_line, **options)
+        if outcome is None:
+            result = plan_launcher(plan).result(job)
+        else:
+            status = JobStatus(state=outcome["state"], reason=str(outcome.get("reason") or ""))
+            result = result_for(status, job, str(outcome.get("log_tail") or ""))
         _verify_checkpoint(result.checkpoint)
     except BaseException:
-        runs.set_terminated(mlflow_run_id, "FAILED")
+        runs.set_terminated(plan["mlflow_run_id"], "FAILED")
         raise
-    runs.set_terminated(mlflow_run_id, "FINISHED")
+    runs.set_terminated(plan["mlflow_run_id"], "FINISHED")
     if not result.mlflow_run_id:
-        result = TrainResult(**{**result.to_json(), "mlflow_run_id": mlflow_run_id})
+        result = TrainResult(**{**result.to_json(), "mlflow_run_id": plan["mlflow_run_id"]})
     return result.to_json()
+
+
+def train_stage(
+    policy: Policy, snapshot: dict[str, Any], data: dict[str, Any], params: dict[str, Any], key: str,
+    *, log_line=print,
+) -> dict[str, Any]:
+    """Train on the manifest's healthy shards with the policy's launcher, in this process: submit,
+    stream the job's log through ``log_line`` until it ends, verify; resume if interrupted.
+
+    A trainer fault (exit 2: tampered data, divergence) raises a non-retryable TrainingFaultError."""
+    from kiln.launchers import JobHandle, wait
+
+    plan = prepare_train(policy, snapshot, data, params, key)
+    if "done" in plan:
+        return plan["done"]
+    launcher = plan_launcher(plan)
+    handle = submit_train(plan)
+    try:
+        status = wait(launcher, JobHandle.from_json(handle), log=log_line, poll_s=1.0)
+    except BaseException:
+        import mlflow
+
+        mlflow.MlflowClient(tracking_uri=kiln_settings.load().mlflow_uri).set_terminated(plan["mlflow_run_id"], "FAILED")
+        raise
+    log_tail = ""
+    if status.state != "SUCCEEDED":
+        from kiln.launchers.base import tail_text
+
+        log_tail = tail_text(launcher.logs(JobHandle.from_json(handle), 0)[0])
+    return finish_train(policy, plan, handle, {"state": status.state, "reason": status.reason, "log_tail": log_tail})
 
 
 def _verify_checkpoint(step_dir: str) -> dict[str, Any]:
@@ -305,14 +364,17 @@ def model_gate_stage(candidate: dict[str, Any]) -> dict[str, Any]:
 
 
 def promote_stage(
-    policy: Policy, candidate: dict[str, Any], decision: dict[str, Any], approver: str, key: str
+    policy: Policy, candidate: dict[str, Any], decision: dict[str, Any], approver: str, key: str,
+    approved_at: str | None = None,
 ) -> dict[str, Any]:
+    """Promote with the approval this run got (``approved_at``: when the reviewer answered; None
+    without human approval). A re-run after a rollback of this version is refused by the registry."""
     from kiln.refs import Decision
     from kiln.registry import promote
 
     record = promote(
         policy=policy, candidate_version=str(candidate["version"]), decision=Decision.from_json(decision),
-        approver=approver, run_key=key,
+        approver=approver, run_key=key, approved_at=approved_at or None,
     )
     return record.to_json()
 
@@ -341,8 +403,10 @@ def outcome_stage(
             review = "approved" if chosen == "Approve" else "rejected"
             reviewer = user.get("name") or user.get("id") or "unknown"
         at = str(approval.get("responded_at") or "")
-        record_review(policy=policy, candidate_version=str(candidate["version"]), outcome=review, reviewer=reviewer, at=at)
-        outcome.update(review=review, reviewer=reviewer, reviewed_at=at)
+        comment = str(approval.get("comment") or "")
+        record_review(policy=policy, candidate_version=str(candidate["version"]), outcome=review, reviewer=reviewer,
+                      at=at, comment=comment)  # fmt: skip
+        outcome.update(review=review, reviewer=reviewer, reviewed_at=at, review_comment=comment)
     if promotion:
         outcome.update(promoted=True, model=promotion["registered_model"], version=promotion["version"],
                        alias=promotion["alias"], approver=promotion["approver"])
@@ -352,7 +416,8 @@ def outcome_stage(
         if decision["action"] != "promote":
             why = f"the model gate said hold: {'; '.join(decision['reasons'])}"
         elif outcome.get("review") == "timed out":
-            why = f"the review timed out: {outcome['reviewer']} answered"
+            why = (f"the review timed out: {outcome['reviewer']} answered within "
+                   f"{policy.approval_timeout_s} s, so the default (Reject) applied")
         else:
             why = f"the review was {outcome.get('review', 'not given')} by {outcome.get('reviewer', 'nobody')}"
         outcome.update(promoted=False, message=f"NOT promoted: {why}")

@@ -119,11 +119,14 @@ TAGS = {
     "rollback_actor": "kiln.rollback.actor",
     "rollback_at": "kiln.rollback.at",
     "rollback_from_version": "kiln.rollback.from_version",
+    "rollback_reason": "kiln.rollback.reason",
     "rolled_back_by": "kiln.rolled_back.by",
     "rolled_back_at": "kiln.rolled_back.at",
+    "rolled_back_reason": "kiln.rolled_back.reason",
     "review": "kiln.review",
     "reviewer": "kiln.review.by",
     "reviewed_at": "kiln.review.at",
+    "review_comment": "kiln.review.comment",
 }
 RUN_MODEL_URI_TAG = "kiln.model_uri"
 """Run tag: the model already logged into this run for ``kiln.run_key`` (retries reuse it)."""
@@ -201,9 +204,40 @@ def _translated(action: str) -> Iterator[None]:
     except Exception as exc:  # mlflow raises MlflowException, requests' errors, OSError, …
         from mlflow.exceptions import MlflowException
 
+        refusal = _refusal(exc)
+        if refusal is not None:
+            raise refusal from exc
         if isinstance(exc, MlflowException | OSError) or type(exc).__module__.startswith(("requests", "urllib3")):
             raise RegistryError(f"{action}: {exc}") from exc
         raise
+
+
+# The auth app answers some refusals with a plain-text body, which mlflow reports only in words
+# (and copy_model_version wraps once more): match the message as well as the error code.
+_UNAUTHENTICATED = re.compile(r"error code 401\b|\b401 Client Error|UNAUTHENTICATED")
+_FORBIDDEN = re.compile(r"error code 403\b|\b403 Client Error|PERMISSION_DENIED")
+
+
+def _refusal(exc: BaseException) -> KilnError | None:
+    """MLflow's auth said no: 403 → ``PolicyError``, 401 → ``ConfigError``; neither is retried.
+
+    A permission the identity lacks does not appear on a retry; the server's refusal is the second
+    line of the separation, behind ``Policy.check_model_write``.
+    """
+    from mlflow.exceptions import MlflowException, RestException
+
+    if not isinstance(exc, MlflowException):
+        return None
+    who = os.environ.get("MLFLOW_TRACKING_USERNAME") or "anonymous"
+    status = exc.get_http_status_code() if isinstance(exc, RestException) else None
+    if exc.error_code == "PERMISSION_DENIED" or status == 403 or _FORBIDDEN.search(str(exc)):
+        return PolicyError(f"MLflow refused MLflow identity {who!r} (403 PERMISSION_DENIED): {exc.message}")
+    if status == 401 or _UNAUTHENTICATED.search(str(exc)):
+        return ConfigError(
+            f"MLflow did not accept the credentials of identity {who!r} (401); check the policy's MLflow "
+            "connection (Policy.mlflow_conn_id) or KILN_MLFLOW_<POLICY>_USERNAME/PASSWORD"
+        )
+    return None
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -386,6 +420,12 @@ def _one_version_with_tag(client: MlflowClient, model: str, key: str, value: str
 
 def _now() -> str:
     return dt.datetime.now(dt.UTC).isoformat(timespec="seconds")
+
+
+def utc_now() -> str:
+    """Now, ISO 8601 in UTC with microseconds: for times that are compared with each other
+    (an approval against a rollback), where whole seconds could tie."""
+    return dt.datetime.now(dt.UTC).isoformat(timespec="microseconds")
 
 
 def _git_sha() -> str:
@@ -981,16 +1021,61 @@ def champion_report(policy: Policy) -> EvalReport | None:
 # ------------------------------------------------------------------------------------------ promote
 
 
-def _target_version(client: MlflowClient, policy: Policy, candidate: ModelVersion, run_key: str) -> ModelVersion:
+def _existing_target_version(client: MlflowClient, policy: Policy, candidate: ModelVersion) -> ModelVersion | None:
+    """The version of the target model this candidate became (None: never copied yet)."""
     if policy.candidate_model == policy.target_model:
         return candidate
     # copy_model_version carries the candidate's tags, kiln.run_key included, in the same request
     # that creates the copy — so this lookup finds a copy even if we crashed right after making it.
-    source_key = candidate.tags[RUN_KEY_TAG]
-    copies = _versions_with_tag(client, policy.target_model, RUN_KEY_TAG, source_key)
-    if copies:
-        return copies[0]
+    copies = _versions_with_tag(client, policy.target_model, RUN_KEY_TAG, candidate.tags[RUN_KEY_TAG])
+    return copies[0] if copies else None
+
+
+def _target_version(client: MlflowClient, policy: Policy, candidate: ModelVersion, run_key: str) -> ModelVersion:
+    found = _existing_target_version(client, policy, candidate)
+    if found is not None:
+        return found
     return client.copy_model_version(f"models:/{candidate.name}/{candidate.version}", policy.target_model)
+
+
+def _parse_time(value: str | None) -> dt.datetime | None:
+    if not value:
+        return None
+    try:
+        parsed = dt.datetime.fromisoformat(str(value).replace("Z", "+00:00"))
+    except ValueError:
+        return None
+    return parsed if parsed.tzinfo else parsed.replace(tzinfo=dt.UTC)
+
+
+def _utc_iso(value: str | dt.datetime) -> str:
+    """An approval time as kiln writes it: ISO 8601 in UTC (sub-second precision kept)."""
+    parsed = value if isinstance(value, dt.datetime) else _parse_time(value)
+    if parsed is None:
+        raise ConfigError(f"approved_at must be an ISO 8601 time, got {value!r}")
+    if parsed.tzinfo is None:
+        parsed = parsed.replace(tzinfo=dt.UTC)
+    return parsed.astimezone(dt.UTC).isoformat()
+
+
+def _refuse_if_rolled_back(mv: ModelVersion, approved_at: str | None) -> None:
+    """The re-run rule: a version that was rolled back moves back only on an approval given after
+    the rollback. Clearing an old promote task in Airflow re-sends the *old* approval, so it is
+    refused here (``PolicyError``, no retry) instead of silently undoing the rollback."""
+    rolled_back_at = mv.tags.get(TAGS["rolled_back_at"])
+    if not rolled_back_at:
+        return
+    approved, rolled = _parse_time(approved_at), _parse_time(rolled_back_at)
+    if approved is not None and rolled is not None and approved > rolled:
+        return
+    by = mv.tags.get(TAGS["rolled_back_by"], "?")
+    why = mv.tags.get(TAGS["rolled_back_reason"], "")
+    raise PolicyError(
+        f"{mv.name} version {mv.version} was rolled back by {by} at {rolled_back_at}"
+        f"{f' ({why})' if why else ''}; it moves back to champion only on an approval given after that "
+        f"(this promotion's approval: {approved_at or 'none'}). Start a new run for a fresh review, or "
+        f"`kiln promote {mv.name} {mv.version} --approver NAME` after reviewing it again."
+    )
 
 
 def _record_of(mv: ModelVersion, policy: Policy, approver: str) -> PromotionRecord:
@@ -1025,18 +1110,24 @@ def _decision_still_valid(
 
 
 def promote(
-    *, policy: Policy, candidate_version: str, decision: Decision, approver: str, run_key: str
+    *, policy: Policy, candidate_version: str, decision: Decision, approver: str, run_key: str,
+    approved_at: str | dt.datetime | None = None,
 ) -> PromotionRecord:
     """Give ``policy.alias`` on ``policy.target_model`` to the candidate — at most once per run.
 
     Refuses (``PolicyError``) a ``hold`` decision, an empty approver, a model the policy may not
     write, a version kiln did not register and a decision about other metrics than the version's.
     Order: copy into the target model when it differs from the candidate model (found again by
-    its ``kiln.run_key`` tag on retry) → approver, time, decision and reasons as tags → the old
-    holder gets alias ``previous`` → ``policy.alias`` moves LAST. A re-run after success finds the
-    alias already on the version and writes nothing. When the champion changed since ``decision``
-    was made (e.g. during a 24 h review), the gate runs again against the current champion and a
-    hold is refused (``PolicyError``) before anything moves. Transient MLflow failures are retried
+    its ``kiln.run_key`` tag on retry) → approver, time, decision and reasons as tags, and an audit
+    event (``kiln.audit.*``) → the old holder gets alias ``previous`` → ``policy.alias`` moves LAST.
+    A re-run after success finds the alias already on the version and writes nothing. When the
+    champion changed since ``decision`` was made (e.g. during a 24 h review), the gate runs again
+    against the current champion and a hold is refused (``PolicyError``) before anything moves.
+
+    ``approved_at`` is when the approver decided (the review's answer; None: now, for a policy
+    without human approval). A version that was rolled back is promoted again only on an
+    approval given after the rollback: an Airflow re-run of an old promote task is refused
+    (``PolicyError``), never a silent undo of the rollback. Transient MLflow failures are retried
     with backoff; a retry (or a re-run) completes a half-done promotion without a second copy.
     """
     if decision.action != "promote":
@@ -1046,6 +1137,7 @@ def promote(
     policy.check_model_write(policy.target_model)
     policy.check_model_write(policy.candidate_model)
     target = policy.target_model
+    approval_time = _utc_iso(approved_at) if approved_at else None
 
     def attempt() -> PromotionRecord:
         client = _client()
@@ -1064,15 +1156,23 @@ def promote(
             # Already promoted (this run or an earlier one; the copy carries the candidate's run
             # key): change nothing, report what is there.
             return _record_of(holder, policy, approver)
+        existing = _existing_target_version(client, policy, candidate)
+        if existing is not None:
+            _refuse_if_rolled_back(existing, approval_time)
         # Before the copy: a candidate the gate now holds leaves nothing in the target model.
         chosen = _decision_still_valid(decision, candidate, holder, policy)
-        mv = _target_version(client, policy, candidate, run_key)
+        mv = existing if existing is not None else _target_version(client, policy, candidate, run_key)
         version = str(mv.version)
         if holder is not None and str(holder.version) == version:
             return _record_of(holder, policy, approver)
         previous = str(holder.version) if holder is not None else None
         same_run = mv.tags.get(TAGS["promotion_run_key"]) == run_key
-        at = mv.tags.get(TAGS["approved_at"]) if same_run and mv.tags.get(TAGS["approved_at"]) else _now()
+        if approval_time:
+            at = approval_time
+        elif same_run and mv.tags.get(TAGS["approved_at"]):
+            at = mv.tags[TAGS["approved_at"]]  # a retry: keep the first attempt's time (and audit key)
+        else:
+            at = _now()
         tags = {
             TAGS["promotion_run_key"]: run_key,
             TAGS["approver"]: approver,
@@ -1080,6 +1180,9 @@ def promote(
             TAGS["previous_version"]: previous or "",
             TAGS["source_version"]: f"{candidate.name}/{candidate.version}",
             **_decision_tags(chosen),
+            **audit_tag("promotion", at, actor=approver, model=target, version=version,
+                        from_version=previous or "", to_version=version, run_key=run_key,
+                        decision=chosen.action),  # fmt: skip
         }
         for key, value in tags.items():
             if mv.tags.get(key) != value:
@@ -1087,6 +1190,8 @@ def promote(
         if previous is not None:
             client.set_registered_model_alias(target, PREVIOUS_ALIAS, previous)
         client.set_registered_model_alias(target, policy.alias, version)  # LAST: the commit point
+        log.info("promoted %s/%s to %s@%s (version %s, previous %s), approved by %s at %s",
+                 candidate.name, candidate.version, target, policy.alias, version, previous or "-", approver, at)  # fmt: skip
         return PromotionRecord(
             registered_model=target, version=version, alias=policy.alias, approver=approver, at=at,
             previous_version=previous,
@@ -1095,15 +1200,20 @@ def promote(
     return _with_retries(f"promoting {policy.candidate_model}/{candidate_version} to {target}@{policy.alias}", attempt)
 
 
-def rollback(model: str, policy: Policy, actor: str) -> PromotionRecord:
-    """Move ``policy.alias`` back to the version holding ``previous``, with audit tags.
+def rollback(model: str, policy: Policy, actor: str, *, reason: str) -> PromotionRecord:
+    """Move ``policy.alias`` back to the version holding ``previous``, with audit tags (who, when, why).
 
     Afterwards both aliases name the restored version, so a second rollback changes nothing (it
-    does not flip back). ``RegistryError`` when there is nothing to roll back to.
+    does not flip back). The rolled-back version is marked (``kiln.rolled_back.*``): a later
+    promotion of it needs an approval given after this moment (see ``promote``).
+    ``RegistryError`` when there is nothing to roll back to.
     """
     if not actor.strip():
         raise PolicyError("rollback needs a named actor")
+    if not reason.strip():
+        raise PolicyError("rollback needs a reason (it goes into the audit trail)")
     policy.check_model_write(model)
+
     def attempt() -> PromotionRecord:
         client = _client()
         previous = _version_by_alias(client, model, PREVIOUS_ALIAS)
@@ -1118,15 +1228,21 @@ def rollback(model: str, policy: Policy, actor: str) -> PromotionRecord:
                 at=previous.tags.get(TAGS["rollback_at"], ""),
                 previous_version=previous.tags.get(TAGS["rollback_from_version"]) or None,
             )  # fmt: skip
-        at = _now()
         from_version = str(current.version) if current is not None else ""
+        at = _pending_rollback_time(previous, current) or utc_now()
         for key, value in {TAGS["rollback_actor"]: actor, TAGS["rollback_at"]: at,
-                           TAGS["rollback_from_version"]: from_version}.items():  # fmt: skip
-            client.set_model_version_tag(model, version, key, value)
+                           TAGS["rollback_from_version"]: from_version, TAGS["rollback_reason"]: reason,
+                           **audit_tag("rollback", at, actor=actor, model=model, version=version,
+                                       from_version=from_version, to_version=version, reason=reason)}.items():  # fmt: skip
+            if previous.tags.get(key) != value:
+                client.set_model_version_tag(model, version, key, value)
         if current is not None:
-            client.set_model_version_tag(model, from_version, TAGS["rolled_back_by"], actor)
-            client.set_model_version_tag(model, from_version, TAGS["rolled_back_at"], at)
+            for key, value in {TAGS["rolled_back_by"]: actor, TAGS["rolled_back_at"]: at,
+                               TAGS["rolled_back_reason"]: reason}.items():  # fmt: skip
+                client.set_model_version_tag(model, from_version, key, value)
         client.set_registered_model_alias(model, policy.alias, version)  # LAST
+        log.info("rolled back %s@%s from version %s to %s by %s at %s: %s",
+                 model, policy.alias, from_version or "-", version, actor, at, reason)  # fmt: skip
         return PromotionRecord(
             registered_model=model, version=version, alias=policy.alias, approver=actor, at=at,
             previous_version=from_version or None,
@@ -1135,26 +1251,139 @@ def rollback(model: str, policy: Policy, actor: str) -> PromotionRecord:
     return _with_retries(f"rolling back {model}@{policy.alias}", attempt)
 
 
-def record_review(*, policy: Policy, candidate_version: str, outcome: str, reviewer: str, at: str) -> None:
+def _pending_rollback_time(previous: ModelVersion, current: ModelVersion | None) -> str | None:
+    """The time of a rollback from ``current`` to ``previous`` that an earlier attempt started but
+    did not finish (tags written, alias not moved), so the retry completes that one audit event
+    instead of recording a second."""
+    at = previous.tags.get(TAGS["rollback_at"])
+    if current is None or not at or previous.tags.get(TAGS["rollback_from_version"]) != str(current.version):
+        return None
+    if current.tags.get(TAGS["rolled_back_at"]) not in (None, at):
+        return None
+    promoted, started = _parse_time(current.tags.get(TAGS["approved_at"])), _parse_time(at)
+    if promoted is not None and started is not None and promoted > started:
+        return None  # current was promoted again after that rollback: this is a new one
+    return at
+
+
+def record_review(
+    *, policy: Policy, candidate_version: str, outcome: str, reviewer: str, at: str, comment: str = ""
+) -> None:
     """Tag a candidate version with the human review's outcome (``approved``/``rejected``/``timed out``).
 
     Only tags: nothing is copied and no alias moves, whatever the outcome. Idempotent (a re-run
     writes the same values, and skips the ones already there). Promotion writes its own approver
     tags on the promoted version; this records every review, including the ones that stopped a
     promotion (a rejection, or nobody answering within the policy's approval timeout), on the
-    candidate that was reviewed. For a timeout, ``reviewer`` names who was asked (e.g. the
-    policy's reviewers) and ``at`` when the wait ended.
+    candidate that was reviewed, plus one audit event per review. For a timeout, ``reviewer``
+    names who was asked (e.g. the policy's reviewers) and ``at`` when the wait ended.
     """
     if outcome not in REVIEW_OUTCOMES:
         raise ConfigError(f"review outcome must be one of {REVIEW_OUTCOMES}, got {outcome!r}")
     policy.check_model_write(policy.candidate_model)
+    when = _utc_iso(at) if _parse_time(at) else _now()
     wanted = {TAGS["review"]: outcome, TAGS["reviewer"]: reviewer, TAGS["reviewed_at"]: at}
+    if comment:
+        wanted[TAGS["review_comment"]] = comment[:AUDIT_TEXT_MAX]
 
     def attempt() -> None:
         client = _client()
         mv = client.get_model_version(policy.candidate_model, str(candidate_version))
-        for key, value in wanted.items():
+        event = audit_tag("review", when, actor=reviewer, model=policy.candidate_model, version=str(candidate_version),
+                          decision=outcome, comment=comment, run_key=mv.tags.get(RUN_KEY_TAG, ""))  # fmt: skip
+        for key, value in {**wanted, **event}.items():
             if mv.tags.get(key) != value:
                 client.set_model_version_tag(policy.candidate_model, str(candidate_version), key, value)
 
     _with_retries(f"recording the review of {policy.candidate_model} v{candidate_version}", attempt)
+
+
+# -------------------------------------------------------------------------------------------- audit
+
+AUDIT_PREFIX = "kiln.audit."
+"""Version tags ``kiln.audit.<YYYYmmddTHHMMSSZ>.<event>`` = JSON: one per approval/review,
+promotion and rollback. The other ``kiln.*`` tags say how things stand; these say what happened,
+and are never overwritten by a later event."""
+AUDIT_EVENTS = ("review", "promotion", "rollback")
+AUDIT_TEXT_MAX = 1000
+"""Longest reason/comment kept (MLflow tag values are bounded)."""
+
+
+def audit_tag(event: str, at: str, **fields: str) -> dict[str, str]:
+    """One audit event as a version tag: the key holds time and kind (so retries write the same key)."""
+    if event not in AUDIT_EVENTS:
+        raise ConfigError(f"audit event must be one of {AUDIT_EVENTS}, got {event!r}")
+    when = _parse_time(at)
+    if when is None:
+        raise ConfigError(f"audit time must be ISO 8601, got {at!r}")
+    stamp = when.astimezone(dt.UTC).strftime("%Y%m%dT%H%M%SZ")
+    body = {"event": event, "at": at, **{k: (v[:AUDIT_TEXT_MAX] if isinstance(v, str) else v) for k, v in fields.items()}}
+    return {f"{AUDIT_PREFIX}{stamp}.{event}": json.dumps(body, sort_keys=True)}
+
+
+def _events_of(mv: ModelVersion) -> list[dict[str, Any]]:
+    events = []
+    for key, value in mv.tags.items():
+        if not key.startswith(AUDIT_PREFIX):
+            continue
+        try:
+            event = json.loads(value)
+        except ValueError:
+            log.warning("%s version %s: unreadable audit tag %s", mv.name, mv.version, key)
+            continue
+        if isinstance(event, dict) and event.get("event") in AUDIT_EVENTS:
+            events.append(event)
+    if events:
+        return events
+    # Versions written before audit events existed: what their state tags still tell.
+    tags = mv.tags
+    if tags.get(TAGS["review"]):
+        events.append({"event": "review", "at": tags.get(TAGS["reviewed_at"], ""), "actor": tags.get(TAGS["reviewer"], ""),
+                       "model": mv.name, "version": str(mv.version), "decision": tags[TAGS["review"]],
+                       "comment": tags.get(TAGS["review_comment"], "")})  # fmt: skip
+    if tags.get(TAGS["approver"]):
+        events.append({"event": "promotion", "at": tags.get(TAGS["approved_at"], ""), "actor": tags[TAGS["approver"]],
+                       "model": mv.name, "version": str(mv.version), "from_version": tags.get(TAGS["previous_version"], ""),
+                       "to_version": str(mv.version), "run_key": tags.get(TAGS["promotion_run_key"], "")})  # fmt: skip
+    if tags.get(TAGS["rollback_actor"]):
+        events.append({"event": "rollback", "at": tags.get(TAGS["rollback_at"], ""), "actor": tags[TAGS["rollback_actor"]],
+                       "model": mv.name, "version": str(mv.version), "from_version": tags.get(TAGS["rollback_from_version"], ""),
+                       "to_version": str(mv.version), "reason": tags.get(TAGS["rollback_reason"], "")})  # fmt: skip
+    return events
+
+
+def audit_history(model: str, policy: Policy | None = None) -> list[dict[str, Any]]:
+    """Every review, promotion and rollback recorded on ``model``'s versions, oldest first.
+
+    When ``model`` is ``policy``'s target model, the reviews on its candidate model are included
+    (a rejected or timed-out candidate never reaches the target model). Read-only: any identity
+    with READ may audit.
+    """
+    models = [model]
+    if policy is not None and model == policy.target_model and policy.candidate_model != model:
+        models.append(policy.candidate_model)
+
+    def attempt() -> list[dict[str, Any]]:
+        client = _client()
+        events: list[dict[str, Any]] = []
+        for name in models:
+            try:
+                client.get_registered_model(name)
+            except Exception as exc:
+                if _is_not_found(exc):
+                    if name == model:
+                        raise RegistryError(f"registered model {model!r} does not exist") from exc
+                    continue
+                raise
+            for mv in client.search_model_versions(f"name = {_quote(name, 'model name')}"):
+                for event in _events_of(mv):
+                    if name != model and event["event"] != "review":
+                        continue
+                    events.append({"model": mv.name, "version": str(mv.version), **event})
+        # A promoted copy carries its candidate's tags: the same event twice is one event.
+        unique = {json.dumps(e, sort_keys=True): e for e in events}
+        events = list(unique.values())
+        far_past = dt.datetime.min.replace(tzinfo=dt.UTC)
+        return sorted(events, key=lambda e: (_parse_time(e.get("at")) or far_past, e["event"], int(e["version"])))
+
+    return _with_retries(f"reading the audit trail of {model}", attempt)

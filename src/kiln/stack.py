@@ -39,6 +39,12 @@ AIRFLOW_USERS = {
     "sandbox-user": "user",
 }
 POOL_SLOTS = {"kiln_sandbox": 2, "kiln_production": 2}
+MLFLOW_AUTH_ENV = "KILN_MLFLOW_AUTH"
+"""``basic``: run MLflow with basic-auth (production-like): an admin plus one identity per policy,
+generated passwords, each DAG's tasks acting as their policy's identity through the Airflow
+connections ``kiln_mlflow_<policy>``. Unset / ``off``: an open MLflow server (the default)."""
+MLFLOW_ADMIN = "kiln-admin"
+MLFLOW_IDENTITIES = {"production": "kiln-production", "sandbox": "kiln-sandbox"}
 
 
 class StackError(KilnError):
@@ -85,6 +91,55 @@ def passwords(s: kiln_settings.Settings | None = None) -> dict[str, str]:
     s = s or kiln_settings.load()
     _secrets(s)
     return json.loads((airflow_home(s) / "passwords.json").read_text())
+
+
+def mlflow_auth_enabled() -> bool:
+    value = os.environ.get(MLFLOW_AUTH_ENV, "").strip().lower()
+    if value not in ("", "off", "basic"):
+        raise StackError(f"{MLFLOW_AUTH_ENV} must be 'basic' or 'off', got {value!r}")
+    return value == "basic"
+
+
+def mlflow_passwords(s: kiln_settings.Settings | None = None) -> dict[str, str]:
+    """MLflow user → password for the basic-auth mode, generated once per state folder
+    (``mlflow/auth/identities.json``, 0600 in a 0700 folder; never printed but the admin's by ``up``)."""
+    s = s or kiln_settings.load()
+    auth_dir = s.home / "mlflow" / "auth"
+    auth_dir.mkdir(parents=True, exist_ok=True)
+    auth_dir.chmod(0o700)
+    path = auth_dir / "identities.json"
+    users = [MLFLOW_ADMIN, *MLFLOW_IDENTITIES.values()]
+    known = json.loads(path.read_text()) if path.is_file() else {}
+    if set(known) != set(users):
+        known = {u: known.get(u) or secrets.token_urlsafe(18) for u in users}
+        atomic_write_text(path, json.dumps(known, indent=2))
+        path.chmod(0o600)
+    return known
+
+
+def mlflow_connections(s: kiln_settings.Settings | None = None) -> dict[str, str]:
+    """``AIRFLOW_CONN_KILN_MLFLOW_<POLICY>`` → JSON connection, for the scheduler (and so the
+    tasks) only: each policy's MLflow identity as an Airflow connection (``Policy.mlflow_conn_id``)."""
+    s = s or kiln_settings.load()
+    pw = mlflow_passwords(s)
+    conns = {}
+    for policy in POLICIES.values():
+        if not policy.mlflow_conn_id:
+            continue
+        user = MLFLOW_IDENTITIES[policy.name]
+        conns[f"AIRFLOW_CONN_{policy.mlflow_conn_id.upper()}"] = json.dumps(
+            {"conn_type": "http", "host": s.mlflow_uri, "login": user, "password": pw[user]}
+        )
+    return conns
+
+
+def _mlflow_auth_server(s: kiln_settings.Settings) -> tuple[list[str], dict[str, str]]:
+    """Extra server arguments and environment for basic-auth (writes the auth config once)."""
+    from kiln import mlflow_auth
+
+    admin_password = mlflow_passwords(s)[MLFLOW_ADMIN]
+    mlflow_auth.write_auth_config(s.home / "mlflow", admin_password, admin_username=MLFLOW_ADMIN)
+    return list(mlflow_auth.SERVER_ARGS), mlflow_auth.server_env(s.home / "mlflow", admin_password)
 
 
 def _port(url: str) -> str:
@@ -135,14 +190,18 @@ def airflow_env(s: kiln_settings.Settings | None = None) -> dict[str, str]:
 def services(s: kiln_settings.Settings) -> list[Service]:
     airflow = _bin("airflow")
     mlflow_home = s.home / "mlflow"
+    auth_args, auth_env, task_conns = [], {}, {}
+    if mlflow_auth_enabled():
+        auth_args, auth_env = _mlflow_auth_server(s)
+        task_conns = mlflow_connections(s)
     return [
         Service(
             name="mlflow",
             argv=server_command(
                 mlflow_home, s.mlflow_port, f"sqlite:///{mlflow_home / 'mlflow.db'}", str(mlflow_home / "artifacts"), workers=1
-            ),
+            ) + auth_args,
             # Without this the server also starts a job runner with 8 workers (~2.5 GB).
-            env={"MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"},
+            env={"MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false", **auth_env},
             health_url=f"http://127.0.0.1:{s.mlflow_port}/health",
         ),
         Service(
@@ -155,7 +214,9 @@ def services(s: kiln_settings.Settings) -> list[Service]:
             argv=[_bin("kiln"), "signals", "serve", "--port", str(s.signals_port)],
             health_url=f"http://127.0.0.1:{s.signals_port}/healthz",
         ),
-        Service(name="scheduler", argv=[airflow, "scheduler", "--skip-serve-logs"]),
+        # The LocalExecutor runs tasks as children of the scheduler: only it gets the policies'
+        # MLflow connections (api-server, dag-processor and triggerer never talk to MLflow).
+        Service(name="scheduler", argv=[airflow, "scheduler", "--skip-serve-logs"], env=task_conns),
         Service(name="dag-processor", argv=[airflow, "dag-processor"]),
         Service(name="triggerer", argv=[airflow, "triggerer", "--skip-serve-logs"]),
     ]
@@ -241,11 +302,21 @@ def up(*, timeout: float = 180.0, quiet: bool = False) -> dict[str, str]:
     for svc in services(s):
         if svc.health_url:
             _wait_healthy(svc.health_url, svc.name, logs / f"{svc.name}.log", timeout)
+    if mlflow_auth_enabled():
+        from kiln import mlflow_auth
+
+        pw = mlflow_passwords(s)
+        prod, sandbox = MLFLOW_IDENTITIES["production"], MLFLOW_IDENTITIES["sandbox"]
+        mlflow_auth.provision_identities(s.mlflow_uri, MLFLOW_ADMIN, pw[MLFLOW_ADMIN], production_user=prod,
+                                         production_password=pw[prod], sandbox_user=sandbox,
+                                         sandbox_password=pw[sandbox])  # fmt: skip
+        say(f"kiln: MLflow basic-auth on; identities {prod} (production) and {sandbox} (sandbox) provisioned")
     info = {"airflow": s.airflow_url, "mlflow": s.mlflow_uri, "home": str(s.home)}
     if not quiet:
         pw = passwords(s)
         print(f"Airflow UI : {s.airflow_url}   (login admin / {pw['admin']}; reviewer demo-reviewer / {pw['demo-reviewer']})")
-        print(f"MLflow UI  : {s.mlflow_uri}")
+        auth = f"   (login {MLFLOW_ADMIN} / {mlflow_passwords(s)[MLFLOW_ADMIN]})" if mlflow_auth_enabled() else ""
+        print(f"MLflow UI  : {s.mlflow_uri}{auth}")
         print(f"signals    : http://127.0.0.1:{s.signals_port}/metrics   (Prometheus format; rules in docker/prometheus/)")
         print(f"state      : {s.home}   (logs in {logs}; `make down` stops it)")
     return info

@@ -14,10 +14,6 @@ import copy
 import dataclasses
 import os
 import secrets
-import subprocess
-import time
-import urllib.error
-import urllib.request
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -26,7 +22,7 @@ import pytest
 
 from kiln import mlflow_auth, registry
 from kiln.errors import ConfigError, PolicyError
-from kiln.mlflow_server import MlflowServer, free_port, log_tail, server_command, stop_server
+from kiln.mlflow_server import MlflowServer, free_port, start_server, stop_server
 from kiln.policy import PRODUCTION, PRODUCTION_MODEL, SANDBOX
 from kiln.refs import Decision
 
@@ -48,41 +44,15 @@ class AuthServer:
     passwords: dict[str, str]
 
 
-def _healthy(url: str) -> bool:
-    try:
-        with urllib.request.urlopen(f"{url}/health", timeout=2) as resp:  # noqa: S310 (loopback)
-            return resp.status == 200
-    except (urllib.error.URLError, OSError):
-        return False
-
-
 @pytest.fixture(scope="module")
 def auth_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[AuthServer]:
-    # Started here, not with kiln.mlflow_server.start_server: that takes no extra arguments or
-    # environment yet (see docs/separation.md, "changes needed elsewhere").
     home = tmp_path_factory.mktemp("mlflow-auth")
     passwords = {ADMIN: _password(), PROD_USER: _password(), SANDBOX_USER: _password()}
     mlflow_auth.write_auth_config(home, passwords[ADMIN], admin_username=ADMIN)
-    port = free_port()
-    artifacts = home / "artifacts"
-    artifacts.mkdir()
-    env = {k: v for k, v in os.environ.items() if not k.startswith("MLFLOW_TRACKING_")}
-    env |= {"MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false", "PYTHONUNBUFFERED": "1",
-            **mlflow_auth.server_env(home, passwords[ADMIN])}  # fmt: skip
-    log_path = home / "mlflow.log"
-    log_file = open(log_path, "ab")  # noqa: SIM115 (closed by stop_server)
-    cmd = [*server_command(home, port, f"sqlite:///{home / 'mlflow.db'}", str(artifacts), 1),
-           *mlflow_auth.SERVER_ARGS]  # fmt: skip
-    process = subprocess.Popen(cmd, cwd=home, env=env, stdin=subprocess.DEVNULL, stdout=log_file,
-                               stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
-    handle = MlflowServer(process=process, url=f"http://127.0.0.1:{port}", home=home, log_path=log_path,
-                          port=port, _log_file=log_file)  # fmt: skip
+    handle = start_server(home, free_port(), timeout_s=300, extra_args=mlflow_auth.SERVER_ARGS,
+                          extra_env=mlflow_auth.server_env(home, passwords[ADMIN]))  # fmt: skip
+    assert passwords[ADMIN] not in repr(handle), "the handle's repr must not show the server's secrets"
     try:
-        deadline = time.monotonic() + 90
-        while not _healthy(handle.url):
-            assert process.poll() is None, f"mlflow server exited:\n{log_tail(log_path)}"
-            assert time.monotonic() < deadline, f"mlflow server not healthy:\n{log_tail(log_path)}"
-            time.sleep(0.25)
         yield AuthServer(handle=handle, url=handle.url, passwords=passwords)
     finally:
         stop_server(handle)
@@ -257,7 +227,7 @@ def test_library_refuses_before_any_request(monkeypatch: pytest.MonkeyPatch) -> 
                          run_key="kiln_sandbox/forged")  # fmt: skip
     for model in PRODUCTION.writable_models:
         with pytest.raises(PolicyError):
-            registry.rollback(model, SANDBOX, actor="mallory")
+            registry.rollback(model, SANDBOX, actor="mallory", reason="forged")
         with pytest.raises(PolicyError):
             SANDBOX.check_model_write(model)
     forged_candidate = copy.copy(SANDBOX)
@@ -267,3 +237,78 @@ def test_library_refuses_before_any_request(monkeypatch: pytest.MonkeyPatch) -> 
                                reviewer="mallory", at="2026-01-01T00:00:00Z")  # fmt: skip
     assert PolicyError.retryable is False
     assert sent == []
+
+
+def _kiln_version(client, model: str, bits_per_byte: float, run_key: str):
+    """A version with the tags kiln's registry reads (run key, evaluation), made by ``client``."""
+    tags = {registry.RUN_KEY_TAG: run_key, **registry._eval_tags(_report(bits_per_byte))}
+    return client.create_model_version(model, SOURCE, tags=tags)
+
+
+def _report(bits_per_byte: float):
+    from kiln.refs import EvalReport
+
+    return EvalReport(checkpoint="/ckpt", weights_sha256="0" * 64, split="eval", bits_per_byte=bits_per_byte,
+                      loss=bits_per_byte * 0.69, tokens=4096)  # fmt: skip
+
+
+def test_library_acting_as_each_policys_identity(provisioned: AuthServer, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Through kiln's own registry calls: with the code guard forged away, the sandbox identity is
+    still refused by the server (PolicyError, never retried) on production names — no version
+    created, no alias moved, no tag written — while the production identity does the same calls."""
+    from mlflow import MlflowClient
+
+    from kiln.mlflow_auth import MlflowIdentity, use_identity
+
+    pw = provisioned.passwords
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", provisioned.url)
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
+    monkeypatch.setenv("KILN_REGISTRY_RETRIES", "3")
+    waits: list[float] = []
+    monkeypatch.setattr(registry, "_sleep", waits.append)
+    production = MlflowIdentity(PROD_USER, pw[PROD_USER], source="test")
+    sandbox = MlflowIdentity(SANDBOX_USER, pw[SANDBOX_USER], source="test")
+    assert pw[SANDBOX_USER] not in repr(sandbox)
+    key = f"kiln_production/identity-{secrets.token_hex(4)}"
+
+    with use_identity(production):
+        client = MlflowClient(tracking_uri=provisioned.url, registry_uri=provisioned.url)
+        old = _kiln_version(client, PRODUCTION_MODEL, 3.0, f"{key}-old")
+        current = _kiln_version(client, PRODUCTION_MODEL, 2.9, f"{key}-current")
+        client.set_registered_model_alias(PRODUCTION_MODEL, registry.PREVIOUS_ALIAS, old.version)
+        client.set_registered_model_alias(PRODUCTION_MODEL, PRODUCTION.alias, current.version)
+        candidate = _kiln_version(client, PRODUCTION.candidate_model, 2.8, key)
+        count_before = len(client.search_model_versions(f"name = '{PRODUCTION_MODEL}'"))
+    decision = registry.decide(_report(2.8), _report(2.9), PRODUCTION.gate)
+    assert decision.action == "promote"
+
+    forged = copy.copy(SANDBOX)  # the code guard bypassed: only the server stands in the way
+    for name in ("writable_models", "candidate_model", "target_model", "alias"):
+        object.__setattr__(forged, name, getattr(PRODUCTION, name))
+    with use_identity(sandbox):
+        with pytest.raises(PolicyError, match=f"{SANDBOX_USER}.*403"):
+            registry.promote(policy=forged, candidate_version=candidate.version, decision=decision,
+                             approver="mallory", run_key="kiln_sandbox/forged")  # fmt: skip
+        with pytest.raises(PolicyError, match="403"):
+            registry.rollback(PRODUCTION_MODEL, forged, "mallory", reason="forged")
+        with pytest.raises(PolicyError, match="403"):
+            registry.record_review(policy=forged, candidate_version=candidate.version, outcome="approved",
+                                   reviewer="mallory", at="2026-01-01T00:00:00+00:00")  # fmt: skip
+    assert waits == [], "a refusal by the server is not retried"
+
+    with use_identity(production):
+        client = MlflowClient(tracking_uri=provisioned.url, registry_uri=provisioned.url)
+        assert client.get_model_version_by_alias(PRODUCTION_MODEL, PRODUCTION.alias).version == current.version
+        assert client.get_model_version_by_alias(PRODUCTION_MODEL, registry.PREVIOUS_ALIAS).version == old.version
+        assert len(client.search_model_versions(f"name = '{PRODUCTION_MODEL}'")) == count_before
+        assert "kiln.review" not in client.get_model_version(PRODUCTION.candidate_model, candidate.version).tags
+        # The same calls as the production identity go through.
+        record = registry.promote(policy=PRODUCTION, candidate_version=candidate.version, decision=decision,
+                                  approver="reviewer", run_key=key, approved_at=registry.utc_now())  # fmt: skip
+        assert client.get_model_version_by_alias(PRODUCTION_MODEL, PRODUCTION.alias).version == record.version
+        assert record.previous_version == current.version
+    # Outside the block the process is anonymous again: a write is refused as unauthenticated.
+    assert "MLFLOW_TRACKING_USERNAME" not in os.environ
+    with pytest.raises(ConfigError, match="401"):
+        registry.record_review(policy=PRODUCTION, candidate_version=candidate.version, outcome="approved",
+                               reviewer="nobody", at="2026-01-01T00:00:00+00:00")  # fmt: skip

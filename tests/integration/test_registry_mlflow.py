@@ -271,7 +271,7 @@ def test_sandbox_policy_cannot_write_the_production_model(mlflow_uri, client, wr
 
     monkeypatch.setattr(registry, "_client", no_client)
     with pytest.raises(PolicyError, match="sandbox"):
-        registry.rollback(PRODUCTION_MODEL, SANDBOX, "mallory")
+        registry.rollback(PRODUCTION_MODEL, SANDBOX, "mallory", reason="forged")
     with pytest.raises(PolicyError):
         dataclasses.replace(SANDBOX, target_model=PRODUCTION_MODEL, writable_models=(PRODUCTION_MODEL,))
     assert writes == []
@@ -339,14 +339,14 @@ def test_promote_copies_tags_then_moves_alias_last_and_is_idempotent(
 
     # Rollback: champion back to the `previous` holder, audited; a second rollback changes nothing.
     writes.clear()
-    rolled = registry.rollback(target, policy, "dave")
+    rolled = registry.rollback(target, policy, "dave", reason="INC-1 regression")
     assert (rolled.version, rolled.previous_version, rolled.approver) == ("2", "3", "dave")
     assert writes[-1] == ("set_registered_model_alias", target, "champion", "2")
     assert client.get_model_version_by_alias(target, "champion").version == "2"
     assert client.get_model_version(target, "2").tags["kiln.rollback.actor"] == "dave"
     assert client.get_model_version(target, "3").tags["kiln.rolled_back.by"] == "dave"
     writes.clear()
-    assert registry.rollback(target, policy, "dave") == rolled and writes == []
+    assert registry.rollback(target, policy, "dave", reason="INC-1 regression") == rolled and writes == []
 
     # The operator CLI: roll forward to version 3 of the target model (gate: 2.8 vs champion 2.9).
     from kiln.cli import registry as cli
@@ -359,7 +359,7 @@ def test_promote_copies_tags_then_moves_alias_last_and_is_idempotent(
     assert args.func(args) == 0
     assert json.loads(capsys.readouterr().out)["version"] == "3"
     assert client.get_model_version_by_alias(target, "champion").version == "3"
-    args = parser.parse_args(["rollback", target, "--policy", "production", "--actor", "erin"])
+    args = parser.parse_args(["rollback", target, "--policy", "production", "--actor", "erin", "--reason", "INC-3"])
     assert args.func(args) == 0
     assert client.get_model_version_by_alias(target, "champion").version == "2"
 
@@ -395,7 +395,7 @@ def test_cli_promote_of_a_held_candidate_exits_3(tmp_path, client, unique_name, 
 def test_rollback_without_previous_is_an_error(mlflow_uri, unique_name):
     policy = production_policy(unique_name)
     with pytest.raises(RegistryError, match="nothing to roll back to"):
-        registry.rollback(policy.target_model, policy, "dave")
+        registry.rollback(policy.target_model, policy, "dave", reason="INC-2")
 
 
 def test_server_down_is_a_registry_error(tmp_path, unique_name, monkeypatch):

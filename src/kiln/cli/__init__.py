@@ -19,6 +19,7 @@ SUBCOMMAND_MODULES = (
     "kiln.cli.snapshot",
     "kiln.cli.validate",
     "kiln.cli.registry",
+    "kiln.cli.audit",
     "kiln.cli.stack",
     "kiln.cli.demo",
     "kiln.cli.signals",

@@ -3,7 +3,7 @@
 ::
 
     kiln promote kiln-stdlib-lm.candidates 7 --policy production --approver alice
-    kiln rollback kiln-stdlib-lm --policy production --actor alice
+    kiln rollback kiln-stdlib-lm --policy production --actor alice --reason "INC-42: bad answers"
 
 ``promote`` runs the same gate as the DAG (``kiln.registry.decide`` of the version's evaluation
 against the current champion) and refuses a candidate the gate holds (exit 3); there is no
@@ -12,6 +12,10 @@ interrupted half-way (MLflow down) completes when run again. An unreachable MLfl
 retried with backoff (``KILN_REGISTRY_RETRIES``, ``KILN_REGISTRY_BACKOFF_S``,
 ``KILN_REGISTRY_BACKOFF_MAX_S``; see ``kiln.registry``). The ``PromotionRecord`` is printed as
 JSON on stdout, the gate's reasons on stderr.
+
+``promote`` is itself a fresh approval (now, by ``--approver``): it may move ``champion`` back to a
+version that was rolled back, which an Airflow re-run of the old promote task may not. ``rollback``
+records who, when and why as version tags and an audit event (``kiln audit MODEL``).
 """
 
 from __future__ import annotations
@@ -46,6 +50,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     r.add_argument("model", metavar="MODEL", help="registered model whose alias moves (the policy's target model)")
     r.add_argument("--policy", default="production", choices=("sandbox", "production"))
     r.add_argument("--actor", required=True, help="who rolls back (written to the audit tags)")
+    r.add_argument("--reason", required=True, help="why (written to the audit tags, e.g. an incident id)")
     r.set_defaults(func=handler, registry_action="rollback")
 
 
@@ -56,7 +61,7 @@ def handler(args: argparse.Namespace) -> int:
 
     policy = get_policy(args.policy)
     if args.registry_action == "rollback":
-        record = registry.rollback(args.model, policy, args.actor)
+        record = registry.rollback(args.model, policy, args.actor, reason=args.reason)
         print(json.dumps(record.to_json(), indent=2))
         return 0
 
@@ -79,7 +84,7 @@ def handler(args: argparse.Namespace) -> int:
         return GATE_SAID_NO
     record = registry.promote(
         policy=policy, candidate_version=str(args.version), decision=decision, approver=args.approver,
-        run_key=f"cli/promote-{args.model}-{args.version}",
+        run_key=f"cli/promote-{args.model}-{args.version}", approved_at=registry.utc_now(),
     )
     print(json.dumps(record.to_json(), indent=2))
     return 0

@@ -129,7 +129,7 @@ def no_mlflow_requests(monkeypatch):
 
 def test_sandbox_rollback_of_production_model_refused_before_any_request(no_mlflow_requests):
     with pytest.raises(PolicyError, match=f"may not write registered model '{PRODUCTION_MODEL}'"):
-        registry.rollback(PRODUCTION_MODEL, SANDBOX, "mallory")
+        registry.rollback(PRODUCTION_MODEL, SANDBOX, "mallory", reason="forged")
 
 
 def test_sandbox_policy_cannot_even_be_built_with_the_production_model():
@@ -344,3 +344,145 @@ def test_report_compares_candidate_and_champion_and_escapes_html():
     assert "<script>" not in page and "&lt;script&gt;" in page and "&lt;run&gt;" in page
     markdown = registry.report_markdown(report(2.9), None, registry.decide(report(2.9), None, GATE), tags, curve, None)
     assert "| bits per byte | 2.9000 | — | — |" in markdown and "No loss curve" in markdown
+
+
+def test_rollback_needs_a_reason_before_any_request(no_mlflow_requests):
+    with pytest.raises(PolicyError, match="reason"):
+        registry.rollback(PRODUCTION_MODEL, PRODUCTION, "alice", reason="  ")
+
+
+# ------------------------------------------------------------------- MLflow refusals are not retried
+
+
+def test_server_refusals_become_non_retryable_kiln_errors(monkeypatch):
+    from mlflow.exceptions import MlflowException
+
+    monkeypatch.setenv("MLFLOW_TRACKING_USERNAME", "kiln-sandbox")
+    forbidden = registry._refusal(MlflowException(
+        "API request to endpoint /api/2.0/mlflow/model-versions/create failed with error code 403 != 200. "
+        "Response body: 'Permission denied'"))  # fmt: skip
+    assert isinstance(forbidden, PolicyError) and "'kiln-sandbox'" in str(forbidden) and not forbidden.retryable
+    from mlflow.protos.databricks_pb2 import PERMISSION_DENIED
+
+    assert isinstance(registry._refusal(MlflowException("x", error_code=PERMISSION_DENIED)), PolicyError)
+    unauthenticated = registry._refusal(MlflowException("request failed with error code 401 != 200"))
+    assert isinstance(unauthenticated, ConfigError) and not unauthenticated.retryable
+    assert registry._refusal(MlflowException("failed with error code 503 != 200")) is None
+    assert registry._refusal(ValueError("403")) is None
+
+
+# ----------------------------------------------------------------------------------------- audit
+
+
+def test_audit_tag_key_is_deterministic_and_value_is_json():
+    import json
+
+    at = "2026-11-29T19:41:02.123456+00:00"
+    tag = registry.audit_tag("rollback", at, actor="alice", reason="x" * 5000, from_version="3", to_version="2")
+    ((key, value),) = tag.items()
+    assert key == "kiln.audit.20261129T194102Z.rollback"
+    assert tag == registry.audit_tag("rollback", at, actor="alice", reason="x" * 5000, from_version="3", to_version="2")
+    body = json.loads(value)
+    assert body["event"] == "rollback" and body["actor"] == "alice" and len(body["reason"]) == registry.AUDIT_TEXT_MAX
+    with pytest.raises(ConfigError):
+        registry.audit_tag("deleted", at)
+    with pytest.raises(ConfigError):
+        registry.audit_tag("rollback", "yesterday")
+
+
+def test_audit_table_says_who_when_what():
+    from kiln.cli.audit import format_table
+
+    table = format_table([
+        {"event": "review", "at": "2026-01-01T10:00:00+00:00", "model": "m.candidates", "version": "4",
+         "actor": "reviewer", "decision": "rejected", "comment": "loss curve spikes"},
+        {"event": "promotion", "at": "2026-01-02T10:00:00+00:00", "model": "m", "version": "2", "actor": "bob",
+         "from_version": "1", "to_version": "2", "run_key": "kiln_production/r2"},
+        {"event": "rollback", "at": "2026-01-03T10:00:00+00:00", "model": "m", "version": "1", "actor": "carol",
+         "from_version": "2", "to_version": "1", "reason": "INC-7"},
+    ])  # fmt: skip
+    lines = table.splitlines()
+    assert lines[0].split()[:4] == ["WHEN", "(UTC)", "EVENT", "MODEL/VERSION"]
+    assert "review: rejected — loss curve spikes" in lines[1] and "reviewer" in lines[1]
+    assert "champion 1 -> 2" in lines[2] and "bob" in lines[2]
+    assert "champion 2 -> 1: INC-7" in lines[3] and "carol" in lines[3]
+    assert format_table([]) == "no reviews, promotions or rollbacks recorded"
+
+
+# ------------------------------------------------------------------------------ per-policy identity
+
+
+def test_identity_from_env_needs_both_halves_and_hides_the_password():
+    from kiln.mlflow_auth import MlflowIdentity, identity_env_names, identity_from_env
+
+    user_var, password_var = identity_env_names(PRODUCTION)
+    assert (user_var, password_var) == ("KILN_MLFLOW_PRODUCTION_USERNAME", "KILN_MLFLOW_PRODUCTION_PASSWORD")
+    assert identity_from_env(PRODUCTION, {}) is None
+    found = identity_from_env(PRODUCTION, {user_var: "kiln-production", password_var: "s3cret-s3cret"})
+    assert found == MlflowIdentity("kiln-production", "s3cret-s3cret", source="environment")
+    assert "s3cret" not in repr(found)
+    with pytest.raises(ConfigError, match=password_var):
+        identity_from_env(PRODUCTION, {user_var: "kiln-production"})
+    # the sandbox's variables are its own: production's do not make a sandbox identity
+    assert identity_from_env(SANDBOX, {user_var: "kiln-production", password_var: "s3cret-s3cret"}) is None
+
+
+def test_use_identity_sets_aside_the_workers_identity_and_restores_it(monkeypatch):
+    import os
+
+    from kiln.mlflow_auth import MlflowIdentity, use_identity
+
+    monkeypatch.setenv("MLFLOW_TRACKING_USERNAME", "kiln-production")
+    monkeypatch.setenv("MLFLOW_TRACKING_PASSWORD", "production-password")
+    with use_identity(MlflowIdentity("kiln-sandbox", "sandbox-password")):
+        assert (os.environ["MLFLOW_TRACKING_USERNAME"], os.environ["MLFLOW_TRACKING_PASSWORD"]) == (
+            "kiln-sandbox", "sandbox-password")  # fmt: skip
+    with use_identity(None):  # anonymous: never the worker's (production) identity
+        assert "MLFLOW_TRACKING_USERNAME" not in os.environ and "MLFLOW_TRACKING_PASSWORD" not in os.environ
+    with pytest.raises(RuntimeError), use_identity(MlflowIdentity("kiln-sandbox", "sandbox-password")):
+        raise RuntimeError("a failing stage still gives the environment back")
+    assert os.environ["MLFLOW_TRACKING_USERNAME"] == "kiln-production"
+    assert os.environ["MLFLOW_TRACKING_PASSWORD"] == "production-password"
+
+
+def test_dag_tasks_take_their_policys_identity_from_the_stacks_connections(tmp_path, monkeypatch):
+    """The stack's generated connections (as the scheduler's environment carries them) are what
+    the DAG adapter resolves per policy; no connection → the KILN_MLFLOW_<POLICY>_* variables."""
+    from kiln import dagfactory
+    from kiln import stack as kiln_stack
+
+    monkeypatch.setenv("KILN_HOME", str(tmp_path))
+    conns = kiln_stack.mlflow_connections()
+    assert set(conns) == {"AIRFLOW_CONN_KILN_MLFLOW_PRODUCTION", "AIRFLOW_CONN_KILN_MLFLOW_SANDBOX"}
+    passwords = kiln_stack.mlflow_passwords()
+    assert (tmp_path / "mlflow" / "auth" / "identities.json").stat().st_mode & 0o077 == 0
+    for key, value in conns.items():
+        monkeypatch.setenv(key, value)
+    production, sandbox = dagfactory._mlflow_identity(PRODUCTION), dagfactory._mlflow_identity(SANDBOX)
+    assert (production.username, production.source) == ("kiln-production", "connection kiln_mlflow_production")
+    assert production.password == passwords["kiln-production"]
+    assert (sandbox.username, sandbox.password) == ("kiln-sandbox", passwords["kiln-sandbox"])
+    assert production.password != sandbox.password
+
+    monkeypatch.delenv("AIRFLOW_CONN_KILN_MLFLOW_SANDBOX")
+    monkeypatch.setenv("KILN_MLFLOW_SANDBOX_USERNAME", "someone")
+    monkeypatch.setenv("KILN_MLFLOW_SANDBOX_PASSWORD", "from-a-secret-store")
+    assert dagfactory._mlflow_identity(SANDBOX).source == "environment"
+
+
+# --------------------------------------------------------------------------- review timeout setting
+
+
+def test_review_timeout_is_an_operator_setting_with_bounds(monkeypatch):
+    from kiln import dagfactory
+
+    monkeypatch.setenv("AIRFLOW_VAR_KILN_PRODUCTION_APPROVAL_TIMEOUT_S", "90")
+    dag = dagfactory.build_dag(PRODUCTION)
+    assert dag.get_task("approval").response_timeout.total_seconds() == 90
+    assert "| `approval_timeout_s` | `90` |" in dag.doc_md
+    for bad, message in (("0", r"within \[60, 2592000\]"), ("1 day", "whole number of seconds")):
+        monkeypatch.setenv("AIRFLOW_VAR_KILN_PRODUCTION_APPROVAL_TIMEOUT_S", bad)
+        with pytest.raises(PolicyError, match=f"kiln_production_approval_timeout_s must be .*{message}"):
+            dagfactory.build_dag(PRODUCTION)
+    monkeypatch.delenv("AIRFLOW_VAR_KILN_PRODUCTION_APPROVAL_TIMEOUT_S")
+    assert dagfactory.build_dag(PRODUCTION).get_task("approval").response_timeout.total_seconds() == 24 * 3600
