@@ -532,3 +532,89 @@ def test_evaluation_report_has_loss_curve_and_metrics_against_the_champion(tmp_p
     page = mlflow.artifacts.load_text(ref_c["report_uri"])
     assert f"Source: MLflow metric `loss` of run {run_id}; 3 steps" in page
     assert registry.loss_curve(client, run_id, c.train).points == [(1, 4.0), (2, 3.6), (3, 3.5)]
+
+
+def test_rerun_after_rollback_needs_a_fresh_approval_and_audit_tells_the_story(
+    tmp_path, client, unique_name, logged_models, writes, monkeypatch, capsys
+):
+    """Issue 7's re-run rule and issue 8's audit trail on a real server: an Airflow re-run of the
+    promote task of a rolled-back version (same run, same old approval) is refused and moves
+    nothing; only an approval given after the rollback moves it back. ``kiln audit`` then prints
+    every review, promotion and rollback with who, when and what."""
+    from kiln.cli import audit as audit_cli
+
+    policy = production_policy(unique_name)
+    target = policy.target_model
+
+    def register_and_promote(name: str, bpb: float, approver: str) -> tuple[dict, Any, str, str]:
+        cand = make_candidate(tmp_path, name, bpb)
+        key = f"kiln_production/{name}-{unique_name}"
+        ref = registry.register_candidate(policy=policy, run_key=key, **cand.kwargs())
+        decision = registry.decide(cand.eval_report, registry.champion_report(policy), policy.gate)
+        approved_at = registry.utc_now()  # the reviewer's answer, as the HITL task reports it
+        registry.promote(policy=policy, candidate_version=ref["version"], decision=decision, approver=approver,
+                         run_key=key, approved_at=approved_at)  # fmt: skip
+        registry.record_review(policy=policy, candidate_version=ref["version"], outcome="approved",
+                               reviewer=approver, at=approved_at)  # fmt: skip
+        return ref, decision, key, approved_at
+
+    register_and_promote("a", 3.0, "alice")
+    ref_b, decision_b, key_b, approved_b = register_and_promote("b", 2.9, "bob")
+    assert client.get_model_version_by_alias(target, "champion").version == "2"
+    c = make_candidate(tmp_path, "c", 2.85)
+    ref_c = registry.register_candidate(policy=policy, run_key=f"kiln_production/c-{unique_name}", **c.kwargs())
+    registry.record_review(policy=policy, candidate_version=ref_c["version"], outcome="rejected", reviewer="reviewer",
+                           at=registry.utc_now(), comment="loss curve spikes at step 200")  # fmt: skip
+
+    rolled = registry.rollback(target, policy, "carol", reason="INC-7: answers in the wrong language")
+    assert (rolled.version, rolled.previous_version) == ("1", "2")
+    tags = client.get_model_version(target, "2").tags
+    assert tags["kiln.rolled_back.by"] == "carol" and tags["kiln.rolled_back.reason"].startswith("INC-7")
+
+    # The promote task of run b cleared and re-run in Airflow: same run key, the old approval.
+    writes.clear()
+    with pytest.raises(PolicyError, match=r"version 2 was rolled back by carol .*INC-7.*approval given after that"):
+        registry.promote(policy=policy, candidate_version=ref_b["version"], decision=decision_b, approver="bob",
+                         run_key=key_b, approved_at=approved_b)  # fmt: skip
+    assert writes == [], "the refused re-run wrote nothing"
+    assert client.get_model_version_by_alias(target, "champion").version == "1"
+    with pytest.raises(PolicyError, match="rolled back"):  # nor without any approval (a policy without review)
+        registry.promote(policy=policy, candidate_version=ref_b["version"], decision=decision_b, approver="policy",
+                         run_key=key_b)  # fmt: skip
+
+    # A fresh approval (after the rollback) may move it back: the same version, no new copy.
+    record = registry.promote(policy=policy, candidate_version=ref_b["version"], decision=decision_b, approver="erin",
+                              run_key=key_b, approved_at=registry.utc_now())  # fmt: skip
+    assert (record.version, record.previous_version) == ("2", "1")
+    assert len(versions(client, target)) == 2
+
+    events = registry.audit_history(target, policy)
+    summary = [(e["event"], e["actor"], e.get("from_version", ""), e.get("to_version", ""), e.get("decision", ""))
+               for e in events]  # fmt: skip
+    assert summary == [
+        ("promotion", "alice", "", "1", "promote"),
+        ("review", "alice", "", "", "approved"),
+        ("promotion", "bob", "1", "2", "promote"),
+        ("review", "bob", "", "", "approved"),
+        ("review", "reviewer", "", "", "rejected"),
+        ("rollback", "carol", "2", "1", ""),
+        ("promotion", "erin", "1", "2", "promote"),
+    ], summary
+    rejected = events[4]
+    assert rejected["model"] == policy.candidate_model and rejected["comment"] == "loss curve spikes at step 200"
+    assert events[5]["reason"].startswith("INC-7") and events[5]["model"] == target
+    assert all(e["at"] for e in events)
+
+    monkeypatch.setitem(POLICIES, "production", policy)
+    parser = argparse.ArgumentParser()
+    audit_cli.add_parser(parser.add_subparsers(dest="command"))
+    capsys.readouterr()
+    args = parser.parse_args(["audit", target, "--json"])
+    assert args.func(args) == 0
+    assert json.loads(capsys.readouterr().out) == events
+    args = parser.parse_args(["audit", target])
+    assert args.func(args) == 0
+    table = capsys.readouterr().out
+    assert "champion 2 -> 1: INC-7" in table and "review: rejected — loss curve spikes" in table
+    with pytest.raises(RegistryError, match="does not exist"):
+        registry.audit_history(f"{target}-missing")
