@@ -10,7 +10,7 @@ STAMP := $(VENV)/.kiln-installed
 FIND_LINKS := $(if $(wildcard /opt/wheels),--find-links /opt/wheels,)
 PYTEST_ARGS ?=
 
-.PHONY: venv system-deps up down status demo test test-fast bench lock clean-state help
+.PHONY: venv system-deps up down status demo test test-fast bench chaos lock clean-state help
 
 help:
 	@echo "make demo   set everything up and run the production DAG end to end on the embedded stack"
@@ -50,6 +50,11 @@ test-fast: venv
 
 bench: venv
 	$(BIN)/python benchmarks/run.py $(BENCH)
+
+# Seeded fault injection against the real components; writes docs/reliability.md (~45 min on 2 cores).
+# Replay one trial of a report: make chaos SEED=<seed> TRIAL=<family>:<index> (no report written then).
+chaos: venv system-deps
+	$(BIN)/python -m kiln.chaos $(if $(SEED),--seed $(SEED)) $(if $(TRIAL),--trial $(TRIAL),--report docs/reliability.md) $(CHAOS_ARGS)
 
 # Re-resolve constraints.txt from requirements.in (needs network to the package index).
 lock:

@@ -146,7 +146,7 @@ def summarize_poison(results: list[TrialResult]) -> list[str]:
 
 POISON = Family(name="poison", title="The poison zoo in random shard positions and combinations",
                 goals="poisoned shards trained on 0; healthy shards quarantined 0; worker crashes 0",
-                default_trials=6, run=run_poison, summarize=summarize_poison)
+                default_trials=4, run=run_poison, summarize=summarize_poison)
 
 
 # ---------------------------------------------------------------------------------------- snapshot
@@ -434,5 +434,5 @@ def summarize_snapshot(results: list[TrialResult]) -> list[str]:
 
 
 SNAPSHOT = Family(name="snapshot", title="DVC remote unavailable during a snapshot, then back",
-                  goals="partial snapshots recorded 0", default_trials=6, run=run_snapshot,
+                  goals="partial snapshots recorded 0", default_trials=4, run=run_snapshot,
                   summarize=summarize_snapshot)

@@ -345,5 +345,5 @@ def summarize_mlflow(results: list[TrialResult]) -> list[str]:
 
 
 MLFLOW = Family(name="mlflow", title="MLflow server killed during registration or promotion, then restarted",
-                goals="duplicate versions 0; half-promoted models 0", default_trials=8, run=run_mlflow,
+                goals="duplicate versions 0; half-promoted models 0", default_trials=4, run=run_mlflow,
                 summarize=summarize_mlflow)

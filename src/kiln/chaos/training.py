@@ -31,7 +31,7 @@ from typing import Any
 from kiln.chaos.core import Context, Family, TrialResult, count, outcome_line, total, trial_rng
 from kiln.chaos.fixtures import SNAPSHOT_ID, TINY_RECIPE, clean_manifest, run_trainer
 
-STEPS = 120
+STEPS = 80
 EVERY = 10
 KILL_OVERRIDES = (f"train.steps={STEPS}", f"checkpoint.every_steps={EVERY}", "checkpoint.keep_last=100",
                   "train.log_every=1", "optim.warmup_steps=10")  # fmt: skip
@@ -56,7 +56,7 @@ def _spec(run_dir: Path, manifest: Path, *, env: dict[str, str] | None = None): 
                            **(env or {})})  # fmt: skip
 
 
-def _wait_for(predicate: Callable[[], bool], limit_s: float, poll_s: float = 0.01) -> bool:
+def _wait_for(predicate: Callable[[], bool], limit_s: float, poll_s: float = 0.02) -> bool:
     deadline = time.monotonic() + limit_s
     while not predicate():
         if time.monotonic() > deadline:
@@ -297,7 +297,7 @@ def summarize_kill(results: list[TrialResult]) -> list[str]:
 
 KILL = Family(name="kill", title="SIGKILL of a training worker or a whole node's agent",
               goals="recovered; corrupt committed checkpoints 0; final weights differ from the uninterrupted run 0",
-              default_trials=24, run=run_kill, summarize=summarize_kill)
+              default_trials=20, run=run_kill, summarize=summarize_kill)
 
 
 # ---------------------------------------------------------------------------------------- corrupt
@@ -456,6 +456,6 @@ def summarize_corrupt(results: list[TrialResult]) -> list[str]:
 
 CORRUPT = Family(name="corrupt", title="Truncation or a bit flip in a committed checkpoint file",
                  goals="refused by resume 100%; refused by registration (register_candidate) 100%",
-                 default_trials=10, run=run_corrupt, summarize=summarize_corrupt)
+                 default_trials=8, run=run_corrupt, summarize=summarize_corrupt)
 
 __all__ = ["CORRUPT", "KILL", "count"]

@@ -1,0 +1,5 @@
+import sys
+
+from kiln.chaos.runner import main
+
+sys.exit(main())
