@@ -155,3 +155,35 @@ def test_trainer_fault_is_fatal_on_slurm_and_the_trigger_says_why(cluster, manif
     with pytest.raises(TrainingFaultError, match="exited 2") as info:
         launcher.result(handle)
     assert info.value.retryable is False
+
+
+def test_resubmit_excluding_a_node_moves_the_job_and_resumes(cluster, manifest, tmp_path):
+    """The straggler hook: the job is ended and resubmitted with --exclude=<its node>; the new job runs
+    on the other node and resumes from the last committed checkpoint."""
+    import re
+
+    from kiln.launchers.slurm import resubmit_excluding
+
+    launcher = _launcher(cluster)
+    spec = LaunchSpec(run_dir=tmp_path / "run", manifest=manifest, recipe=TINY, run_key="slurm-exclude", nodes=1,
+                      overrides=("train.steps=20", "checkpoint.every_steps=10", "train.log_every=10"),
+                      env={"KILN_TORCH_THREADS": "1", "OMP_NUM_THREADS": "1"})
+    handle = launcher.submit(spec)
+    deadline = time.monotonic() + 180  # safety net, not a timing assertion
+    while not list((spec.run_dir / "checkpoints").glob("step-*/manifest.json")):
+        assert time.monotonic() < deadline and not launcher.poll(handle).done, launcher.logs(handle)[0][-2000:]
+        time.sleep(0.2)
+
+    def node_of(job_id: str) -> str:
+        out = subprocess.run(["scontrol", "-o", "show", "job", job_id], capture_output=True, text=True, env=cluster.env)
+        return re.search(r" NodeList=(\S+)", out.stdout).group(1)
+
+    slow = node_of(handle.job_id)
+    moved, new_handle = resubmit_excluding(launcher, handle, slow)
+    assert new_handle.job_id != handle.job_id and f"--exclude={slow}" in (spec.launch_dir / "job.sbatch").read_text()
+    lines: list[str] = []
+    status = wait(moved, new_handle, log=lines.append, poll_s=0.5)
+    assert status.state == "SUCCEEDED", "\n".join(lines)[-3000:]
+    assert node_of(new_handle.job_id) not in (slow, "(null)")
+    assert "resumed from" in "\n".join(lines)
+    assert moved.result(new_handle).step == 20

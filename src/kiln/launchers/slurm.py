@@ -14,8 +14,10 @@ and QoS come from the policy (production may preempt sandbox); ``scancel`` cance
 
 from __future__ import annotations
 
+import json
 import os
 import re
+import time
 import shlex
 import shutil
 import subprocess
@@ -136,6 +138,7 @@ class SlurmLauncher:
                     return handle
                 self.cancel(handle)
         folder = clear_launch_state(spec)
+        (folder / "spec.json").write_text(json.dumps(spec.to_json(), indent=2, sort_keys=True))
         script = folder / "job.sbatch"
         script.write_text(rendered)
         out = _run(["sbatch", "--parsable", str(script)], self.env)
@@ -202,3 +205,30 @@ class SlurmLauncher:
         status = self.poll(handle)
         text, _ = self.logs(handle, 0)
         return result_for(status, handle, tail_text(text) if status.state != "SUCCEEDED" else "")
+
+
+def resubmit_excluding(launcher: SlurmLauncher, handle: JobHandle, node: str, *, timeout_s: float = 300.0,
+                       poll_s: float = 1.0) -> tuple[SlurmLauncher, JobHandle]:
+    """Straggler action on Slurm: end the job, then submit it again without ``node`` (``--exclude``).
+
+    The trainer resumes from the run's last committed checkpoint, so the gang loses at most the steps
+    since then. The old job must have left the nodes before the new one starts, or two gangs would
+    write the same checkpoints: this waits for it (``timeout_s``). Returns the launcher that excludes
+    the node (and every node it excluded before) and the new job's handle; poll that one from now on.
+    """
+    if not _NAME_OK.match(node):
+        raise ConfigError(f"slurm node name must be a plain Slurm name, got {node!r}")
+    try:
+        spec = LaunchSpec.from_json(json.loads((Path(handle.run_dir) / ".launch" / "spec.json").read_text()))
+    except (OSError, ValueError) as exc:
+        raise LaunchError(f"cannot resubmit slurm job {handle.job_id}: its spec.json is unreadable ({exc})") from exc
+    launcher.cancel(handle)
+    deadline = time.monotonic() + timeout_s
+    while (state := launcher._slurm_state(handle.job_id)[0]) in _PENDING or state in _RUNNING:
+        if time.monotonic() > deadline:
+            raise LaunchError(f"slurm job {handle.job_id} still {state} {timeout_s:.0f} s after scancel; not resubmitting")
+        time.sleep(poll_s)
+    excluding = SlurmLauncher(partition=launcher.partition, qos=launcher.qos, time_limit=launcher.time_limit,
+                              python=launcher.python, rdzv_port=launcher.rdzv_port, requeue=launcher.requeue,
+                              exclude=tuple(dict.fromkeys((*launcher.exclude, node))), env=launcher.env)
+    return excluding, excluding.submit(spec)
