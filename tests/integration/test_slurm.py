@@ -166,7 +166,7 @@ def test_resubmit_excluding_a_node_moves_the_job_and_resumes(cluster, manifest, 
 
     launcher = _launcher(cluster)
     spec = LaunchSpec(run_dir=tmp_path / "run", manifest=manifest, recipe=TINY, run_key="slurm-exclude", nodes=1,
-                      overrides=("train.steps=20", "checkpoint.every_steps=10", "train.log_every=10"),
+                      overrides=("train.steps=60", "checkpoint.every_steps=10", "train.log_every=10"),
                       env={"KILN_TORCH_THREADS": "1", "OMP_NUM_THREADS": "1"})
     handle = launcher.submit(spec)
     deadline = time.monotonic() + 180  # safety net, not a timing assertion
@@ -181,9 +181,10 @@ def test_resubmit_excluding_a_node_moves_the_job_and_resumes(cluster, manifest, 
     slow = node_of(handle.job_id)
     moved, new_handle = resubmit_excluding(launcher, handle, slow)
     assert new_handle.job_id != handle.job_id and f"--exclude={slow}" in (spec.launch_dir / "job.sbatch").read_text()
+    assert launcher.poll(handle).state == "CANCELLED"  # moved mid-run, not after it had finished
     lines: list[str] = []
     status = wait(moved, new_handle, log=lines.append, poll_s=0.5)
     assert status.state == "SUCCEEDED", "\n".join(lines)[-3000:]
     assert node_of(new_handle.job_id) not in (slow, "(null)")
     assert "resumed from" in "\n".join(lines)
-    assert moved.result(new_handle).step == 20
+    assert moved.result(new_handle).step == 60
