@@ -77,6 +77,16 @@ def run_suite(*, seed: int, work: Path, plan: dict[str, list[int]], log=print,  
     return results
 
 
+def method(family: Family) -> str:
+    """How the family injects its fault: its paragraph of the family module's docstring."""
+    doc = sys.modules[family.run.__module__].__doc__ or ""
+    for paragraph in doc.split("\n\n"):
+        if paragraph.lstrip().startswith(f"``{family.name}``"):
+            return " ".join(paragraph.split()).split(" — ", 1)[-1].replace("``", "`")
+    paragraphs = [p for p in doc.split("\n\n")[1:] if p.strip()]
+    return " ".join(paragraphs[0].split()).replace("``", "`") if paragraphs else family.title
+
+
 def render_report(results: list[TrialResult], *, seed: int, machine: dict, seconds: float, plan: dict[str, list[int]],
                   command: str) -> str:  # fmt: skip
     known = families()
@@ -109,7 +119,7 @@ def render_report(results: list[TrialResult], *, seed: int, machine: dict, secon
         got = [r for r in results if r.family == name]
         lines += [f"### `{name}` — {family.title}", "", f"Goal: {family.goals}.", ""]
         lines += [f"- {line}" for line in family.summarize(got)]
-        lines.append("")
+        lines += ["", f"How: {method(family)}", ""]
     bad = [r for r in results if r.outcome != "recovered"]
     lines += ["## Trials that did not recover", ""]
     if not bad:
@@ -139,7 +149,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", type=Path, default=None, help="write every trial's result as JSON here")
     parser.add_argument("--work", type=Path, default=None, help="work folder (default: a new temp dir)")
     parser.add_argument("--keep", action="store_true", help="keep the work folder even when everything recovered")
+    parser.add_argument("--rerender", type=Path, default=None,
+                        help="only rewrite --report from a --json file of an earlier run (runs nothing)")
     args = parser.parse_args(argv)
+    if args.rerender:
+        if not args.report:
+            parser.error("--rerender needs --report")
+        data = json.loads(args.rerender.read_text())
+        results = [TrialResult(**r) for r in data["results"]]
+        plan = {}
+        for r in results:
+            plan.setdefault(r.family, []).append(r.index)
+        args.report.write_text(render_report(results, seed=data["seed"], machine=data["machine"],
+                                             seconds=data.get("seconds", 0.0), plan=plan, command=data.get("command", "")))  # fmt: skip
+        return 0
 
     known = families()
     seed = args.seed if args.seed is not None else random.SystemRandom().randrange(1, 10**6)
@@ -191,8 +214,8 @@ def main(argv: list[str] | None = None) -> int:
         write_report(results, partial=False)
         print(f"kiln chaos: report written to {args.report}")
     if args.json:
-        args.json.write_text(json.dumps({"seed": seed, "machine": machine, "results": [r.to_json() for r in results]},
-                                        indent=1))  # fmt: skip
+        args.json.write_text(json.dumps({"seed": seed, "machine": machine, "seconds": seconds, "command": command,
+                                         "results": [r.to_json() for r in results]}, indent=1))  # fmt: skip
     if failed or args.keep:
         print(f"kiln chaos: work folder kept for inspection: {work}")
     else:
