@@ -256,3 +256,31 @@ def test_trigger_waits_while_the_job_runs_and_fires_once_with_reason_and_log_tai
     assert event.payload["state"] == "FAILED" and event.payload["reason"] == "node 1 lost"
     assert event.payload["handle"] == handle.to_json()
     assert "RuntimeError: boom" in event.payload["log_tail"]
+
+
+# ------------------------------------------------------------- where a deployment runs training
+def test_deployment_sets_the_launcher_and_its_options():
+    from kiln.policy import SANDBOX
+
+    policy = SANDBOX.with_launcher('{"launcher": "slurm", "slurm_partition": "gpu", "slurm_conf": "/etc/slurm/b.conf"}',
+                                   "Airflow Variable kiln_sandbox_launcher")
+    assert policy.launcher == "slurm" and policy.pool == SANDBOX.pool
+    assert policy.launcher_options() == {"partition": "gpu", "qos": None, "env": {"SLURM_CONF": "/etc/slurm/b.conf"}}
+    assert isinstance(get_launcher(policy.launcher, **policy.launcher_options()), SlurmLauncher)
+    assert SANDBOX.with_launcher(None, "x") is SANDBOX and SANDBOX.with_launcher("  ", "x") is SANDBOX
+    k8s = SANDBOX.with_launcher('{"launcher": "kubernetes"}', "x").launcher_options(shared_root=Path("/shared"))
+    assert k8s["queue"] == SANDBOX.k8s_queue and k8s["shared_root"] == "/shared"
+
+
+@pytest.mark.parametrize("raw,match", [
+    ('{"launcher": "slurm", "pool": "kiln_production"}', "may set only .*; not pool"),  # never the pool or gates
+    ('{"launcher": "k8s"}', "launcher must be one of local, slurm, kubernetes"),
+    ("slurm", "must be a JSON object"),
+    ("[1]", "must be a JSON object"),
+])
+def test_deployment_launcher_setting_refuses_anything_else(raw, match):
+    from kiln.errors import PolicyError
+    from kiln.policy import SANDBOX
+
+    with pytest.raises(PolicyError, match=match):
+        SANDBOX.with_launcher(raw, "Airflow Variable kiln_sandbox_launcher")
