@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -14,6 +15,15 @@ from kiln.refs import TrainingManifest
 TINY_RECIPE = REPO_ROOT / "training" / "recipes" / "tiny.toml"
 SNAPSHOT_ID = "c4a05c4a05c4a05c4a05c4a05c4a05c4.dir"
 """A stand-in snapshot id for manifests built outside a DVC workspace."""
+
+
+def pinned_recipe(manifest: Path) -> Path:
+    """The ``tiny`` recipe as it was when this manifest's runs began, copied next to the manifest:
+    a recipe edited in the checkout during a long suite would make a resume refuse (recipe hash)."""
+    pinned = Path(manifest).parent / TINY_RECIPE.name
+    if not pinned.exists():
+        shutil.copyfile(TINY_RECIPE, pinned)
+    return pinned
 
 
 def shard_entry(path: Path) -> dict:
@@ -39,8 +49,8 @@ def clean_manifest(root: Path, *, shards: int = 2, max_bytes: int = 300_000) -> 
 def run_trainer(manifest: Path, run_dir: Path, overrides: list[str], *, max_steps: int | None = None,
                 timeout_s: float = 600.0, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     """One single-process trainer run (``python -m kiln_trainer.train``): exit status and output."""
-    argv = [sys.executable, "-m", "kiln_trainer.train", "--manifest", str(manifest), "--recipe", str(TINY_RECIPE),
-            "--run-dir", str(run_dir)]
+    argv = [sys.executable, "-m", "kiln_trainer.train", "--manifest", str(manifest),
+            "--recipe", str(pinned_recipe(manifest)), "--run-dir", str(run_dir)]
     for item in overrides:
         argv += ["--set", item]
     if max_steps is not None:

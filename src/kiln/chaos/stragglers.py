@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from kiln.chaos.core import Context, Family, TrialResult, outcome_line, trial_rng
-from kiln.chaos.fixtures import TINY_RECIPE, clean_manifest
+from kiln.chaos.fixtures import clean_manifest, pinned_recipe
 from kiln.policy import REPO_ROOT
 
 SWITCH = "KILN_FAULT_SLOW_RANK"
@@ -76,8 +76,8 @@ def straggler_trial(ctx: Context, index: int, manifest: Path) -> TrialResult:
         fault = "none (clean run)"
     run_dir = ctx.work / f"straggler-{index}"
     shutil.rmtree(run_dir, ignore_errors=True)
-    spec = LaunchSpec(run_dir=run_dir, manifest=manifest, recipe=TINY_RECIPE, run_key=f"chaos-straggler-{index}",
-                      nodes=2, nproc_per_node=1, overrides=OVERRIDES, env=env)  # fmt: skip
+    spec = LaunchSpec(run_dir=run_dir, manifest=manifest, recipe=pinned_recipe(manifest),
+                      run_key=f"chaos-straggler-{index}", nodes=2, nproc_per_node=1, overrides=OVERRIDES, env=env)  # fmt: skip
     lines: list[str] = []
     result = launch_local(spec, log=lines.append)
     flags = straggler_events(run_dir)

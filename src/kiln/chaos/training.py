@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from kiln.chaos.core import Context, Family, TrialResult, count, outcome_line, total, trial_rng
-from kiln.chaos.fixtures import SNAPSHOT_ID, TINY_RECIPE, clean_manifest, run_trainer
+from kiln.chaos.fixtures import SNAPSHOT_ID, clean_manifest, pinned_recipe, run_trainer
 
 STEPS = 80
 EVERY = 10
@@ -49,8 +49,8 @@ JOB_LIMIT_S = 900.0
 def _spec(run_dir: Path, manifest: Path, *, env: dict[str, str] | None = None):  # type: ignore[no-untyped-def]
     from kiln.launchers import LaunchSpec
 
-    return LaunchSpec(run_dir=run_dir, manifest=manifest, recipe=TINY_RECIPE, run_key=f"chaos-{run_dir.name}",
-                      nodes=2, nproc_per_node=1, max_restarts=2, overrides=KILL_OVERRIDES,
+    return LaunchSpec(run_dir=run_dir, manifest=manifest, recipe=pinned_recipe(manifest),
+                      run_key=f"chaos-{run_dir.name}", nodes=2, nproc_per_node=1, max_restarts=2, overrides=KILL_OVERRIDES,
                       # Same threads in every run: bit-identity depends on it.
                       env={"KILN_TORCH_THREADS": "1", "OMP_NUM_THREADS": "1", "MLFLOW_TRACKING_URI": "",
                            **(env or {})})  # fmt: skip
