@@ -215,6 +215,31 @@ class GuardConfig:
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
+class StragglerConfig:
+    """Straggler detection: every rank's step compute time is gathered every ``every_steps`` steps.
+
+    Compute time is a step's wall time minus the time the rank spent blocked in collectives
+    (gradient all-reduce wait, loss all-reduce), so a healthy rank waiting for a slow one is not
+    itself slow. A window's value per rank is the median over its steps (one descheduled step on a
+    shared host does not make a straggler)."""
+
+    every_steps: int = 5
+    """Steps per window (one all_gather of a few floats per window)."""
+    factor: float = 1.5
+    """A rank is slow in a window when its compute time exceeds ``factor`` x the median of the
+    other ranks'."""
+    windows: int = 3
+    """Consecutive slow windows before the rank is flagged (metric, log line, MLflow tag, event)."""
+
+    def __post_init__(self) -> None:
+        s = "stragglers"
+        _check_types(self, s)
+        _require(self.every_steps >= 1, s, "every_steps", "must be >= 1", self.every_steps)
+        _require(self.factor > 1.0, s, "factor", "must be > 1", self.factor)
+        _require(self.windows >= 1, s, "windows", "must be >= 1", self.windows)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
 class EvalConfig:
     """Held-out evaluation (``kiln_trainer.evaluate``)."""
 
@@ -240,6 +265,7 @@ class Recipe:
     train: TrainConfig = field(default_factory=TrainConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     guard: GuardConfig = field(default_factory=GuardConfig)
+    stragglers: StragglerConfig = field(default_factory=StragglerConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
 
     def __post_init__(self) -> None:
@@ -287,6 +313,7 @@ _SECTION_CLASSES: dict[str, type] = {
     "train": TrainConfig,
     "checkpoint": CheckpointConfig,
     "guard": GuardConfig,
+    "stragglers": StragglerConfig,
     "eval": EvalConfig,
 }
 

@@ -24,14 +24,24 @@ log = logging.getLogger(__name__)
 
 class MetricSink(Protocol):
     def log(self, step: int, record: dict[str, Any]) -> None: ...
+    def tag(self, tags: dict[str, str]) -> None: ...
     def close(self) -> None: ...
 
 
+def _is_number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
 def _numeric(record: dict[str, Any]) -> dict[str, float]:
+    return {k: float(v) for k, v in record.items() if _is_number(v) and k != "step"}
+
+
+def _per_rank(record: dict[str, Any]) -> dict[str, list[float]]:
+    """List-valued entries (one number per rank, e.g. ``rank_step_times``)."""
     return {
-        k: float(v)
+        k: [float(x) for x in v]
         for k, v in record.items()
-        if isinstance(v, (int, float)) and not isinstance(v, bool) and k != "step"
+        if isinstance(v, list) and v and all(_is_number(x) for x in v)
     }
 
 
@@ -47,25 +57,44 @@ class JsonlSink:
         self._fh.write(json.dumps({"step": step, **clean}, sort_keys=True) + "\n")
         self._fh.flush()
 
+    def tag(self, tags: dict[str, str]) -> None:
+        pass  # tags reach metrics.jsonl as the events that set them
+
     def close(self) -> None:
         self._fh.close()
 
 
 class PrometheusTextfileSink:
-    """The latest values as ``RUN_DIR/metrics.prom`` (node_exporter textfile-collector format)."""
+    """The latest value of every metric as ``RUN_DIR/metrics.prom`` (node_exporter textfile format).
+
+    Records come at different cadences (the log interval; straggler windows every
+    ``stragglers.every_steps``), so the file keeps each metric's latest value rather than only the
+    last record's. A per-rank list (``rank_step_times``) becomes one series per ``rank`` label."""
 
     def __init__(self, path: Path, labels: dict[str, str]) -> None:
         self.path = path
         self._labels = ",".join(f'{k}="{v}"' for k, v in sorted(labels.items()))
+        self._latest: dict[str, float] = {}
+        self._ranks: dict[str, list[float]] = {}
 
     def log(self, step: int, record: dict[str, Any]) -> None:
         if record.get("event"):
             return
+        self._latest.update(_numeric(record))
+        self._ranks.update(_per_rank(record))
         lines = [f"kiln_train_step{{{self._labels}}} {step}"]
-        for key, value in sorted(_numeric(record).items()):
+        for key, value in sorted(self._latest.items()):
             if math.isfinite(value):
                 lines.append(f"kiln_train_{key}{{{self._labels}}} {value!r}")
+        sep = "," if self._labels else ""
+        for key, values in sorted(self._ranks.items()):
+            for rank, value in enumerate(values):
+                if math.isfinite(value):
+                    lines.append(f'kiln_train_{key}{{{self._labels}{sep}rank="{rank}"}} {value!r}')
         atomic_write_bytes(self.path, ("\n".join(lines) + "\n").encode("utf-8"))
+
+    def tag(self, tags: dict[str, str]) -> None:
+        pass
 
     def close(self) -> None:
         pass
@@ -93,7 +122,10 @@ class MlflowSink:
         if record.get("event"):
             return  # events (rollbacks) live in metrics.jsonl and result.json, not as metric series
         now_ms = int(time.time() * 1000)
-        for key, value in _numeric(record).items():
+        values = _numeric(record)
+        for key, per_rank in _per_rank(record).items():
+            values.update({f"{key}.rank{rank}": v for rank, v in enumerate(per_rank)})
+        for key, value in values.items():
             if math.isfinite(value):
                 self._buffer.append(self._Metric(key=key, value=value, timestamp=now_ms, step=step))
         if time.monotonic() - self._last_flush >= self.flush_s:
@@ -105,6 +137,11 @@ class MlflowSink:
             chunk, self._buffer = self._buffer[:1000], self._buffer[1000:]
             self.client.log_batch(self.run_id, metrics=chunk)
         self._last_flush = time.monotonic()
+
+    def tag(self, tags: dict[str, str]) -> None:
+        """Run tags (e.g. ``kiln.straggler_rank``) at once: a tag is a finding, not a series to batch."""
+        for key, value in tags.items():
+            self.client.set_tag(self.run_id, key, value)
 
     def close(self) -> None:
         self.flush()
@@ -123,6 +160,13 @@ class MetricsHub:
     def log(self, step: int, record: dict[str, Any]) -> None:
         for sink in self.sinks:
             sink.log(step, record)
+
+    def tag(self, tags: dict[str, str]) -> None:
+        for sink in self.sinks:
+            try:
+                sink.tag(tags)
+            except Exception as exc:  # a tracking-server hiccup must not kill training
+                log.warning("could not set tags %s: %s", sorted(tags), exc)
 
     def close(self) -> None:
         for sink in self.sinks:

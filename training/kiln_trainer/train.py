@@ -57,16 +57,20 @@ import logging
 import math
 import os
 import random
+import socket
+import statistics
 import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-import torch
-import torch.distributed as dist
-from torch.nn.parallel import DistributedDataParallel as DDP
+_IMPORT_T0 = time.time()  # startup profile: the heavy imports below (absent when preloaded)
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
 
 from kiln_trainer.checkpoint import (
     CheckpointIdentity,
@@ -96,7 +100,9 @@ from kiln_trainer.metrics import (
     mlflow_target,
 )
 from kiln_trainer.model import GPT
+from kiln_trainer.stragglers import StragglerMonitor
 
+_IMPORT_T1 = time.time()
 log = logging.getLogger("kiln_trainer.train")
 
 RESULT_KIND = "kiln.TrainResult"
@@ -104,6 +110,10 @@ _THREADS_ENV = "KILN_TORCH_THREADS"
 _FAULT_SPIKE_STEP_ENV = "KILN_FAULT_SPIKE_AT_STEP"
 _FAULT_SPIKE_TIMES_ENV = "KILN_FAULT_SPIKE_TIMES"
 _FAULT_SPIKE_FACTOR = 1000.0
+_FAULT_SLOW_RANK_ENV = "KILN_FAULT_SLOW_RANK"
+_FAULT_SLOW_S_ENV = "KILN_FAULT_SLOW_S"
+_FAULT_SLOW_FROM_ENV = "KILN_FAULT_SLOW_FROM_STEP"
+_NODE_NAME_ENVS = ("KILN_NODE_NAME", "SLURMD_NODENAME")
 # Peak dense bf16 FLOP/s per device, for MFU; override with KILN_PEAK_FLOPS.
 _PEAK_BF16_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "L4": 121e12, "A10": 125e12}
 
@@ -311,6 +321,104 @@ class SpikeFault:
         return loss * _FAULT_SPIKE_FACTOR if step == self.step and data_salt < self.times else loss
 
 
+@dataclass(frozen=True, kw_only=True, slots=True)
+class SlowRankFault:
+    """Chaos hook: rank ``rank`` sleeps ``seconds`` inside every step's compute from ``from_step`` on.
+
+    Models a throttled device or a noisy neighbour on one node: the other ranks wait for it at the
+    gradient all-reduce, and the straggler detector must name it."""
+
+    rank: int
+    seconds: float = 0.2
+    from_step: int = 1
+
+    @classmethod
+    def from_env(cls) -> SlowRankFault | None:
+        raw = os.environ.get(_FAULT_SLOW_RANK_ENV, "")
+        if not raw:
+            return None
+        try:
+            rank = int(raw)
+            seconds = float(os.environ.get(_FAULT_SLOW_S_ENV, "") or 0.2)
+            from_step = int(os.environ.get(_FAULT_SLOW_FROM_ENV, "") or 1)
+        except ValueError as exc:
+            raise TrainerError(
+                f"{_FAULT_SLOW_RANK_ENV} (int), {_FAULT_SLOW_S_ENV} (float), {_FAULT_SLOW_FROM_ENV} (int): {exc}"
+            ) from exc
+        if rank < 0 or not seconds > 0 or from_step < 1:
+            raise TrainerError(
+                f"{_FAULT_SLOW_RANK_ENV} must be >= 0, {_FAULT_SLOW_S_ENV} > 0 and {_FAULT_SLOW_FROM_ENV} >= 1, "
+                f"got {rank}, {seconds}, {from_step}"
+            )
+        return cls(rank=rank, seconds=seconds, from_step=from_step)
+
+    def apply(self, rank: int, step: int) -> None:
+        if rank == self.rank and step >= self.from_step:
+            time.sleep(self.seconds)
+
+
+class StepClock:
+    """Marks inside a step, resolved to seconds only at the end of a window.
+
+    CPU: ``perf_counter``. CUDA: events on the current stream, so the durations are the device's
+    timeline (a CPU timestamp would measure kernel launches, not compute, and the wait would land in
+    whatever call synchronises first)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+
+    def mark(self) -> Any:
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            return event
+        return time.perf_counter()
+
+    def seconds(self, start: Any, end: Any) -> float:
+        if self.cuda:
+            end.synchronize()
+            return start.elapsed_time(end) / 1000.0
+        return float(end - start)
+
+
+@dataclass(kw_only=True, slots=True)
+class StepMarks:
+    """One step's marks: start, last gradient bucket ready, loss all-reduced, end.
+
+    compute = (ready - start) + (end - reduced); blocked in collectives = (reduced - ready): after
+    the last bucket is handed to the all-reduce a rank only waits for its peers and the transfer."""
+
+    start: Any
+    ready: Any
+    reduced: Any
+    end: Any
+
+    def compute_and_wall(self, clock: StepClock) -> tuple[float, float]:
+        wall = clock.seconds(self.start, self.end)
+        blocked = clock.seconds(self.ready, self.reduced)
+        return max(0.0, wall - blocked), wall
+
+
+def _process_start_unix() -> float | None:
+    """When this process started (Linux /proc), for the startup profile; None elsewhere."""
+    try:
+        with open("/proc/self/stat") as fh:
+            ticks = int(fh.read().rsplit(")", 1)[1].split()[19])
+        with open("/proc/stat") as fh:
+            btime = next(int(line.split()[1]) for line in fh if line.startswith("btime"))
+        return btime + ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, StopIteration, IndexError):
+        return None
+
+
+def node_name() -> str:
+    """This rank's node, as a scheduler knows it: KILN_NODE_NAME (local launcher), SLURMD_NODENAME, host."""
+    for name in _NODE_NAME_ENVS:
+        if os.environ.get(name):
+            return os.environ[name]
+    return socket.gethostname()
+
+
 @dataclass(kw_only=True)
 class _InitialState:
     """In-memory step-0 state of a fresh run: the rollback target before the first checkpoint."""
@@ -327,13 +435,20 @@ class _InitialState:
 
 class Run:
     def __init__(self, args: argparse.Namespace) -> None:
+        self.startup: dict[str, float] = {"run_init": time.time()}
         self.args = args
         self.recipe = load_recipe(args.recipe, args.overrides)
         self.recipe_dict = self.recipe.to_dict()
         self.recipe_sha256 = self.recipe.sha256
         self.run_dir: Path = args.run_dir.resolve()
         self.env = init_distributed(self.recipe)
+        self.startup["dist_init"] = time.time()
         self.threads = set_threads(self.env)
+        self.nodes = [node_name()]
+        if self.env.distributed:
+            gathered: list[Any] = [None] * self.env.world_size
+            dist.all_gather_object(gathered, self.nodes[0])
+            self.nodes = [str(n) for n in gathered]
         if self.env.device.type == "cuda":
             torch.backends.cuda.matmul.allow_tf32 = True
             torch.backends.cudnn.allow_tf32 = True
@@ -352,6 +467,7 @@ class Run:
         )
         self.stream_bytes = len(stream)
         del stream
+        self.startup["data"] = time.time()
 
         # Model: identical init on every rank (same seed); then per-rank seeds for everything else.
         seed_rngs(cfg.train.seed)
@@ -360,10 +476,14 @@ class Run:
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_multiplier(cfg))
         seed_rngs(cfg.train.seed + 1 + self.env.rank)
         self.state = TrainState()
+        self.resumed_from: int | None = None
         self.initial: _InitialState | None = None
         self.spike_fault = SpikeFault.from_env()
         if self.spike_fault is not None:
             log.warning("fault injection: %s", self.spike_fault)
+        self.slow_fault = SlowRankFault.from_env()
+        if self.slow_fault is not None and self.slow_fault.rank == self.env.rank:
+            log.warning("fault injection on rank %d: %s", self.env.rank, self.slow_fault)
 
         self.train_model: torch.nn.Module = self.model
         if cfg.train.compile:
@@ -373,6 +493,14 @@ class Run:
             if self.env.device.type == "cuda":
                 ddp_kwargs["device_ids"] = [self.env.local_rank]
             self.train_model = DDP(self.train_model, **ddp_kwargs)
+            self.train_model.register_comm_hook(state=None, hook=self._timed_allreduce_hook)
+        self.clock = StepClock(self.env.device)
+        self._bucket_ready: Any = None
+        self.stragglers = StragglerMonitor(
+            factor=cfg.stragglers.factor, windows=cfg.stragglers.windows, nodes=list(self.nodes)
+        )
+        self._window: list[StepMarks] = []
+        self.startup["model"] = time.time()
 
         dtype = cfg.train.dtype
         if dtype == "auto":
@@ -471,6 +599,7 @@ class Run:
                 self.writer.last_committed_step = self.state.step
                 self.writer.last_committed_dir = step_dir
             log.info("resumed from %s (step %d)", step_dir, self.state.step)
+            self.resumed_from = self.state.step
         else:
             self.initial = _InitialState(
                 model={k: v.detach().clone() for k, v in self.model.state_dict().items()},
@@ -483,6 +612,7 @@ class Run:
         if self.env.is_main:
             # After the resume check, so a refused manifest never replaces the run's own copy.
             atomic_write_bytes(self.run_dir / TRAINING_MANIFEST_COPY, Path(self.args.manifest).read_bytes())
+        self.startup["resumed"] = time.time()
 
     def rollback(self, reason: str, loss: float) -> None:
         """Return to the last committed state and skip the offending windows (guard)."""
@@ -570,8 +700,12 @@ class Run:
         while self.state.step < target:
             step = self.state.step + 1
             t_step = time.perf_counter()
+            m_start = self.clock.mark()
+            self._bucket_ready = None
             batches = self.sampler.step_batches(step, self.state.data_salt)
             data_s = time.perf_counter() - t_step
+            if self.slow_fault is not None:
+                self.slow_fault.apply(self.env.rank, step)
             loss_sum = torch.zeros((), device=self.env.device)
             for micro, (x, y) in enumerate(batches):
                 x, y = x.to(self.env.device, non_blocking=True), y.to(self.env.device, non_blocking=True)
@@ -585,21 +719,25 @@ class Run:
                         loss = loss / accum
                     loss.backward()
                 loss_sum += loss.detach()
+            m_ready = self._bucket_ready if self._bucket_ready is not None else self.clock.mark()
             if self.env.distributed:
                 dist.all_reduce(loss_sum, op=dist.ReduceOp.SUM)
                 loss_sum /= self.env.world_size
             loss_value = float(loss_sum.item())
+            m_reduced = self.clock.mark()
             if self.spike_fault is not None:
                 loss_value = self.spike_fault.apply(loss_value, step, self.state.data_salt)
             reason = guard_verdict(loss_value, self.state.recent_losses, cfg.guard.spike_factor)
             if reason is not None:
                 self.rollback(reason, loss_value)
+                self._window.clear()
                 continue
             if cfg.optim.grad_clip > 0:
                 torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.optim.grad_clip)
             self.optimizer.step()
             self.scheduler.step()
             self.optimizer.zero_grad(set_to_none=True)
+            self._window.append(StepMarks(start=m_start, ready=m_ready, reduced=m_reduced, end=self.clock.mark()))
 
             step_s = time.perf_counter() - t_step
             st = self.state
@@ -618,6 +756,11 @@ class Run:
                 ckpt_s = self.save(step)
                 st.wall_s += ckpt_s
             interval["ckpt_s"] += ckpt_s
+            if "first_step" not in self.startup:
+                self.startup["first_step"] = time.time()
+                self._log_startup(step)
+            if step % cfg.stragglers.every_steps == 0:
+                self._straggler_window(step)
 
             if step % cfg.train.log_every == 0 or step == target:
                 elapsed = time.perf_counter() - interval["t0"]
@@ -654,6 +797,93 @@ class Run:
                 interval = {"t0": time.perf_counter(), "steps": 0, "data_s": 0.0, "ckpt_s": 0.0, "tokens": 0}
         loop_s = time.perf_counter() - loop_t0
         return {"target": target, "loop_tokens": loop_tokens, "loop_s": loop_s}
+
+    # ----------------------------------------------------------------- timing, stragglers
+
+    def _timed_allreduce_hook(self, process_group, bucket):  # type: ignore[no-untyped-def]
+        """DDP's default all-reduce, noting when the (last) gradient bucket became ready: from then
+        on until the loss all-reduce returns, this rank only waits for its peers and the transfer.
+        (No annotations: DDP checks them, and postponed ones are strings it rejects.)"""
+        from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+        self._bucket_ready = self.clock.mark()
+        return allreduce_hook(process_group, bucket)
+
+    def _straggler_window(self, step: int) -> None:
+        """Every rank: gather [median compute, mean compute, mean wall] of its steps since the last
+        window; rank 0 flags stragglers and reports per-rank times and scaling efficiency."""
+        marks, self._window = self._window, []
+        pairs = [m.compute_and_wall(self.clock) for m in marks] or [(0.0, 0.0)]
+        compute = [c for c, _ in pairs]
+        mine = [statistics.median(compute), statistics.fmean(compute), statistics.fmean(w for _, w in pairs)]
+        rows = [mine]
+        if self.env.distributed:
+            local = torch.tensor(mine, dtype=torch.float64, device=self.env.device)
+            out = [torch.zeros_like(local) for _ in range(self.env.world_size)]
+            dist.all_gather(out, local)
+            rows = [t.tolist() for t in out]
+        if not self.env.is_main:
+            return
+        medians = [r[0] for r in rows]
+        record: dict[str, Any] = {"rank_step_times": medians, "straggler_rank": -1}
+        if self.env.distributed:
+            wall = statistics.fmean(r[2] for r in rows)
+            # Weak scaling: a typical rank's compute per step (the lower median, so that with 2
+            # ranks a straggler is not the reference) is what one rank alone would take for its
+            # share; the rest of a step (waiting for peers, exposed all-reduce) is the price of
+            # running N of them. 1.0 = linear scaling. See docs/scaling.md.
+            typical = statistics.median_low(r[1] for r in rows)
+            record["scaling_efficiency"] = min(1.0, typical / wall) if wall > 0 else 0.0
+            flags, cleared = self.stragglers.observe(step, medians)
+            for flag in flags:
+                log.warning("%s", flag.message)
+                self.metrics.log(step, flag.to_event())
+                self.metrics.tag({"kiln.straggler_rank": str(flag.rank), "kiln.straggler": flag.message})
+            for rank in cleared:
+                log.warning("straggler cleared: rank %d is back within %.2fx of the others at step %d",
+                            rank, self.stragglers.factor, step)
+                self.metrics.log(step, {"event": "straggler_cleared", "rank": rank})
+                if self.stragglers.current < 0:
+                    self.metrics.tag({"kiln.straggler_rank": "-1"})
+            record["straggler_rank"] = self.stragglers.current
+        self.metrics.log(step, record)
+
+    def _log_startup(self, step: int) -> None:
+        """Rank 0, once per invocation: where the time from process start to the first step went."""
+        if not self.env.is_main:
+            return
+        t = self.startup
+        t.setdefault("resumed", t["model"])
+        born = _process_start_unix()
+        # 0 when this process was forked from one that had already imported torch (a preloading agent).
+        imports = _IMPORT_T1 - _IMPORT_T0 if born is None or _IMPORT_T0 >= born else 0.0
+        phases = {
+            "interpreter_s": (t["run_init"] - born - imports) if born else None,
+            "imports_s": imports,
+            "rendezvous_and_dist_init_s": t["dist_init"] - t["run_init"],
+            "data_s": t["data"] - t["dist_init"],
+            "model_s": t["model"] - t["data"],
+            "resume_s": t["resumed"] - t["model"],
+            "first_step_s": t["first_step"] - t["resumed"],
+        }
+        total = t["first_step"] - born if born else None
+        event = {
+            "event": "startup",
+            "restart_count": _env_int("TORCHELASTIC_RESTART_COUNT", 0),
+            "resumed_from_step": self.resumed_from,
+            "first_step": step,
+            "process_start_unix": born,
+            "first_step_unix": t["first_step"],
+            "process_to_first_step_s": total,
+            "phases_s": phases,
+        }
+        self.metrics.log(step, event)
+        log.info(
+            "startup: %s s from process start to step %d (%s)",
+            "?" if total is None else f"{total:.2f}",
+            step,
+            ", ".join(f"{k[:-2]} {v:.2f}" for k, v in phases.items() if v is not None),
+        )
 
     # ----------------------------------------------------------------- end of run
 

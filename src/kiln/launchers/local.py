@@ -17,13 +17,19 @@ The supervisor plays the cluster scheduler of a real multi-node job:
   workers), starts a replacement agent, and the surviving agents re-rendezvous with it — up to
   ``max_restarts`` replacements;
 * an agent that exits non-zero on its own has spent torchrun's restarts: the job FAILED;
-* a fatal marker (a rank exited 2) ends the job at once: FATAL, not restarted, not retried.
+* a fatal marker (a rank exited 2) ends the job at once: FATAL, not restarted, not retried;
+* a straggler the trainer flags (``metrics.jsonl``) is logged as ``[launcher] straggler: ... ->
+  policy action: alert``: on one host there is no other node to move a rank to.
+
+Agents run ``kiln.launchers.worker --agent`` (torchrun's agent, forking workers from a preloaded
+trainer, a 0.2 s monitor interval and a 0.1 s rendezvous poll): a crashed worker's group is back
+at its first resumed step in a few seconds (``benchmarks/node_loss_recovery.py``).
 
 Launch lines (what the supervisor runs, for each of the N nodes)::
 
-    torchrun --nnodes=N --nproc-per-node=P --rdzv-backend=c10d --rdzv-endpoint=127.0.0.1:PORT \\
-        --rdzv-id=RUN --max-restarts=R --monitor-interval=1 --rdzv-conf=is_host=false \\
-        -m kiln.launchers.worker --manifest M.json --recipe R.toml --run-dir DIR
+    python -m kiln.launchers.worker --agent --nnodes=N --nproc-per-node=P --rdzv-backend=c10d \\
+        --rdzv-endpoint=127.0.0.1:PORT --rdzv-id=RUN --max-restarts=R --monitor-interval=0.2 \\
+        --rdzv-conf=is_host=false -m kiln.launchers.worker --manifest M.json --recipe R.toml --run-dir DIR
 """
 
 from __future__ import annotations
@@ -42,7 +48,9 @@ from typing import IO, Any
 
 from kiln.errors import LaunchError
 from kiln.netutil import free_port
+from kiln.launchers.stragglers import StragglerPolicy, StragglerWatch
 from kiln.launchers.base import (
+    WORKER_MODULE,
     JobHandle,
     JobStatus,
     LaunchSpec,
@@ -85,14 +93,24 @@ def agent_env(spec: LaunchSpec) -> dict[str, str]:
     }
 
 
+MONITOR_INTERVAL_S = 0.2
+"""How often an agent checks its workers (torchrun's ``--monitor-interval``, default 1 s here): a
+crashed worker, or a peer node waiting at the rendezvous, is noticed within this."""
+
+
 def agent_argv(spec: LaunchSpec, node_rank: int, port: int) -> list[str]:
     """Node ``node_rank``'s agent: c10d rendezvous on the supervisor's store at 127.0.0.1:port.
 
+    torchrun's own arguments, run by ``kiln.launchers.worker --agent`` (torchrun's agent with
+    workers forked from a preloaded trainer and a faster rendezvous poll: see that module).
     c10d assigns node ranks at each rendezvous (a replacement agent may get another one), so
     ``node_rank`` names the agent's slot in the supervisor and its log prefix, not a torch rank.
     """
     del node_rank
-    return torchrun_argv(spec, f"127.0.0.1:{port}", rdzv_conf="is_host=false")
+    argv = torchrun_argv(spec, f"127.0.0.1:{port}", rdzv_conf="is_host=false")
+    assert argv[1:3] == ["-m", "torch.distributed.run"], argv[:3]
+    argv[1:3] = ["-m", WORKER_MODULE, "--agent"]
+    return [f"--monitor-interval={MONITOR_INTERVAL_S}" if a.startswith("--monitor-interval=") else a for a in argv]
 
 
 NODE_TAG_ENV = "KILN_LAUNCH_NODE"
@@ -116,6 +134,13 @@ def kill_tagged(tag: str, sig: int = signal.SIGKILL) -> int:
         except (OSError, ValueError):
             continue
     return hit
+
+
+def _size(path: Path) -> int:
+    try:
+        return path.stat().st_size
+    except OSError:
+        return 0
 
 
 def _kill_group(pid: int, sig: int = signal.SIGKILL) -> None:
@@ -155,6 +180,8 @@ class _Supervisor:
         self.store: subprocess.Popen[str] | None = None
         self.port = 0
         self.started = time.time()
+        # Stragglers on one host: alert only (no scheduler to move a rank to another node).
+        self.stragglers = StragglerWatch(run_dir=spec.run_dir, policy=StragglerPolicy(action="alert"))
 
     def say(self, line: str) -> None:
         with self.lock:
@@ -200,7 +227,8 @@ class _Supervisor:
 
     def start_agent(self, node: int) -> subprocess.Popen[str]:
         proc = subprocess.Popen(
-            agent_argv(self.spec, node, self.port), env={**self.env, NODE_TAG_ENV: self.node_tag(node)},
+            agent_argv(self.spec, node, self.port),
+            env={**self.env, NODE_TAG_ENV: self.node_tag(node), "KILN_NODE_NAME": f"node{node}"},
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, text=True,
             start_new_session=True, cwd=self.spec.run_dir,
         )
@@ -242,7 +270,10 @@ class _Supervisor:
             self.start_agent(node)
         self.write_status("RUNNING")
         self.say(f"[launcher] {spec.nodes} agent(s) started; rendezvous 127.0.0.1:{self.port} id {spec.rdzv_id}")
+        self.stragglers.offset = _size(spec.run_dir / "metrics.jsonl")  # a resubmission: only new flags
         while True:
+            for action in self.stragglers.poll():
+                self.say(f"[launcher] {action.message}")
             if self.stop_signal is not None:
                 self.end_all()
                 return "CANCELLED", f"cancelled (signal {self.stop_signal})"
