@@ -64,7 +64,7 @@ _STRING_TYPE_NAMES = ("str", "string", "object")
 @dataclass
 class _GreatExpectations:
     batch_definition: Any
-    suites: dict[tuple[str, str, tuple[int, ...]], Any] = field(default_factory=dict)
+    suites: dict[tuple[str, str, tuple[int, ...], tuple[tuple[int, str], ...]], Any] = field(default_factory=dict)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
 
@@ -79,6 +79,11 @@ def _great_expectations() -> _GreatExpectations:
         if _GE is None:
             import great_expectations as gx
 
+            from great_expectations.execution_engine import pandas_execution_engine
+
+            # GE fingerprints every in-memory batch (md5 over a pandas hash of all its rows) for a
+            # batch marker kiln never reads: ~10% of a stacked run. Frames above this size skip it.
+            pandas_execution_engine.HASH_THRESHOLD = 0
             context = gx.get_context(mode="ephemeral")
             context.variables.progress_bars = {"globally": False}
             asset = context.data_sources.add_pandas("kiln_shards").add_dataframe_asset("shard")
@@ -86,9 +91,14 @@ def _great_expectations() -> _GreatExpectations:
         return _GE
 
 
-def _suite(ge: _GreatExpectations, contract: Contract, keep: tuple[int, ...]) -> Any:
-    """The GE suite of the contract restricted to expectations ``keep`` (cached)."""
-    key = (contract.ref, contract.sha256, keep)
+def _suite(
+    ge: _GreatExpectations, contract: Contract, keep: tuple[int, ...], columns: tuple[tuple[int, str], ...] = ()
+) -> Any:
+    """The GE suite of the contract restricted to expectations ``keep`` (cached).
+
+    ``columns`` points expectation ``i`` at another column of the frame (``(i, name)`` pairs): the
+    stacked run uses it for prefiltered copies of a column (see ``_prefiltered_columns``)."""
+    key = (contract.ref, contract.sha256, keep, columns)
     suite = ge.suites.get(key)
     if suite is None:
         import great_expectations as gx
@@ -98,8 +108,11 @@ def _suite(ge: _GreatExpectations, contract: Contract, keep: tuple[int, ...]) ->
         # Deep copies: GE writes into what it is given (meta gains great_expectations_version), and
         # the contract's suite must stay byte-identical to its file (its sha256 is recorded).
         expectations = copy.deepcopy([contract.suite["expectations"][i] for i in keep])
+        moved = dict(columns)
         for i, exp in zip(keep, expectations):
             exp["meta"] = {**(exp.get("meta") or {}), INDEX_META_KEY: i}
+            if i in moved:
+                exp["kwargs"]["column"] = moved[i]
         try:
             suite = gx.ExpectationSuite(
                 name=contract.ref,
@@ -141,18 +154,16 @@ def _read_table(data: bytes) -> Any:
     return pq.read_table(pa.BufferReader(data))
 
 
-def _text_sha256(text: str) -> str:
-    return hashlib.sha256(text.encode("utf-8")).hexdigest()
-
-
 @dataclass(frozen=True, slots=True)
 class _Frame:
     frame: Any
-    """pandas DataFrame: raw columns (strings decoded) + derived columns."""
+    """pandas DataFrame: raw columns (strings Arrow-backed, valid UTF-8) + derived columns."""
     present: frozenset[str]
     """Columns GE may check with every expectation (present, and of the expected type when it is str)."""
     typed_wrong: frozenset[str]
     """Present columns with a non-string type where the contract expects str: only the type rule runs."""
+    texts: dict[str, Any] = field(default_factory=dict)
+    """The string columns of ``frame`` as the Arrow arrays they share memory with."""
 
 
 def _expected_types(contract: Contract) -> dict[str, str]:
@@ -163,19 +174,244 @@ def _expected_types(contract: Contract) -> dict[str, str]:
     }
 
 
+# -- regex analysis: what a Python pattern can match -----------------------------------------------
+
+
+def _sre_parse(pattern: str) -> Any:
+    """Python's own parse tree of ``pattern`` (``re._parser``), or None when it does not compile."""
+    try:
+        from re import _parser as sre_parse  # type: ignore[attr-defined]
+    except ImportError:  # Python < 3.11
+        import sre_parse  # type: ignore[no-redef]
+    try:
+        return sre_parse.parse(pattern)
+    except (re.error, TypeError, ValueError):
+        return None
+
+
+def _sre_names() -> dict[str, Any]:
+    try:
+        from re import _constants as sre_constants  # type: ignore[attr-defined]
+    except ImportError:  # Python < 3.11
+        import sre_constants  # type: ignore[no-redef]
+    names = ("LITERAL", "IN", "RANGE", "SUBPATTERN", "BRANCH", "MAX_REPEAT", "MIN_REPEAT", "POSSESSIVE_REPEAT", "ATOMIC_GROUP")
+    return {n: getattr(sre_constants, n, None) for n in names}
+
+
+MAX_LITERAL_OPTIONS = 64
+"""A node matching more fixed strings than this is not used as a prefilter."""
+MIN_LITERAL_CHARS = 3
+"""Required literals shorter than this would let most rows through: no prefilter then."""
+
+
+def _fixed_strings(nodes: Any, names: dict[str, Any]) -> set[str] | None:
+    """The finite set of strings a node sequence can match, if it is small and made of literals only."""
+    options = {""}
+    for op, av in nodes:
+        if op == names["LITERAL"]:
+            choices = {chr(av)}
+        elif op == names["IN"]:
+            choices = set()
+            for item_op, item_av in av:
+                if item_op == names["LITERAL"]:
+                    choices.add(chr(item_av))
+                elif item_op == names["RANGE"] and item_av[1] - item_av[0] < MAX_LITERAL_OPTIONS:
+                    choices.update(chr(c) for c in range(item_av[0], item_av[1] + 1))
+                else:  # NEGATE, CATEGORY, a wide range
+                    return None
+        elif op == names["SUBPATTERN"]:
+            _group, add_flags, _del_flags, sub = av
+            if add_flags & re.IGNORECASE:
+                return None
+            choices = _fixed_strings(sub, names)
+        elif op == names["BRANCH"]:
+            choices = set()
+            for branch in av[1]:
+                fixed = _fixed_strings(branch, names)
+                if fixed is None:
+                    return None
+                choices |= fixed
+        else:
+            return None
+        if choices is None or len(options) * len(choices) > MAX_LITERAL_OPTIONS:
+            return None
+        options = {a + b for a in options for b in choices}
+    return options
+
+
+def _required_in(nodes: Any, names: dict[str, Any]) -> list[set[str]]:
+    """Sets of strings such that every match of ``nodes`` contains at least one string of each set."""
+    found: list[set[str]] = []
+    run: list[Any] = []
+
+    def close_run() -> None:
+        if run:
+            fixed = _fixed_strings(run, names)
+            if fixed:
+                found.append(fixed)
+            run.clear()
+
+    for op, av in nodes:
+        if _fixed_strings([(op, av)], names) is not None:
+            run.append((op, av))
+            # a run longer than the option cap is still useful: keep its best prefix
+            if _fixed_strings(run, names) is None:
+                run.pop()
+                close_run()
+                run.append((op, av))
+            continue
+        close_run()
+        if op == names["SUBPATTERN"] and not av[1] & re.IGNORECASE:
+            found.extend(_required_in(av[3], names))
+        elif op in (names["MAX_REPEAT"], names["MIN_REPEAT"], names["POSSESSIVE_REPEAT"]) and av[0] >= 1:
+            found.extend(_required_in(av[2], names))
+        elif op == names["ATOMIC_GROUP"]:
+            found.extend(_required_in(av, names))
+        elif op == names["BRANCH"]:
+            per_branch = [_best_literals(_required_in(branch, names)) for branch in av[1]]
+            if all(per_branch):
+                found.append(set().union(*per_branch))  # type: ignore[arg-type]
+    close_run()
+    return found
+
+
+def _best_literals(candidates: list[set[str]]) -> set[str] | None:
+    usable = [c for c in candidates if c and min(map(len, c)) >= MIN_LITERAL_CHARS]
+    if not usable:
+        return None
+    return max(usable, key=lambda c: (min(map(len, c)), -len(c)))
+
+
+def required_literals(pattern: str) -> frozenset[str] | None:
+    """Strings one of which every match of the Python regex ``pattern`` contains, or None if unknown.
+
+    Sound by construction: a match is the concatenation of the matches of the pattern's top-level
+    nodes, so it contains what a run of literal nodes (or a group, a branch of such runs, a repeat
+    of at least one) matches. Case-insensitive patterns and anything this does not understand
+    return None. A text that contains none of the strings cannot match the pattern.
+    """
+    parsed = _sre_parse(pattern)
+    if parsed is None or parsed.state.flags & re.IGNORECASE:
+        return None
+    best = _best_literals(_required_in(parsed.data, _sre_names()))
+    return frozenset(best) if best else None
+
+
+def _valid_text(column: Any) -> Any:
+    """A string column as valid UTF-8 Arrow strings: invalid bytes become U+FFFD (the encoding rule counts it).
+
+    Valid text (the common case) is checked in C++ and returned as is, with no per-value decode.
+    The chunks of a stacked batch are joined first: Arrow's regex kernels compile their pattern once
+    per chunk, which cost more than the matching itself on a stack of small shards."""
+    import pyarrow as pa
+
+    if column.num_chunks > 1:
+        try:
+            column = pa.chunked_array([column.combine_chunks()])
+        except pa.ArrowException:  # over 2 GiB of string data: stays chunked
+            pass
+    try:
+        column.validate(full=True)
+    except pa.ArrowInvalid:
+        raw = column.cast(pa.large_binary() if pa.types.is_large_string(column.type) else pa.binary())
+        return pa.chunked_array(
+            [pa.array([None if v is None else v.decode("utf-8", errors="replace") for v in raw.to_pylist()], type=column.type)]
+        )
+    return column
+
+
+def _pandas_strings(column: Any) -> Any:
+    """An Arrow string column as pandas' ``str`` dtype without a copy.
+
+    Arrow-backed, so GE's ``astype(str)`` is a no-op and pandas runs ``str.contains`` / ``str.len``
+    in Arrow (RE2) wherever that gives exactly Python's answer (pandas falls back to ``re`` itself
+    when it would not)."""
+    import numpy as np
+    import pandas as pd
+
+    return pd.Series(pd.arrays.ArrowStringArray(column, dtype=pd.StringDtype("pyarrow", na_value=np.nan)))
+
+
+def _re2_char_class(pattern: str) -> str | None:
+    """The RE2 spelling of a Python regex that is one character class, or None.
+
+    Built from the parsed class (code point ranges), so both engines accept exactly the same
+    characters; anything else (several nodes, categories like ``\\w``, flags) returns None."""
+    parsed = _sre_parse(pattern)
+    if parsed is None or parsed.state.flags & re.IGNORECASE or len(parsed.data) != 1:
+        return None
+    (op, av), = parsed.data
+    names = _sre_names()
+    if op == names["LITERAL"]:
+        return f"\\x{{{av:x}}}"
+    if op != names["IN"]:
+        return None
+    parts = []
+    for item_op, item_av in av:
+        if item_op == names["LITERAL"]:
+            parts.append(f"\\x{{{item_av:x}}}")
+        elif item_op == names["RANGE"]:
+            parts.append(f"\\x{{{item_av[0]:x}}}-\\x{{{item_av[1]:x}}}")
+        else:  # NEGATE, CATEGORY: leave those to Python
+            return None
+    return "[" + "".join(parts) + "]"
+
+
+def _char_share(text: Any, pattern: str) -> Any:
+    """Per row: characters matching ``pattern`` / all characters (0.0 for "", NaN for null), float64."""
+    import numpy as np
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    re2 = _re2_char_class(pattern)
+    if re2 is None:  # not a single class: Python's re, value by value (correct, slower)
+        bad = re.compile(pattern)
+        values = [np.nan if t is None else (len(bad.findall(t)) / len(t) if t else 0.0) for t in text.to_pylist()]
+        return np.asarray(values, dtype="float64")
+    bad_chars = pc.count_substring_regex(text, re2).cast(pa.float64())
+    lengths = pc.utf8_length(text).cast(pa.float64())
+    share = pc.if_else(pc.equal(lengths, 0.0), 0.0, pc.divide(bad_chars, lengths))
+    return share.to_numpy(zero_copy_only=False)  # nulls become NaN
+
+
+def _in_eval_split(text: Any, eval_doc_hashes: frozenset[str]) -> Any:
+    """Per row: sha256(UTF-8 text) in the eval split (object array of bool, None for null).
+
+    Only rows whose byte length is the length of some eval document can be equal to one, so with
+    ``EvalDocHashes`` (what ``load_eval_doc_hashes`` returns) only those are hashed."""
+    import numpy as np
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    flags = np.where(pc.is_null(text).to_numpy(zero_copy_only=False), None, False).astype(object)
+    if not eval_doc_hashes:
+        return flags
+    raw = text.cast(pa.large_binary() if pa.types.is_large_string(text.type) else pa.binary())
+    lengths = getattr(eval_doc_hashes, "byte_lengths", None)
+    if lengths is None:
+        maybe = pc.is_valid(raw)
+    else:
+        maybe = pc.fill_null(pc.is_in(pc.binary_length(raw), value_set=pa.array(sorted(lengths), pa.int64())), False)
+    rows = np.flatnonzero(maybe.to_numpy(zero_copy_only=False))
+    if len(rows):
+        for i, value in zip(rows.tolist(), raw.filter(maybe).to_pylist()):
+            flags[i] = hashlib.sha256(value).hexdigest() in eval_doc_hashes
+    return flags
+
+
 def _shard_frame(table: Any, contract: Contract, eval_doc_hashes: frozenset[str]) -> _Frame:
     import pandas as pd
 
     expected = _expected_types(contract)
     columns: dict[str, Any] = {}
-    decoded: dict[str, list[str | None]] = {}
+    texts: dict[str, Any] = {}
     usable: set[str] = set()
     typed_wrong: set[str] = set()
     for name in table.column_names:
         column = table.column(name)
         if _is_string_type(column.type):
-            decoded[name] = _decode_strings(column)
-            columns[name] = pd.Series(decoded[name], dtype="object")
+            texts[name] = _valid_text(column)
+            columns[name] = _pandas_strings(texts[name])
             usable.add(name)
         else:
             columns[name] = column.to_pandas()
@@ -187,21 +423,19 @@ def _shard_frame(table: Any, contract: Contract, eval_doc_hashes: frozenset[str]
         source = spec["column"]
         if source not in usable:
             continue  # the schema rules already report the missing / mistyped source column
-        values = decoded[source] if source in decoded else list(columns[source])
+        if source not in texts:
+            import pyarrow as pa
+
+            texts[source] = pa.chunked_array([pa.array(list(columns[source]))])
         if spec["kind"] == "char_share":
-            bad = re.compile(spec["pattern"])
-            columns[derived] = pd.Series(
-                [None if t is None else (len(bad.findall(t)) / len(t) if t else 0.0) for t in values], dtype="object"
-            )
+            columns[derived] = pd.Series(_char_share(texts[source], spec["pattern"]))
         elif spec["kind"] == "in_eval_split":
-            columns[derived] = pd.Series(
-                [None if t is None else _text_sha256(t) in eval_doc_hashes for t in values], dtype="object"
-            )
+            columns[derived] = pd.Series(_in_eval_split(texts[source], eval_doc_hashes), dtype="object")
         usable.add(derived)
     # One constructor call: adding columns one by one re-builds pandas 3's arrow-backed column index
     # each time, which cost more than the whole GE run of a small shard.
     frame = pd.DataFrame(columns, index=pd.RangeIndex(table.num_rows))
-    return _Frame(frame=frame, present=frozenset(usable), typed_wrong=frozenset(typed_wrong))
+    return _Frame(frame=frame, present=frozenset(usable), typed_wrong=frozenset(typed_wrong), texts=texts)
 
 
 def _expectation_index(config: Any, contract: Contract) -> int:
@@ -266,11 +500,23 @@ def _excerpt(value: Any, patterns: Sequence[str]) -> str:
     return shown[:SAMPLE_CHARS] + ("…" if len(clean) > SAMPLE_CHARS or len(shown) > SAMPLE_CHARS else "")
 
 
+def _plain(value: Any) -> Any:
+    """A frame value as plain Python: numpy scalars unwrapped, pandas' missing (NaN, NA) as None."""
+    if hasattr(value, "item") and not isinstance(value, (str, bytes)):
+        value = value.item()
+    if value is None or (isinstance(value, float) and value != value):
+        return None
+    if type(value).__name__ in ("NAType", "NaTType"):
+        return None
+    return value
+
+
 def _sample(result: dict[str, Any], column: str | None, patterns: Sequence[str]) -> list[str]:
     indexed = result.get("partial_unexpected_index_list") or []
     sample: list[str] = []
     if indexed and isinstance(indexed[0], dict):
         for row in indexed[:SAMPLE_SIZE]:
+            row = {k: _plain(v) for k, v in row.items()}
             doc_id = row.get("doc_id")
             label = _excerpt(doc_id, patterns) if doc_id is not None else f"<null doc_id> from {row.get('source')}"
             if column is None or column == "doc_id":
@@ -278,7 +524,7 @@ def _sample(result: dict[str, Any], column: str | None, patterns: Sequence[str])
             else:
                 sample.append(f"{label}: {_excerpt(row.get(column), patterns)}")
         return sample
-    return [_excerpt(v, patterns) for v in (result.get("partial_unexpected_list") or [])[:SAMPLE_SIZE]]
+    return [_excerpt(_plain(v), patterns) for v in (result.get("partial_unexpected_list") or [])[:SAMPLE_SIZE]]
 
 
 def _reason(validation_result: dict[str, Any], contract: Contract, rows: int) -> dict[str, Any]:
@@ -533,11 +779,71 @@ def _row_count_fails(kwargs: dict[str, Any], rows: int) -> bool:
     return high is not None and (rows >= high if kwargs.get("strict_max") else rows > high)
 
 
+PREFILTERED_EXPECTATIONS = frozenset({"expect_column_values_to_not_match_regex_list", "expect_column_values_to_not_match_regex"})
+"""Row-local rules that flag a row only when one of their patterns matches it. In the stacked run GE
+checks them on a copy of the column that keeps only the rows containing a required literal of some
+pattern (``required_literals``; null elsewhere, and GE skips nulls): a row without one cannot match,
+so the verdicts are the same, and GE's regexes (Python's ``re`` for a pattern RE2 would read
+differently) touch a handful of rows instead of every row. One RE2 scan for the literals finds them."""
+
+PREFILTERED_PREFIX = "__kiln_prefiltered_"
+
+
+def _re2_literal(text: str) -> str:
+    return "".join(c if c.isascii() and c.isalnum() else f"\\x{{{ord(c):x}}}" for c in text)
+
+
+def _prefiltered_columns(
+    shard: _Frame, contract: Contract, keep: Sequence[int]
+) -> tuple[dict[str, Any], dict[int, str], set[int]]:
+    """Prefiltered column copies for the stacked run (see ``PREFILTERED_EXPECTATIONS``).
+
+    Returns the new columns, which expectation reads which of them, and the expectations that
+    cannot flag any row of this stack (no row holds a required literal): GE need not run those.
+    """
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    new: dict[str, Any] = {}
+    moved: dict[int, str] = {}
+    cannot_fail: set[int] = set()
+    by_key: dict[tuple[str, frozenset[str]], str | None] = {}
+    for i in keep:
+        exp = contract.suite["expectations"][i]
+        kwargs = exp["kwargs"]
+        column = kwargs.get("column")
+        if exp["type"] not in PREFILTERED_EXPECTATIONS or column not in shard.texts or set(kwargs) - {"column", "regex", "regex_list"}:
+            continue
+        patterns = kwargs.get("regex_list") if "regex_list" in kwargs else [kwargs.get("regex")]
+        if not patterns or not all(isinstance(p, str) for p in patterns):
+            continue
+        literal_sets = [required_literals(p) for p in patterns]
+        if any(found is None for found in literal_sets):
+            continue  # a pattern without a required literal: GE checks every row
+        literals = frozenset().union(*literal_sets)  # type: ignore[arg-type]
+        key = (column, literals)
+        if key not in by_key:
+            text = shard.texts[column]
+            hits = pc.match_substring_regex(text, "|".join(_re2_literal(lit) for lit in sorted(literals)))
+            if not pc.any(hits, min_count=0).as_py():
+                by_key[key] = None
+            else:
+                name = f"{PREFILTERED_PREFIX}{len(new)}"
+                new[name] = _pandas_strings(pc.if_else(hits, text, pa.scalar(None, text.type)))
+                by_key[key] = name
+        if by_key[key] is None:
+            cannot_fail.add(i)
+        else:
+            moved[i] = by_key[key]  # type: ignore[assignment]
+    return new, moved, cannot_fail
+
+
 def _validate_stack(
     group: Sequence[_LoadedShard], contract: Contract, ge: _GreatExpectations, eval_doc_hashes: frozenset[str]
 ) -> list[ShardReport]:
     """Validate shards of one schema with one GE run over their stacked rows."""
     import numpy as np
+    import pandas as pd
     import pyarrow as pa
 
     def each_alone() -> list[ShardReport]:
@@ -556,20 +862,37 @@ def _validate_stack(
     frame = shard.frame
     index_columns = _index_columns(shard)
     try:
+        prefiltered, moved, cannot_fail = _prefiltered_columns(shard, contract, in_stack)
+    except Exception:  # noqa: BLE001 - the prefilter is an optimisation: per shard, the reference path decides
+        return each_alone()
+    # Prefiltered rules run on their own frame (same rows, same positions), so that the rules about
+    # the frame's columns never see the prefiltered copies.
+    runs = [(frame, tuple(i for i in in_stack if i not in moved and i not in cannot_fail))]
+    if moved:
+        side = pd.DataFrame({**{c: frame[c] for c in index_columns}, **prefiltered}, index=frame.index)
+        runs.append((side, tuple(i for i in in_stack if i in moved)))
+
+    def failing(data: Any, keep: tuple[int, ...]) -> list[dict[str, Any]]:
+        """Failed GE results of ``keep`` on ``data`` (COMPLETE: every unexpected row). Caller holds ``ge.lock``."""
+        columns = tuple((i, moved[i]) for i in keep if i in moved)
+        batch = ge.batch_definition.get_batch(batch_parameters={"dataframe": data})
+        verdicts = batch.validate(_suite(ge, contract, keep, columns), result_format="BOOLEAN_ONLY")
+        failed = tuple(sorted(_expectation_index(r.expectation_config, contract) for r in verdicts.results if not r.success))
+        if not failed:
+            return []
+        details = batch.validate(_suite(ge, contract, failed, tuple(c for c in columns if c[0] in failed)), result_format={"result_format": "COMPLETE"})
+        found = [r.to_json_dict() for r in details.results if not r.success]
+        if len(found) != len(failed) or any((r.get("exception_info") or {}).get("raised_exception") for r in found):
+            raise _StackFallback
+        return found
+
+    try:
         with ge.lock:
-            batch = ge.batch_definition.get_batch(batch_parameters={"dataframe": frame})
-            verdicts = batch.validate(_suite(ge, contract, in_stack), result_format="BOOLEAN_ONLY")
-            failed = tuple(sorted(_expectation_index(r.expectation_config, contract) for r in verdicts.results if not r.success))
-            results = []
-            if failed:
-                details = batch.validate(_suite(ge, contract, failed), result_format={"result_format": "COMPLETE"})
-                results = [r.to_json_dict() for r in details.results if not r.success]
-                if len(results) != len(failed) or any((r.get("exception_info") or {}).get("raised_exception") for r in results):
-                    raise _StackFallback
+            results = [r for data, keep in runs if keep for r in failing(data, keep)]
             alone_results: list[list[dict[str, Any]]] = [[] for _ in group]
             if alone:
                 for j in range(len(group)):
-                    own_rows = frame.iloc[starts[j] : starts[j + 1]].reset_index(drop=True)
+                    own_rows = shard.frame.iloc[starts[j] : starts[j + 1]].reset_index(drop=True)
                     part = _Frame(frame=own_rows, present=shard.present, typed_wrong=shard.typed_wrong)
                     alone_results[j] = _failed_results(ge, contract, part, alone)
     except ContractError:
@@ -580,7 +903,11 @@ def _validate_stack(
     reasons: list[list[dict[str, Any]]] = [[] for _ in group]
     for result in results:
         config = result["expectation_config"]
-        kind = classes[_expectation_index(config, contract)]
+        index = _expectation_index(config, contract)
+        kind = classes[index]
+        if index in moved:  # checked on a prefiltered copy: report it on the contract's column
+            original = expectations[index]["kwargs"]["column"]
+            config = {**config, "kwargs": {**config.get("kwargs", {}), "column": original}}
         column = config.get("kwargs", {}).get("column")
         if kind == _SCHEMA:  # same column names in every shard of the stack: same result
             for j, s in enumerate(group):
@@ -673,7 +1000,24 @@ def validate_shards(
     return [r for r in reports if r is not None]
 
 
-def load_eval_doc_hashes(corpus_dir: str | Path) -> frozenset[str]:
+class EvalDocHashes(frozenset):  # type: ignore[type-arg]
+    """sha256 hex digests of the eval split's texts, plus their UTF-8 byte lengths.
+
+    A plain frozenset of the digests works everywhere this does; the lengths only let validation
+    hash just the rows that could be equal to an eval document (same byte length)."""
+
+    byte_lengths: frozenset[int]
+
+    def __new__(cls, hashes: Iterable[str], byte_lengths: Iterable[int]) -> EvalDocHashes:
+        self = super().__new__(cls, hashes)
+        self.byte_lengths = frozenset(byte_lengths)
+        return self
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (EvalDocHashes, (frozenset(self), self.byte_lengths))
+
+
+def load_eval_doc_hashes(corpus_dir: str | Path) -> EvalDocHashes:
     """sha256 of every document text of the corpus' eval split (``eval/*.parquet``).
 
     No eval split → empty set (the contamination rule then has nothing to compare with). An eval
@@ -682,14 +1026,19 @@ def load_eval_doc_hashes(corpus_dir: str | Path) -> frozenset[str]:
     import pyarrow.parquet as pq
 
     hashes: set[str] = set()
+    lengths: set[int] = set()
     for path in sorted(Path(corpus_dir).glob(EVAL_GLOB)):
         try:
             column = pq.read_table(path, columns=["text"]).column("text")
             texts = _decode_strings(column)
         except Exception as exc:
             raise ContractError(f"cannot read the eval split {path} for the contamination rule: {exc}") from exc
-        hashes.update(_text_sha256(t) for t in texts if t is not None)
-    return frozenset(hashes)
+        for text in texts:
+            if text is not None:
+                data = text.encode("utf-8")
+                hashes.add(hashlib.sha256(data).hexdigest())
+                lengths.add(len(data))
+    return EvalDocHashes(hashes, lengths)
 
 
 def train_shards(corpus_dir: str | Path) -> list[Path]:

@@ -582,3 +582,76 @@ def test_validation_leaves_the_contract_untouched(clean_corpus) -> None:
     validate_shard(clean_corpus["train"][0], contract)
     assert (contract.suite, contract.sha256) == before
     assert contract.suite == json.loads(contract.path.read_text())
+
+
+# -- the vectorised parts of the stacked run ------------------------------------------------------------
+
+
+def test_every_shipped_secret_pattern_has_required_literals(stdlib_contract) -> None:
+    """Otherwise the stacked run falls back to GE's regexes over every row (correct, but slow)."""
+    found = {p: validation.required_literals(p) for p in stdlib_contract.secret_patterns}
+    assert all(found.values()), found
+    assert found["(?:AKIA|ASIA|ABIA|ACCA)[0-9A-Z]{16}\\b"] == {"AKIA", "ASIA", "ABIA", "ACCA"}
+    assert found["-----BEGIN (?:[A-Z0-9]+ )*PRIVATE KEY-----"] == {"PRIVATE KEY-----"}
+
+
+@pytest.mark.parametrize("pattern", ["a|bcd", "(?i)secret", "x(?i:abc)y", ".*", "\\w{20}", "[^a]{5}", "ab", "(?:abc)?z"])
+def test_required_literals_give_up_where_a_match_needs_no_literal(pattern: str) -> None:
+    assert validation.required_literals(pattern) is None
+
+
+def test_required_literals_are_sound_on_random_patterns_and_texts() -> None:
+    """Whenever Python's ``re`` finds a match, the text holds one of the required literals."""
+    import random
+
+    rng = random.Random(4)
+    atoms = ["ab", "abc", "b", "c", "[abc]", "[a-c]", "[^a]", ".", "\\w", "\\b", "(?:ab|ca)", "(?:abc|cab)", "a+", "(?:bc)+", "c*", "(?:ab)?", "x{2,3}", "(a)\\1"]
+    checked = 0
+    for _ in range(1000):
+        pattern = "".join(rng.choice(atoms) for _ in range(rng.randint(1, 5)))
+        if rng.random() < 0.2:
+            pattern = f"{pattern}|{rng.choice(atoms)}{rng.choice(atoms)}"
+        literals = validation.required_literals(pattern)
+        if literals is None:
+            continue
+        compiled = re.compile(pattern)
+        for _ in range(80):
+            text = "".join(rng.choice("abcx ") for _ in range(rng.randint(0, 12)))
+            if compiled.search(text):
+                checked += 1
+                assert any(lit in text for lit in literals), (pattern, text, literals)
+    assert checked > 200  # the property was exercised, not vacuous
+
+
+def test_char_share_in_arrow_equals_python(stdlib_contract) -> None:
+    pattern = stdlib_contract.derived_columns["kiln_text_bad_char_share"]["pattern"]
+    texts = ["", "plain", "tab\tand\nnewline", "bell\x07x", "\ufffd" * 3 + "abc", "c1 \x85 and é ü", "\x00", None, "日本語\x9f"]
+    arrow = validation._char_share(pa.chunked_array([pa.array(texts, pa.string())]), pattern)
+    bad = re.compile(pattern)
+    expected = [float("nan") if t is None else (len(bad.findall(t)) / len(t) if t else 0.0) for t in texts]
+    assert validation._re2_char_class(pattern) is not None  # the RE2 path ran
+    assert [None if v != v else v for v in arrow.tolist()] == [None if v != v else v for v in expected]
+    assert validation._re2_char_class("[\\w]") is None and validation._re2_char_class("ab") is None
+
+
+def test_stacked_run_checks_literal_hits_with_ge_and_matches_alone(clean_corpus, stdlib_contract, tmp_path: Path) -> None:
+    """A literal without a match stays healthy; a real match is found, sampled and redacted."""
+    table = pq.read_table(clean_corpus["train"][0])
+    texts = table.column("text").to_pylist()
+    near = _write(tmp_path / "near.parquet", parquet_bytes(table.set_column(1, "text", pa.array([texts[0] + " AKIA is a prefix", *texts[1:]]))))
+    key = "AKIA" + "QWERTYUIOPASDFGH"
+    hit = _write(tmp_path / "hit.parquet", parquet_bytes(table.set_column(1, "text", pa.array([*texts[:-1], texts[-1] + f" {key} "]))))
+    paths = [clean_corpus["train"][1], near, hit]
+    reports = validation.validate_shards(paths, stdlib_contract)
+    assert reports == _alone(paths, stdlib_contract, frozenset())
+    assert [r.verdict for r in reports] == ["healthy", "healthy", "quarantined"]
+    (reason,) = reports[2].reasons
+    assert (reason["expectation"], reason["column"], reason["unexpected_count"]) == ("expect_column_values_to_not_match_regex_list", "text", 1)
+    assert key not in json.dumps(reason) and validation.REDACTED in reason["sample"][0]
+
+
+def test_eval_lengths_only_narrow_which_rows_are_hashed(poisoned_corpus, stdlib_contract) -> None:
+    hashes = load_eval_doc_hashes(poisoned_corpus["out"])
+    assert isinstance(hashes, validation.EvalDocHashes) and hashes.byte_lengths
+    paths = validation.train_shards(poisoned_corpus["out"])
+    assert validation.validate_shards(paths, stdlib_contract, hashes) == validation.validate_shards(paths, stdlib_contract, frozenset(hashes))
