@@ -67,11 +67,12 @@ class Policy:
     """Data gate: the run fails (no retry) when more than this share of shards is quarantined."""
     validation_batch_shards: int
     """Smallest batch of shards per mapped validation task: one process (one GE import, ~4 s) and
-    one GE run check a batch. Batches grow so that there are never more than
-    ``validation_max_tasks`` of them."""
+    one stacked GE run (~0.1 s whatever the rows) check a batch, so a batch must be large for both
+    to vanish next to reading the shards (``benchmarks/validation_vs_pyarrow.py``: by batch size).
+    Batches grow so that there are never more than ``validation_max_tasks`` of them."""
     validation_max_tasks: int = 512
-    """Upper bound on mapped validation tasks: a 100,000-shard corpus gets 512 batches of ~196,
-    well below Airflow's ``max_map_length`` (1024)."""
+    """Upper bound on mapped validation tasks, well below Airflow's ``max_map_length`` (1024): with
+    batches of at least 500, a 100,000-shard corpus gets 200 tasks, a 1,000,000-shard one 512."""
     default_recipe: str
     """Recipe path relative to ``training/recipes``."""
     recipes_dir: Path
@@ -241,7 +242,7 @@ SANDBOX = Policy(
     corpus="stdlib-py",
     contract="stdlib-py@1",
     max_quarantine_share=0.5,
-    validation_batch_shards=4,
+    validation_batch_shards=500,
     default_recipe="tiny.toml",
     recipes_dir=RECIPES_DIR,
     nodes=1,
@@ -274,7 +275,7 @@ PRODUCTION = Policy(
     corpus="stdlib-py",
     contract="stdlib-py@1",
     max_quarantine_share=0.25,
-    validation_batch_shards=4,
+    validation_batch_shards=500,
     default_recipe="production/small.toml",
     recipes_dir=PRODUCTION_RECIPES_DIR,
     nodes=2,

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from kiln import pipeline
@@ -11,7 +13,7 @@ from kiln.policy import SANDBOX
 
 def test_shard_batches_cover_every_shard_once_in_order():
     snap = {"shards": [f"train/shard-{i:05d}.parquet" for i in range(10)]}
-    batches = pipeline.shard_batches(SANDBOX, snap)
+    batches = pipeline.shard_batches(dataclasses.replace(SANDBOX, validation_batch_shards=4), snap)
     assert [len(b) for b in batches] == [4, 4, 2]
     assert [s for b in batches for s in b] == snap["shards"]
 
