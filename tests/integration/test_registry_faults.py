@@ -411,3 +411,45 @@ def test_a_decision_made_against_an_older_champion_is_checked_again(
     tags = client.get_model_version(policy.target_model, record.version).tags
     assert float(tags["kiln.decision.champion_bits_per_byte"]) == 2.7
     assert (record.version, record.previous_version) == ("3", "2")
+
+
+def test_rollback_interrupted_before_the_alias_move_completes_once(
+    tmp_path, mlflow_uri, unique_name, logged_models, recording_client, monkeypatch
+):
+    """The connection drops as the rollback moves the alias (tags and audit event written): the
+    retry completes *that* rollback — same time, one audit event — instead of recording a second."""
+    from mlflow import MlflowClient
+
+    monkeypatch.setattr(registry, "_sleep", lambda s: None)
+    policy = production_policy(unique_name)
+    target = policy.target_model
+    for name, bpb in (("a", 3.0), ("b", 2.9)):
+        cand = make_candidate(tmp_path, name, bpb)
+        key = f"kiln_production/{name}-{unique_name}"
+        ref = registry.register_candidate(policy=policy, run_key=key, **cand.kwargs())
+        decision = registry.decide(cand.eval_report, registry.champion_report(policy), policy.gate)
+        registry.promote(policy=policy, candidate_version=ref["version"], decision=decision, approver="alice",
+                         run_key=key, approved_at=registry.utc_now())  # fmt: skip
+
+    log: list[tuple] = []
+    dropped: list[str] = []
+
+    def drop_first_alias_move(name: str, args: tuple[str, ...]) -> None:
+        if name == "set_registered_model_alias" and not dropped:
+            dropped.append(args[1])
+            raise ConnectionError("connection reset by peer (injected)")
+
+    real_client = registry._client
+    monkeypatch.setattr(registry, "_client", lambda: recording_client(real_client(), log, before=drop_first_alias_move))
+    record = registry.rollback(target, policy, "carol", reason="INC-9")
+
+    assert dropped == ["champion"] and (record.version, record.previous_version) == ("1", "2")
+    client = MlflowClient(mlflow_uri)
+    assert client.get_model_version_by_alias(target, "champion").version == "1"
+    tags = client.get_model_version(target, "1").tags
+    assert tags[registry.TAGS["rollback_at"]] == record.at
+    assert client.get_model_version(target, "2").tags[registry.TAGS["rolled_back_at"]] == record.at
+    rollbacks = [e for e in registry.audit_history(target, policy) if e["event"] == "rollback"]
+    assert len(rollbacks) == 1 and rollbacks[0]["at"] == record.at and rollbacks[0]["reason"] == "INC-9"
+    on_restored = [w[3] for w in log if w[0] == "set_model_version_tag" and w[2] == "1"]
+    assert len(on_restored) == len(set(on_restored)) == 5, f"the retry rewrote tags of the restored version: {on_restored}"
