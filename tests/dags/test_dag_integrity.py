@@ -25,7 +25,8 @@ def dagbag():
 
 def test_dagbag_has_no_import_errors(dagbag):
     assert dagbag.import_errors == {}
-    assert set(dagbag.dag_ids) == {p.dag_id for p in POLICIES.values()}
+    watches = {p.champion_watch_dag_id for p in POLICIES.values() if p.champion_watch_dag_id}
+    assert set(dagbag.dag_ids) == {p.dag_id for p in POLICIES.values()} | watches
 
 
 def test_dag_files_import_no_heavy_library():
@@ -90,3 +91,29 @@ def test_sandbox_form_rejects_bad_input(dagbag, name, value):
 def test_sandbox_form_accepts_its_defaults(dagbag):
     resolved = dagbag.dags["kiln_sandbox"].params.validate()
     assert resolved["recipe"] == "tiny.toml" and resolved["nodes"] == 1
+
+
+def test_champion_watch_is_scheduled_reviewed_and_runs_in_the_production_pool(dagbag):
+    from kiln.policy import PRODUCTION
+
+    watch = dagbag.dags[PRODUCTION.champion_watch_dag_id]
+    assert watch.timetable.expression == PRODUCTION.champion_watch_cron and watch.max_active_runs == 1
+    assert {str(getattr(t, "value", t)) for t in watch.allowed_run_types} == {"manual", "scheduled"}
+    for t in watch.tasks:
+        assert (t.owner, t.pool, t.priority_weight) == (PRODUCTION.owner, PRODUCTION.pool, PRODUCTION.priority_weight), t.task_id
+    review = watch.get_task("rollback_approval")
+    assert [u["id"] for u in review.assigned_users] == list(PRODUCTION.reviewers)
+    assert review.defaults == ["Reject"], "a review nobody answers must not roll back"
+    assert watch.get_task("rollback").upstream_task_ids >= {"rollback_approval"}
+    assert watch.get_task("watch_outcome").trigger_rule == "none_failed"
+
+
+def test_linked_tasks_carry_their_extra_links(dagbag):
+    from kiln.links import LINK_NAMES, TASK_LINKS
+
+    for policy in POLICIES.values():
+        dag = dagbag.dags[policy.dag_id]
+        for task_id, kinds in TASK_LINKS.items():
+            names = [link.name for link in dag.get_task(task_id).operator_extra_links]
+            assert names == [LINK_NAMES[k] for k in kinds], (policy.name, task_id)
+        assert not dag.get_task("snapshot").operator_extra_links

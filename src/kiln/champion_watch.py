@@ -1,0 +1,281 @@
+"""Scheduled re-evaluation of the serving champion, and the alias rollback it may propose.
+
+A champion was promoted on an evaluation made once, on the held-out split of the snapshot it was
+trained on. The data it serves moves on; that number goes stale. The ``kiln_champion_watch`` DAG
+(``kiln.dagfactory.build_champion_watch_dag``) runs these stages on the policy's
+``champion_watch_cron``::
+
+    reevaluate_stage     pin the registered corpus as it is now (DVC snapshot), evaluate the
+                         ``champion`` and ``previous`` versions' checkpoints on its held-out split
+    watch_decision       pure: the champion regressed beyond ``policy.gate.max_regression`` (against
+                         its recorded evaluation, or against ``previous`` on today's split)?
+                         → ``propose_rollback`` | ``ok`` | ``regressed_no_fallback`` | ``no_champion``
+    [review (HITL, the policy's reviewers; a timeout rejects)]
+    rollback_stage       only after an approval, and only if neither alias moved since the
+                         proposal: ``kiln.registry.rollback`` (audit tags: who, when, why)
+    watch_outcome_stage  says what happened; fails the run when the champion regressed and no
+                         version does better (a human must act: retrain or investigate)
+
+No Airflow here. Reads of the registry are plain ``MlflowClient`` calls; the only write is the
+registry's audited ``rollback``. The evaluation is the trainer's own entry point
+(``python -m kiln_trainer.evaluate``), the one the pipeline's evaluate stage uses, so today's
+number and the recorded one are computed the same way.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+from kiln import settings as kiln_settings
+from kiln.errors import ConfigError, ManifestError, PolicyError, RegistryError
+from kiln.fsutil import atomic_write_text
+from kiln.policy import Policy
+from kiln.refs import TrainingManifest, sha256_file
+
+log = logging.getLogger("kiln.champion_watch")
+
+PREVIOUS_ALIAS = "previous"
+"""== ``kiln.registry.PREVIOUS_ALIAS`` (the holder before the last promotion)."""
+ACTIONS = ("propose_rollback", "ok", "regressed_no_fallback", "no_champion")
+
+
+def _client():  # type: ignore[no-untyped-def]
+    from mlflow import MlflowClient
+
+    uri = kiln_settings.load().mlflow_uri
+    return MlflowClient(tracking_uri=uri, registry_uri=uri)
+
+
+def _by_alias(client: Any, model: str, alias: str) -> Any:
+    """The version holding ``alias`` (None: nobody holds it, or the model does not exist yet)."""
+    from mlflow.exceptions import MlflowException
+
+    try:
+        return client.get_model_version_by_alias(model, alias)
+    except MlflowException as exc:
+        if exc.error_code == "RESOURCE_DOES_NOT_EXIST" or "not found" in str(exc).lower():
+            return None
+        raise RegistryError(f"reading {model}@{alias}: {exc}") from exc
+
+
+def aliases(policy: Policy) -> dict[str, str | None]:
+    """``{"champion": version, "previous": version}`` of the policy's target model (None: unset)."""
+    client = _client()
+    return {
+        name: (None if mv is None else str(mv.version))
+        for name, mv in (("champion", _by_alias(client, policy.target_model, policy.alias)),
+                         ("previous", _by_alias(client, policy.target_model, PREVIOUS_ALIAS)))
+    }  # fmt: skip
+
+
+# ----------------------------------------------------------------------------------- re-evaluate
+def heldout_manifest(snapshot: dict[str, Any], policy: Policy, out: Path) -> Path:
+    """A TrainingManifest of the pinned snapshot for evaluation: its held-out ``eval/`` split.
+
+    Only ``eval_shards`` are read by the evaluator. ``shards`` lists the snapshot's training files
+    (path, sha256, rows) because the trainer's manifest reader refuses an empty list; nothing trains
+    from this manifest."""
+    import pyarrow.parquet as pq
+
+    root = Path(snapshot["path"])
+
+    def entry(path: Path) -> dict[str, Any]:
+        return {"path": str(path), "sha256": sha256_file(path), "rows": int(pq.read_metadata(path).num_rows)}
+
+    eval_shards = [entry(p) for p in sorted((root / "eval").glob("*.parquet"))]
+    if not eval_shards:
+        raise ConfigError(f"snapshot {snapshot['id']} of corpus {snapshot.get('corpus')!r} has no held-out split under eval/")
+    train = [entry(root / s) for s in snapshot["shards"] if (root / s).suffix == ".parquet" and (root / s).stat().st_size]
+    manifest = TrainingManifest.build(snapshot_id=snapshot["id"], corpus=snapshot["corpus"], contract=policy.contract,
+                                      shards=train, eval_shards=eval_shards, quarantined=[])  # fmt: skip
+    return manifest.write(out / "heldout-manifest.json")
+
+
+def evaluate_version(model: str, version: str, manifest: Path, out: Path) -> dict[str, Any]:
+    """Today's held-out evaluation of one registered version's checkpoint (its ``kiln.checkpoint``
+    tag), next to the evaluation recorded in its tags. The checkpoint must be the weights the
+    version was registered with (``kiln.weights_sha256``), or the comparison would be about
+    another model."""
+    from kiln.registry import version_report
+
+    recorded = version_report(model, version)
+    step_dir = Path(recorded.checkpoint)
+    if not (step_dir / "manifest.json").is_file():
+        raise ConfigError(
+            f"{model} version {version}: its checkpoint {step_dir} is not available here (pruned, or on "
+            "another machine); cannot re-evaluate it"
+        )
+    if not out.is_file():
+        proc = subprocess.run(
+            [sys.executable, "-m", "kiln_trainer.evaluate", "--checkpoint", str(step_dir), "--manifest", str(manifest),
+             "--out", str(out)],
+            capture_output=True, text=True,
+        )  # fmt: skip
+        for line in (proc.stdout + proc.stderr).splitlines()[-10:]:
+            log.info("[evaluate v%s] %s", version, line)
+        if proc.returncode != 0:
+            raise RegistryError(f"re-evaluation of {model} version {version} failed (exit {proc.returncode}): {proc.stderr[-1500:]}")
+    report = json.loads(out.read_text())
+    if report["weights_sha256"] != recorded.weights_sha256:
+        raise ManifestError(
+            f"{model} version {version}: checkpoint {step_dir} holds weights {report['weights_sha256'][:16]}…, "
+            f"the version was registered with {recorded.weights_sha256[:16]}…"
+        )
+    return {
+        "version": str(version),
+        "recorded_bits_per_byte": float(recorded.bits_per_byte),
+        "recorded_snapshot_id": recorded.snapshot_id,
+        "current_bits_per_byte": float(report["bits_per_byte"]),
+        "current_tokens": int(report["tokens"]),
+        "checkpoint": str(step_dir),
+    }
+
+
+def reevaluate_stage(policy: Policy, key: str) -> dict[str, Any]:
+    """Evaluate ``champion`` and ``previous`` on the held-out split of the registered corpus as it
+    is now. Read-only towards the registry; idempotent per run (reports are kept in the run dir)."""
+    from kiln.pipeline import run_dir, snapshot_stage
+
+    held = aliases(policy)
+    result: dict[str, Any] = {"model": policy.target_model, "alias": policy.alias, "champion": None, "previous": None}
+    if held["champion"] is None:
+        return result
+    snapshot = snapshot_stage(policy)
+    out = run_dir(key)
+    out.mkdir(parents=True, exist_ok=True)
+    manifest = heldout_manifest(snapshot, policy, out)
+    result["snapshot_id"] = snapshot["id"]
+    result["champion"] = evaluate_version(policy.target_model, held["champion"], manifest,
+                                          out / f"eval-v{held['champion']}.json")  # fmt: skip
+    if held["previous"] is not None and held["previous"] != held["champion"]:
+        result["previous"] = evaluate_version(policy.target_model, held["previous"], manifest,
+                                              out / f"eval-v{held['previous']}.json")  # fmt: skip
+    atomic_write_text(out / "reevaluation.json", json.dumps(result, indent=2, sort_keys=True) + "\n")
+    return result
+
+
+# -------------------------------------------------------------------------------------- decision
+def watch_decision(evaluation: dict[str, Any], tolerance: float) -> dict[str, Any]:
+    """Did the champion regress beyond ``tolerance`` (bits per byte, absolute), and is there a
+    version to roll back to? Pure; every number that decided is in the answer.
+
+    Regressed: today's bits per byte exceed the recorded ones by more than ``tolerance``, or exceed
+    ``previous``'s on today's split by more than ``tolerance``. A rollback is proposed only when
+    ``previous`` does better than the champion on today's split."""
+    if not (tolerance >= 0 and math.isfinite(tolerance)):
+        raise ConfigError(f"tolerance must be a finite number >= 0, got {tolerance!r}")
+    champion, previous = evaluation.get("champion"), evaluation.get("previous")
+    decision: dict[str, Any] = {
+        "model": evaluation.get("model"), "alias": evaluation.get("alias"), "tolerance": tolerance,
+        "snapshot_id": evaluation.get("snapshot_id"),
+        "champion_version": champion["version"] if champion else None,
+        "previous_version": previous["version"] if previous else None,
+    }  # fmt: skip
+    if not champion:
+        return {**decision, "action": "no_champion", "reasons": [f"nobody holds {evaluation.get('alias')}: nothing to watch"]}
+    now, recorded = champion["current_bits_per_byte"], champion["recorded_bits_per_byte"]
+    decision.update(champion_current_bits_per_byte=now, champion_recorded_bits_per_byte=recorded,
+                    previous_current_bits_per_byte=previous["current_bits_per_byte"] if previous else None)  # fmt: skip
+    reasons = []
+    drift = now - recorded if math.isfinite(now) else math.inf
+    regressed = drift > tolerance
+    reasons.append(
+        f"{'REGRESSED' if regressed else 'ok'}: champion v{champion['version']} {now:.4f} bits/byte on today's held-out "
+        f"split vs {recorded:.4f} recorded at promotion ({drift:+.4f}, tolerance {tolerance})"
+    )
+    better_previous = False
+    if previous:
+        gap = now - previous["current_bits_per_byte"] if math.isfinite(now) else math.inf
+        behind = gap > tolerance
+        regressed = regressed or behind
+        better_previous = gap > 0
+        reasons.append(
+            f"{'REGRESSED' if behind else 'ok'}: previous v{previous['version']} {previous['current_bits_per_byte']:.4f} "
+            f"bits/byte on the same split (champion {gap:+.4f})"
+        )
+    else:
+        reasons.append("no previous version to compare with or roll back to")
+    if not regressed:
+        action = "ok"
+    elif better_previous:
+        action = "propose_rollback"
+        reasons.append(f"propose: move {evaluation.get('alias')} back to v{previous['version']}")  # type: ignore[index]
+    else:
+        action = "regressed_no_fallback"
+        reasons.append("no version does better on today's split: retrain or investigate the data")
+    return {**decision, "action": action, "reasons": reasons}
+
+
+# -------------------------------------------------------------------------------------- rollback
+def rollback_stage(policy: Policy, proposal: dict[str, Any], approval: dict[str, Any], key: str) -> dict[str, Any]:
+    """Roll ``policy.alias`` back to ``previous``, after a human approved the proposal.
+
+    Refuses (``PolicyError``, no retry) when either alias moved since the proposal (a promotion or
+    another rollback in between): the approval was about other versions. A re-run after success
+    changes nothing (``kiln.registry.rollback`` is idempotent)."""
+    from kiln.registry import rollback
+
+    if proposal.get("action") != "propose_rollback":
+        raise PolicyError(f"nothing to roll back: the watch decided {proposal.get('action')!r}")
+    user = approval.get("responded_by_user") or {}
+    actor = str(user.get("name") or user.get("id") or "").strip()
+    if not actor or "Approve" not in (approval.get("chosen_options") or []):
+        raise PolicyError("a rollback needs a named reviewer's approval")
+    held = aliases(policy)
+    wanted_champion, wanted_previous = str(proposal["champion_version"]), str(proposal["previous_version"])
+    already = held["champion"] == wanted_previous and held["previous"] == wanted_previous
+    if not already and (held["champion"], held["previous"]) != (wanted_champion, wanted_previous):
+        raise PolicyError(
+            f"{policy.target_model} aliases moved since the proposal (then {policy.alias}=v{wanted_champion}, "
+            f"{PREVIOUS_ALIAS}=v{wanted_previous}; now {policy.alias}=v{held['champion']}, "
+            f"{PREVIOUS_ALIAS}=v{held['previous']}): not rolling back; the next watch run re-evaluates"
+        )
+    reason = (
+        f"champion watch {key}: v{wanted_champion} at {proposal['champion_current_bits_per_byte']:.4f} bits/byte on "
+        f"snapshot {proposal.get('snapshot_id')} (recorded {proposal['champion_recorded_bits_per_byte']:.4f}); "
+        f"v{wanted_previous} at {proposal['previous_current_bits_per_byte']:.4f}"
+    )
+    record = rollback(policy.target_model, policy, actor, reason=reason)
+    return {**record.to_json(), "reason": reason}
+
+
+def watch_outcome_stage(
+    policy: Policy, proposal: dict[str, Any] | None, approval: dict[str, Any] | None, rolled_back: dict[str, Any] | None,
+    key: str,
+) -> dict[str, Any]:
+    """How the watch ended, in words (``summary.json`` in the run dir). Fails the run (``PolicyError``,
+    no retry) when the champion regressed and nothing better exists: that needs a person."""
+    from kiln.pipeline import write_summary
+
+    if proposal is None:
+        raise ConfigError("the regression gate left no decision")
+    outcome: dict[str, Any] = {"decision": proposal["action"], "reasons": proposal["reasons"],
+                               "model": proposal.get("model"), "rolled_back": bool(rolled_back)}  # fmt: skip
+    if rolled_back:
+        outcome["message"] = (f"ROLLED BACK {rolled_back['registered_model']}@{rolled_back['alias']} to "
+                              f"v{rolled_back['version']} (from v{rolled_back.get('previous_version')}), approved by "
+                              f"{rolled_back['approver']}")  # fmt: skip
+    elif proposal["action"] == "propose_rollback":
+        user = (approval or {}).get("responded_by_user") or {}
+        if not approval or approval.get("timed_out"):
+            why = f"nobody answered within {policy.approval_timeout_s} s (assigned: {', '.join(policy.reviewers)})"
+        else:
+            why = f"rejected by {user.get('name') or user.get('id') or 'unknown'}"
+        outcome["message"] = f"rollback proposed but NOT applied: {why}; {policy.alias} unchanged"
+    elif proposal["action"] == "ok":
+        outcome["message"] = f"champion v{proposal['champion_version']} holds up: " + "; ".join(proposal["reasons"])
+    elif proposal["action"] == "no_champion":
+        outcome["message"] = proposal["reasons"][0]
+    else:
+        outcome["message"] = f"REGRESSED, nothing to roll back to: {'; '.join(proposal['reasons'])}"
+    write_summary(key, outcome)
+    if proposal["action"] == "regressed_no_fallback":
+        raise PolicyError(f"champion v{proposal['champion_version']} regressed and no version does better: "
+                          + "; ".join(proposal["reasons"]))  # fmt: skip
+    return outcome

@@ -1,0 +1,65 @@
+"""The champion watch's decision (pure) and the rollback's refusals that need no server."""
+
+from __future__ import annotations
+
+import pytest
+
+from kiln.champion_watch import rollback_stage, watch_decision
+from kiln.errors import ConfigError, PolicyError
+from kiln.policy import PRODUCTION
+
+
+def evaluation(now: float, recorded: float, previous_now: float | None = None) -> dict:
+    body = {"model": "m", "alias": "champion", "snapshot_id": "s.dir",
+            "champion": {"version": "2", "current_bits_per_byte": now, "recorded_bits_per_byte": recorded},
+            "previous": None}  # fmt: skip
+    if previous_now is not None:
+        body["previous"] = {"version": "1", "current_bits_per_byte": previous_now, "recorded_bits_per_byte": 4.0}
+    return body
+
+
+def test_within_tolerance_is_ok_even_if_previous_is_slightly_better():
+    d = watch_decision(evaluation(3.04, 3.0, previous_now=3.0), tolerance=0.05)
+    assert d["action"] == "ok" and d["champion_version"] == "2"
+
+
+def test_regression_against_the_record_proposes_a_rollback_to_a_better_previous():
+    d = watch_decision(evaluation(5.2, 2.4, previous_now=4.1), tolerance=0.05)
+    assert d["action"] == "propose_rollback" and d["previous_version"] == "1"
+    assert d["champion_current_bits_per_byte"] == 5.2 and d["champion_recorded_bits_per_byte"] == 2.4
+    assert "REGRESSED" in d["reasons"][0] and "v1" in d["reasons"][-1]
+
+
+def test_falling_behind_previous_on_todays_split_is_a_regression_too():
+    d = watch_decision(evaluation(3.0, 3.0, previous_now=2.8), tolerance=0.05)
+    assert d["action"] == "propose_rollback"
+
+
+def test_regression_without_a_better_version_is_not_a_rollback():
+    assert watch_decision(evaluation(5.0, 3.0), tolerance=0.05)["action"] == "regressed_no_fallback"
+    assert watch_decision(evaluation(5.0, 3.0, previous_now=5.5), tolerance=0.05)["action"] == "regressed_no_fallback"
+
+
+def test_non_finite_current_loss_is_a_regression():
+    assert watch_decision(evaluation(float("nan"), 3.0, previous_now=4.0), tolerance=0.05)["action"] == "propose_rollback"
+
+
+def test_nothing_serving_is_nothing_to_watch():
+    d = watch_decision({"model": "m", "alias": "champion", "champion": None, "previous": None}, tolerance=0.05)
+    assert d["action"] == "no_champion"
+
+
+@pytest.mark.parametrize("tolerance", [-0.1, float("inf")])
+def test_bad_tolerance_is_refused(tolerance):
+    with pytest.raises(ConfigError, match="tolerance"):
+        watch_decision(evaluation(3.0, 3.0), tolerance=tolerance)
+
+
+def test_rollback_refuses_without_a_proposal_or_a_named_approval():
+    proposal = watch_decision(evaluation(5.2, 2.4, previous_now=4.1), tolerance=0.05)
+    with pytest.raises(PolicyError, match="nothing to roll back"):
+        rollback_stage(PRODUCTION, {**proposal, "action": "ok"}, {"chosen_options": ["Approve"]}, "d/r")
+    with pytest.raises(PolicyError, match="named reviewer"):
+        rollback_stage(PRODUCTION, proposal, {"chosen_options": ["Approve"], "responded_by_user": {}}, "d/r")
+    with pytest.raises(PolicyError, match="named reviewer"):
+        rollback_stage(PRODUCTION, proposal, {"chosen_options": ["Reject"], "responded_by_user": {"name": "r"}}, "d/r")
