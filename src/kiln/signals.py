@@ -364,6 +364,9 @@ class QueueLatency:
     run_type: str
     task_id: str
     seconds: float
+    mapped: bool = False
+    """One index of a mapped task: fan-out batches queue behind each other for their pool's slots
+    by design (throughput), so alerts about waiting for *reserved* capacity leave them out."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -391,7 +394,7 @@ def queue_latencies(events: Iterable[Mapping[str, Any]]) -> QueueLatencies:
             if key4 not in running or float(e["start"]) < float(running[key4]["start"]):
                 running[key4] = e
     result = QueueLatencies()
-    for (dag_id, run_id, task_id, _map_index), e in sorted(running.items()):
+    for (dag_id, run_id, task_id, map_index), e in sorted(running.items()):
         group = (dag_id, e.get("pool") or "default_pool", e.get("run_type") or "")
         upstream = e.get("upstream") or []
         if upstream:
@@ -403,7 +406,8 @@ def queue_latencies(events: Iterable[Mapping[str, Any]]) -> QueueLatencies:
             result.unknown[group] = result.unknown.get(group, 0) + 1
             continue
         seconds = max(0.0, float(e["start"]) - float(ready))
-        result.known.append(QueueLatency(dag_id=dag_id, pool=group[1], run_type=group[2], task_id=task_id, seconds=seconds))
+        result.known.append(QueueLatency(dag_id=dag_id, pool=group[1], run_type=group[2], task_id=task_id, seconds=seconds,
+                                         mapped=map_index >= 0))  # fmt: skip
     return result
 
 
@@ -430,17 +434,18 @@ def read_queue_events(path: Path) -> tuple[list[dict[str, Any]], int]:
 
 
 def queue_samples(config: SignalsConfig) -> tuple[list[Sample], int]:
-    """Queue latency as a cumulative histogram per DAG, pool and run type (P99 is computed by
-    Prometheus with ``histogram_quantile``), and the count of latencies that could not be known."""
+    """Queue latency as a cumulative histogram per DAG, pool, run type and ``mapped`` (``"true"``
+    for the indexes of a mapped task; P99 is computed by Prometheus with ``histogram_quantile``),
+    and the count of latencies that could not be known."""
     events, bad = read_queue_events(config.queue_events)
     lat = queue_latencies(events)
-    groups: dict[tuple[str, str, str], list[float]] = defaultdict(list)
+    groups: dict[tuple[str, str, str, bool], list[float]] = defaultdict(list)
     for q in lat.known:
-        groups[(q.dag_id, q.pool, q.run_type)].append(q.seconds)
+        groups[(q.dag_id, q.pool, q.run_type, q.mapped)].append(q.seconds)
     name = "kiln_airflow_queue_latency_seconds"
     samples: list[Sample] = []
-    for (dag, pool, run_type), values in sorted(groups.items()):
-        group = {"dag": dag, "pool": pool, "run_type": run_type}
+    for (dag, pool, run_type, mapped), values in sorted(groups.items()):
+        group = {"dag": dag, "pool": pool, "run_type": run_type, "mapped": str(mapped).lower()}
         for bound in (*LATENCY_BUCKETS_S, math.inf):
             samples.append(Sample(f"{name}_bucket", _labels(**group, le=_fmt_value(bound)), sum(v <= bound for v in values)))
         samples.append(Sample(f"{name}_sum", _labels(**group), sum(values)))
@@ -458,7 +463,7 @@ HELP: dict[str, tuple[str, str]] = {
     "kiln_train_checkpoint_lag_steps": ("gauge", "steps since the last committed checkpoint"),
     "kiln_quarantine_share": ("gauge", "quarantined share of a snapshot's shards"),
     "kiln_policy_max_quarantine_share": ("gauge", "kiln.policy data-gate ceiling on the quarantined share"),
-    "kiln_airflow_queue_latency_seconds": ("histogram", "ready -> running of first tries, per DAG, pool, run type"),
+    "kiln_airflow_queue_latency_seconds": ("histogram", "ready -> running of first tries, per DAG, pool, run type, mapped"),
     "kiln_airflow_queue_latency_unknown_total": ("counter", "first tries whose ready time was not recorded"),
     "kiln_signals_parse_errors": ("gauge", "unreadable lines/files in the last scrape, per source"),
 }
@@ -541,28 +546,11 @@ def mlflow_run_url(mlflow_uri: str, dag_id: str, run_id: str, timeout: float = 3
     """The MLflow UI address of a DAG run's MLflow run (found by its ``kiln.run_key`` tag), or None.
 
     Plain REST calls (no mlflow import in the Airflow api-server); any failure is None, because a
-    missing link must not break the page that explains the run."""
-    import requests
+    missing link must not break the page that explains the run (``kiln.links.find_mlflow_run``)."""
+    from kiln.links import find_mlflow_run
 
-    from kiln.pipeline import run_key
-
-    policy = next((p for p in POLICIES.values() if p.dag_id == dag_id), None)
-    if policy is None:
-        return None
-    base = mlflow_uri.rstrip("/")
-    key = run_key(dag_id, run_id).replace("'", "")
-    try:
-        exp = requests.get(f"{base}/api/2.0/mlflow/experiments/get-by-name",
-                           params={"experiment_name": f"kiln-{policy.name}"}, timeout=timeout)
-        if exp.status_code != 200:
-            return None
-        exp_id = exp.json()["experiment"]["experiment_id"]
-        found = requests.post(f"{base}/api/2.0/mlflow/runs/search", timeout=timeout, json={
-            "experiment_ids": [exp_id], "filter": f"tags.`kiln.run_key` = '{key}'", "max_results": 1})
-        runs = found.json().get("runs", []) if found.status_code == 200 else []
-    except (requests.RequestException, ValueError, KeyError):
-        return None
-    return f"{base}/#/experiments/{exp_id}/runs/{runs[0]['info']['run_id']}" if runs else None
+    run = find_mlflow_run(None, dag_id, run_id, mlflow_uri=mlflow_uri, timeout=timeout)
+    return run.url() if run else None
 
 
 def _last_jsonl_record(path: Path, max_bytes: int = 65536) -> dict[str, Any] | None:

@@ -181,8 +181,8 @@ def test_queue_latency_is_ready_to_running():
         _finished("validate", T0 + 80, map_index=1),
         _running("gate", T0 + 81, upstream=["validate"]),  # ready when the last mapped index ended
     ]
-    got = sorted((q.task_id, q.seconds) for q in signals.queue_latencies(list(reversed(events))).known)
-    assert got == [("gate", 1.0), ("snapshot", 3.0), ("validate", 2.0), ("validate", 60.0)]
+    got = sorted((q.task_id, q.seconds, q.mapped) for q in signals.queue_latencies(list(reversed(events))).known)
+    assert got == [("gate", 1.0, False), ("snapshot", 3.0, False), ("validate", 2.0, True), ("validate", 60.0, True)]
 
 
 def test_queue_latency_skips_retries_and_cleared_runs_and_counts_unknown_ready_times():
@@ -231,11 +231,11 @@ def test_queue_events_file_round_trip_and_histogram(config):
         fh.write('{"kind": "running", "dag_id": "torn')  # a task appending right now
     got = _series(signals.render(config, now=T0))
     def bucket(le: str) -> float:
-        return got[f'kiln_airflow_queue_latency_seconds_bucket{{dag="kiln_sandbox",le="{le}",pool="kiln_sandbox",run_type="manual"}}']
+        return got[f'kiln_airflow_queue_latency_seconds_bucket{{dag="kiln_sandbox",le="{le}",mapped="false",pool="kiln_sandbox",run_type="manual"}}']
 
     assert [bucket(le) for le in ("1.0", "2.5", "5.0", "45.0", "60.0", "+Inf")] == [1, 1, 2, 2, 3, 3]
-    assert got['kiln_airflow_queue_latency_seconds_count{dag="kiln_sandbox",pool="kiln_sandbox",run_type="manual"}'] == 3
-    assert got['kiln_airflow_queue_latency_seconds_sum{dag="kiln_sandbox",pool="kiln_sandbox",run_type="manual"}'] == 54
+    assert got['kiln_airflow_queue_latency_seconds_count{dag="kiln_sandbox",mapped="false",pool="kiln_sandbox",run_type="manual"}'] == 3
+    assert got['kiln_airflow_queue_latency_seconds_sum{dag="kiln_sandbox",mapped="false",pool="kiln_sandbox",run_type="manual"}'] == 54
     assert got['kiln_signals_parse_errors{source="queue"}'] == 1
 
 
@@ -339,11 +339,11 @@ def test_mlflow_run_url_found_by_run_key_and_none_on_any_failure(monkeypatch):
         def json(self):
             return self._body
 
-    def get(url, params, timeout):
+    def get(url, params, timeout, auth=None):
         calls.append(("get", params["experiment_name"]))
         return Resp(200, {"experiment": {"experiment_id": "7"}})
 
-    def post(url, timeout, json):
+    def post(url, timeout, json, auth=None):
         calls.append(("post", json["filter"]))
         return Resp(200, {"runs": [{"info": {"run_id": "abc"}}]})
 
