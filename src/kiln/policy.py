@@ -89,6 +89,11 @@ class Policy:
     slurm_conf: str | None = None
     """The cluster's ``slurm.conf`` (``SLURM_CONF`` for sbatch/squeue/scancel) when the submit host's
     default (``/etc/slurm/slurm.conf``) is not the cluster to use."""
+    straggler_action: Literal["alert", "exclude_node"] = "alert"
+    """What a straggler flag from the trainer leads to (``kiln.launchers.stragglers.StragglerWatch``):
+    ``alert`` (metric, log line, MLflow tag, the launcher's log) or, on Slurm only, ``exclude_node``:
+    end the job and resubmit it with ``--exclude`` of the slow rank's node (it resumes from the last
+    committed checkpoint). Detection itself (factor, windows) is the recipe's ``[stragglers]``."""
     k8s_namespace: str = "kiln"
     """Kubernetes launcher: namespace of the TrainJobs, Kueue LocalQueue and WorkloadPriorityClass
     (production outranks sandbox: Kueue admits and may preempt in that order), the PVC holding run
@@ -139,6 +144,11 @@ class Policy:
                 raise PolicyError(f"policy {self.name!r} names model {model!r} it may not write")
         if self.name == "sandbox" and PRODUCTION_MODEL in self.writable_models:
             raise PolicyError("the sandbox policy may never write the production model")
+        if self.straggler_action not in ("alert", "exclude_node"):
+            raise PolicyError(f"straggler_action must be 'alert' or 'exclude_node', got {self.straggler_action!r}")
+        if self.straggler_action == "exclude_node" and self.launcher != "slurm":
+            raise PolicyError(f"straggler_action 'exclude_node' needs launcher 'slurm' (a scheduler that can place "
+                              f"the job elsewhere), not {self.launcher!r}")
         if not APPROVAL_TIMEOUT_MIN_S <= self.approval_timeout_s <= APPROVAL_TIMEOUT_MAX_S:
             raise PolicyError(
                 f"approval_timeout_s must be within [{APPROVAL_TIMEOUT_MIN_S}, {APPROVAL_TIMEOUT_MAX_S}] "

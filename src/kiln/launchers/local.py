@@ -93,6 +93,11 @@ def agent_env(spec: LaunchSpec) -> dict[str, str]:
     }
 
 
+AGENT_ENV = "KILN_LOCAL_AGENT"
+"""``KILN_LOCAL_AGENT=torchrun`` in a spec's env runs plain torchrun agents (a new interpreter per
+worker, 1 s monitor interval): the baseline of ``benchmarks/node_loss_recovery.py``, and a way back
+should forking workers ever misbehave."""
+
 MONITOR_INTERVAL_S = 0.2
 """How often an agent checks its workers (torchrun's ``--monitor-interval``, default 1 s here): a
 crashed worker, or a peer node waiting at the rendezvous, is noticed within this."""
@@ -108,6 +113,8 @@ def agent_argv(spec: LaunchSpec, node_rank: int, port: int) -> list[str]:
     """
     del node_rank
     argv = torchrun_argv(spec, f"127.0.0.1:{port}", rdzv_conf="is_host=false")
+    if spec.env.get(AGENT_ENV) == "torchrun":  # plain torchrun: the recovery benchmark's baseline
+        return argv
     assert argv[1:3] == ["-m", "torch.distributed.run"], argv[:3]
     argv[1:3] = ["-m", WORKER_MODULE, "--agent"]
     return [f"--monitor-interval={MONITOR_INTERVAL_S}" if a.startswith("--monitor-interval=") else a for a in argv]

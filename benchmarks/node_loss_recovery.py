@@ -1,0 +1,222 @@
+"""Node loss on 2 local nodes: crash -> first resumed step, and effective training time under kills.
+
+    .venv/bin/python benchmarks/run.py node_loss_recovery
+
+Real processes throughout: the local launcher's supervisor, 2 agents ("nodes") x 1 CPU worker, the
+``tiny`` recipe, one torch thread per rank, a checkpoint every 20 steps.
+
+- **crash -> first resumed step**: one job; after each of ``KILN_BENCH_KILLS`` committed checkpoints
+  a worker is SIGKILLed (alternating nodes) and the time from the kill to the end of the first
+  resumed step is read from the trainer's ``startup`` event (``first_step_unix``, written by rank 0
+  after its first step of each invocation). The event also splits the new worker's share: process
+  start, imports, rendezvous/init, data, model, resume, first step; the rest (agent noticing the
+  death, stopping the survivors, re-rendezvous) is ``agent_s``. Baseline: the same job and kills on
+  plain torchrun agents (``KILN_LOCAL_AGENT=torchrun``: a new interpreter per worker, 1 s monitor),
+  i.e. the local backend before its agents forked preloaded workers; ratio = fast / baseline
+  (medians). Goal: <= 10 s.
+- **effective training time**: the same number of steps with and without a worker SIGKILLed every
+  ``KILN_BENCH_KILL_EVERY_S`` (60) seconds; effective = uninterrupted wall time / wall time with the
+  kills, submit to result.json (goal >= 0.90). Both runs must end with the same ``weights_sha256``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+TINY = REPO / "training" / "recipes" / "tiny.toml"
+CKPT_EVERY = 20
+
+
+def _spec(run_dir: Path, manifest: Path, steps: int, *, baseline: bool = False, max_restarts: int = 8) -> Any:
+    from kiln.launchers import LaunchSpec
+
+    env = {"KILN_TORCH_THREADS": "1", "OMP_NUM_THREADS": "1"}
+    if baseline:
+        env["KILN_LOCAL_AGENT"] = "torchrun"
+    return LaunchSpec(run_dir=run_dir, manifest=manifest, recipe=TINY, run_key=f"bench-{run_dir.parent.name}",
+                      nodes=2, nproc_per_node=1, max_restarts=max_restarts, env=env,
+                      overrides=(f"train.steps={steps}", f"checkpoint.every_steps={CKPT_EVERY}",
+                                 "checkpoint.keep_last=2", "train.log_every=50", "optim.warmup_steps=10"))
+
+
+def _agents(run_dir: Path) -> dict[str, int]:
+    try:
+        return json.loads((run_dir / ".launch" / "status.json").read_text())["agents"]
+    except (OSError, ValueError, KeyError):
+        return {}
+
+
+def _worker_of(agent_pid: int) -> int | None:
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            if int(Path(f"/proc/{entry.name}/stat").read_text().rsplit(")", 1)[1].split()[1]) != agent_pid:
+                continue
+            if b"kiln.launchers.worker" in Path(f"/proc/{entry.name}/cmdline").read_bytes():
+                return int(entry.name)
+        except (OSError, ValueError, IndexError):
+            continue
+    return None
+
+
+def _committed(run_dir: Path) -> list[int]:
+    return sorted(int(p.parent.name.split("-")[1]) for p in (run_dir / "checkpoints").glob("step-*/manifest.json"))
+
+
+def _events(run_dir: Path, kind: str) -> list[dict[str, Any]]:
+    out = []
+    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        if record.get("event") == kind:
+            out.append(record)
+    return out
+
+
+def _wait(predicate, limit_s: float = 600.0) -> None:
+    deadline = time.monotonic() + limit_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise TimeoutError("benchmark gave up waiting")
+        time.sleep(0.02)
+
+
+def _kill_worker(run_dir: Path, node: str) -> float:
+    def found() -> bool:
+        pid = _worker_of(_agents(run_dir).get(node, -1))
+        return pid is not None
+
+    _wait(found)
+    pid = _worker_of(_agents(run_dir)[node])
+    assert pid is not None
+    t = time.time()
+    os.kill(pid, signal.SIGKILL)
+    return t
+
+
+def recovery_trial(root: Path, manifest: Path, kills: int, *, baseline: bool) -> list[dict[str, Any]]:
+    """One job, ``kills`` worker SIGKILLs, each after a fresh committed checkpoint past the last resume."""
+    from kiln.launchers import LocalLauncher, wait
+
+    run_dir = root / ("baseline" if baseline else "fast") / "run"
+    steps = CKPT_EVERY * (2 * kills + 3)
+    launcher = LocalLauncher()
+    handle = launcher.submit(_spec(run_dir, manifest, steps, baseline=baseline))
+    out = []
+    for i in range(kills):
+        target = CKPT_EVERY * (2 * i + 1)
+        _wait(lambda: len(_agents(run_dir)) == 2 and bool(_committed(run_dir)) and max(_committed(run_dir)) >= target)
+        t_kill = _kill_worker(run_dir, str(i % 2))
+        _wait(lambda: len(_events(run_dir, "startup")) >= i + 2)
+        event = _events(run_dir, "startup")[i + 1]
+        phases = {k: v for k, v in event["phases_s"].items() if v is not None}
+        worker_s = event["first_step_unix"] - event["process_start_unix"]
+        total = event["first_step_unix"] - t_kill
+        out.append({"crash_to_first_step_s": total, "agent_s": total - worker_s, "worker_s": worker_s, **phases})
+        print("k" if not baseline else "b", end="", flush=True)
+    status = wait(launcher, handle, log=lambda _line: None, poll_s=0.5)
+    assert status.state == "SUCCEEDED", status
+    return out
+
+
+def effective_time(root: Path, manifest: Path, steps: int, every_s: float) -> dict[str, Any]:
+    from kiln.launchers import LocalLauncher, wait
+
+    def timed(name: str, kill_every: float | None) -> tuple[float, str, int]:
+        run_dir = root / name / "run"
+        launcher = LocalLauncher()
+        t0 = time.time()
+        handle = launcher.submit(_spec(run_dir, manifest, steps, max_restarts=50))
+        kills = 0
+        next_kill = t0 + kill_every if kill_every else None
+        while not launcher.poll(handle).done:
+            if next_kill is not None and time.time() >= next_kill:
+                try:
+                    _kill_worker(run_dir, str(kills % 2))
+                    kills += 1
+                except (AssertionError, TimeoutError, ProcessLookupError):
+                    pass
+                next_kill = time.time() + kill_every
+            time.sleep(0.1)
+        wall = time.time() - t0
+        status = wait(launcher, handle, log=lambda _line: None)
+        assert status.state == "SUCCEEDED", status
+        result = json.loads((run_dir / "result.json").read_text())
+        print("e", end="", flush=True)
+        return wall, result["weights_sha256"], kills
+
+    clean_s, clean_sha, _ = timed("uninterrupted", None)
+    faulty_s, faulty_sha, kills = timed("killed", every_s)
+    return {"uninterrupted_s": clean_s, "with_kills_s": faulty_s, "kills": kills,
+            "same_weights": clean_sha == faulty_sha, "effective": clean_s / faulty_s}
+
+
+def main() -> dict[str, Any]:
+    kills = int(os.environ.get("KILN_BENCH_KILLS", "3"))
+    steps = int(os.environ.get("KILN_BENCH_EFFECTIVE_STEPS", "1500"))
+    every_s = float(os.environ.get("KILN_BENCH_KILL_EVERY_S", "60"))
+    sys.path.insert(0, str(REPO / "tests" / "integration"))
+    from training_manifests import stdlib_manifest
+
+    load = os.getloadavg()
+    t_start = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="kiln-bench-nodeloss-") as tmp:
+        root = Path(tmp)
+        manifest = stdlib_manifest(root, max_chars=300_000)
+        fast = recovery_trial(root / "r", manifest, kills, baseline=False)
+        base = recovery_trial(root / "r", manifest, kills, baseline=True)
+        eff = effective_time(root / "e", manifest, steps, every_s)
+    print(flush=True)
+    med = statistics.median
+    fast_s = med(t["crash_to_first_step_s"] for t in fast)
+    base_s = med(t["crash_to_first_step_s"] for t in base)
+
+    def phases(trials: list[dict[str, Any]]) -> dict[str, float]:
+        keys = [k for k in trials[0] if k != "crash_to_first_step_s"]
+        return {k: round(med(t[k] for t in trials if k in t), 2) for k in keys}
+
+    return {
+        "name": "Node loss on 2 local nodes: crash -> first resumed step, effective training time",
+        "baseline": (
+            f"crash -> first resumed step on plain torchrun agents (a new interpreter per worker, 1 s monitor "
+            f"interval), same job and kills, measured in the same run; ratio = fast agents / baseline, medians "
+            f"of {kills} worker SIGKILLs each (tiny recipe, 2 nodes x 1 CPU worker, checkpoint every {CKPT_EVERY})"
+        ),
+        "ratio": round(fast_s / base_s, 3),
+        "crash_to_first_resumed_step_s": round(fast_s, 2),
+        "crash_to_first_resumed_step_goal": "<= 10 s",
+        "baseline_crash_to_first_resumed_step_s": round(base_s, 2),
+        "effective_training_time": round(eff["effective"], 4),
+        "effective_training_time_goal": f">= 0.90 (a worker SIGKILLed every {every_s:.0f} s)",
+        "effective_same_weights_sha256": eff["same_weights"],
+        "load_avg_at_start": " ".join(f"{x:.1f}" for x in load),
+        "fast_phases_median_s": phases(fast),
+        "baseline_phases_median_s": phases(base),
+        "trials_s": {
+            "fast": [round(t["crash_to_first_step_s"], 2) for t in fast],
+            "baseline": [round(t["crash_to_first_step_s"], 2) for t in base],
+        },
+        "effective_run": {
+            "steps": steps,
+            "uninterrupted_s": round(eff["uninterrupted_s"], 1),
+            "with_kills_s": round(eff["with_kills_s"], 1),
+            "kills": eff["kills"],
+            "benchmark_wall_s": round(time.perf_counter() - t_start, 1),
+        },
+    }
+
+
+if __name__ == "__main__":
+    print(json.dumps(main(), indent=2))

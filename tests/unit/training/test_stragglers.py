@@ -1,0 +1,109 @@
+"""Straggler rule, its actions, the slow-rank fault switch and the per-rank Prometheus series (fast,
+no processes: the end-to-end run is tests/integration/test_stragglers.py)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from kiln_trainer import train as train_module
+from kiln_trainer.metrics import PrometheusTextfileSink
+from kiln_trainer.stragglers import StragglerMonitor, slow_ranks
+
+from kiln.errors import ConfigError
+from kiln.launchers.stragglers import StragglerPolicy, StragglerWatch, straggler_events
+
+
+def test_slow_ranks_compares_each_rank_with_the_others_median():
+    assert slow_ranks([0.1, 0.1, 0.35, 0.1], 3.0) == [(2, 0.35, 0.1)]
+    assert slow_ranks([0.1, 0.29], 3.0) == []
+    assert slow_ranks([0.5], 1.5) == []
+
+
+def test_monitor_flags_after_k_windows_reports_current_and_clears():
+    monitor = StragglerMonitor(factor=2.0, windows=3, nodes=["a", "b"])
+    seen = [monitor.observe(step, [0.1, 0.5]) for step in (5, 10)]
+    assert seen == [([], []), ([], [])] and monitor.current == -1
+    flags, cleared = monitor.observe(15, [0.1, 0.5])
+    assert [(f.rank, f.step, f.node) for f in flags] == [(1, 15, "b")] and cleared == []
+    assert monitor.current == 1 and flags[0].ratio == pytest.approx(5.0)
+    assert "rank 1 on node b at step 15" in flags[0].message
+    event = flags[0].to_event()
+    assert event["event"] == "straggler" and event["rank"] == 1 and event["node"] == "b"
+    assert monitor.observe(20, [0.1, 0.5]) == ([], [])  # one flag per streak
+    assert monitor.observe(25, [0.1, 0.11]) == ([], [1]) and monitor.current == -1
+
+
+def test_step_marks_subtract_the_time_blocked_in_collectives():
+    clock = train_module.StepClock(train_module.torch.device("cpu"))
+    marks = train_module.StepMarks(start=10.0, ready=10.3, reduced=10.8, end=11.0)
+    compute, wall = marks.compute_and_wall(clock)
+    assert (round(compute, 6), round(wall, 6)) == (0.5, 1.0)
+
+
+def test_slow_rank_fault_is_off_unless_asked_and_checks_its_settings(monkeypatch):
+    for name in ("KILN_FAULT_SLOW_RANK", "KILN_FAULT_SLOW_S", "KILN_FAULT_SLOW_FROM_STEP"):
+        monkeypatch.delenv(name, raising=False)
+    assert train_module.SlowRankFault.from_env() is None
+    monkeypatch.setenv("KILN_FAULT_SLOW_RANK", "1")
+    monkeypatch.setenv("KILN_FAULT_SLOW_FROM_STEP", "7")
+    assert train_module.SlowRankFault.from_env() == train_module.SlowRankFault(rank=1, seconds=0.2, from_step=7)
+    monkeypatch.setenv("KILN_FAULT_SLOW_S", "0")
+    with pytest.raises(train_module.TrainerError, match="KILN_FAULT_SLOW_S"):
+        train_module.SlowRankFault.from_env()
+    monkeypatch.setenv("KILN_FAULT_SLOW_S", "fast")
+    with pytest.raises(train_module.TrainerError, match="KILN_FAULT_SLOW_RANK"):
+        train_module.SlowRankFault.from_env()
+
+
+def test_prometheus_textfile_keeps_each_latest_value_and_labels_ranks(tmp_path):
+    sink = PrometheusTextfileSink(tmp_path / "m.prom", {"run_dir": "/r"})
+    sink.log(10, {"loss": 2.5, "tokens_per_s": 100.0})
+    sink.log(15, {"rank_step_times": [0.1, 0.4], "straggler_rank": 1, "scaling_efficiency": 0.25})
+    sink.log(16, {"event": "straggler", "rank": 1})  # events are not series
+    text = (tmp_path / "m.prom").read_text()
+    assert 'kiln_train_loss{run_dir="/r"} 2.5' in text  # from the earlier record, still there
+    assert 'kiln_train_straggler_rank{run_dir="/r"} 1.0' in text
+    assert 'kiln_train_rank_step_times{run_dir="/r",rank="1"} 0.4' in text
+    assert 'kiln_train_step{run_dir="/r"} 15' in text
+
+
+def _jsonl(path: Path, records: list[dict]) -> None:
+    with open(path, "a") as fh:
+        for r in records:
+            fh.write(json.dumps(r) + "\n")
+
+
+def test_watch_alerts_or_excludes_each_node_once_within_the_budget(tmp_path):
+    run = tmp_path
+    flag = {"event": "straggler", "ratio": 4.0, "message": "straggler: ..."}
+    _jsonl(run / "metrics.jsonl", [{"step": 5, "loss": 3.0}, {**flag, "step": 15, "rank": 1, "node": "n2"}])
+    alert = StragglerWatch(run_dir=run, policy=StragglerPolicy())
+    [action] = alert.poll()
+    assert action.kind == "alert" and "policy action: alert" in action.message
+    watch = StragglerWatch(run_dir=run, policy=StragglerPolicy(action="exclude_node", max_excluded=1))
+    [action] = watch.poll()
+    assert (action.kind, action.node) == ("exclude_node", "n2") and "exclude node n2" in action.message
+    assert watch.poll() == []  # nothing new
+    _jsonl(run / "metrics.jsonl", [{**flag, "step": 40, "rank": 0, "node": "n2"},
+                                   {**flag, "step": 60, "rank": 3, "node": "n5"},
+                                   {**flag, "step": 80, "rank": 2, "node": ""}])
+    again, over_budget, unnamed = watch.poll()
+    assert again.kind == "alert" and "already excluded" in again.reason
+    assert over_budget.kind == "alert" and "max_excluded=1" in over_budget.reason
+    assert unnamed.kind == "alert" and "did not name" in unnamed.reason
+    assert watch.excluded == ["n2"]
+
+
+def test_straggler_events_reads_whole_lines_only(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    path.write_text(json.dumps({"event": "straggler", "step": 5, "rank": 1, "node": "x"}) + "\n" + '{"event": "strag')
+    events, offset = straggler_events(path)
+    assert [e.rank for e in events] == [1] and offset < path.stat().st_size
+    assert straggler_events(tmp_path / "missing.jsonl", 7) == ([], 7)
+
+
+def test_policy_names_a_bad_exclusion_budget():
+    with pytest.raises(ConfigError, match="max_excluded"):
+        StragglerPolicy(max_excluded=-1)
