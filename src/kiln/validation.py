@@ -742,7 +742,15 @@ def _validate_alone(
     return _judged(loaded, contract, [_reason(r, contract, loaded.rows) for r in results])
 
 
-def _stackable(loaded: _LoadedShard, contract: Contract) -> bool:
+def _source_columns(contract: Contract) -> frozenset[str]:
+    """The shard columns the contract's rules read (derived columns replaced by their sources)."""
+    derived = contract.derived_columns
+    needed = {c for e in contract.suite["expectations"] for c in _columns_of(e) if c not in derived}
+    needed.update(spec["column"] for spec in derived.values())
+    return frozenset(needed)
+
+
+def _stackable(loaded: _LoadedShard, contract: Contract, needed: frozenset[str] | None = None) -> bool:
     """Whether the shard can share a GE run: every rule runs on it, on string columns.
 
     A shard with a missing or mistyped column runs a subset of the rules (``_runnable``), and a
@@ -750,11 +758,9 @@ def _stackable(loaded: _LoadedShard, contract: Contract) -> bool:
     those shards are validated alone (rare, and they are quarantined anyway).
     """
     schema = loaded.table.schema
-    derived = contract.derived_columns
-    needed = {c for e in contract.suite["expectations"] for c in _columns_of(e) if c not in derived}
-    needed.update(spec["column"] for spec in derived.values())
     names = schema.names
-    return all(names.count(c) == 1 and _is_string_type(schema.field(c).type) for c in needed)
+    columns = _source_columns(contract) if needed is None else needed
+    return all(names.count(c) == 1 and _is_string_type(schema.field(c).type) for c in columns)
 
 
 class _StackFallback(Exception):
@@ -968,6 +974,7 @@ def validate_shards(
     """
     contract = _as_contract(contract)
     ge = _great_expectations()
+    needed = _source_columns(contract)
     reports: list[ShardReport | None] = []
     pending: dict[tuple[tuple[str, str, bool], ...], list[tuple[int, _LoadedShard]]] = {}
     pending_rows = 0
@@ -985,7 +992,7 @@ def validate_shards(
         loaded = _load_shard(path, contract)
         if isinstance(loaded, ShardReport):
             reports.append(loaded)
-        elif not _stackable(loaded, contract):
+        elif not _stackable(loaded, contract, needed):
             reports.append(_validate_alone(loaded, contract, ge, eval_doc_hashes))
         else:
             reports.append(None)

@@ -653,5 +653,7 @@ def test_stacked_run_checks_literal_hits_with_ge_and_matches_alone(clean_corpus,
 def test_eval_lengths_only_narrow_which_rows_are_hashed(poisoned_corpus, stdlib_contract) -> None:
     hashes = load_eval_doc_hashes(poisoned_corpus["out"])
     assert isinstance(hashes, validation.EvalDocHashes) and hashes.byte_lengths
-    paths = validation.train_shards(poisoned_corpus["out"])
-    assert validation.validate_shards(paths, stdlib_contract, hashes) == validation.validate_shards(paths, stdlib_contract, frozenset(hashes))
+    paths = [_shard_of(poisoned_corpus, "eval_contamination"), _shard_of(poisoned_corpus, "secret")]
+    narrowed = validation.validate_shards(paths, stdlib_contract, hashes)
+    assert narrowed == validation.validate_shards(paths, stdlib_contract, frozenset(hashes))
+    assert [r.reasons[0]["column"] for r in narrowed] == ["kiln_text_in_eval_split", "text"]
