@@ -143,12 +143,16 @@ def effective_time(root: Path, manifest: Path, steps: int, every_s: float) -> di
         next_kill = t0 + kill_every if kill_every else None
         while not launcher.poll(handle).done:
             if next_kill is not None and time.time() >= next_kill:
-                try:
-                    _kill_worker(run_dir, str(kills % 2))
-                    kills += 1
-                except (AssertionError, TimeoutError, ProcessLookupError):
-                    pass
-                next_kill = time.time() + kill_every
+                # No waiting here: between restarts (or after the last step) there may be no worker;
+                # then try again on the next pass.
+                pid = _worker_of(_agents(run_dir).get(str(kills % 2), -1))
+                if pid is not None:
+                    try:
+                        os.kill(pid, signal.SIGKILL)
+                        kills += 1
+                        next_kill = time.time() + kill_every
+                    except ProcessLookupError:
+                        pass
             time.sleep(0.1)
         wall = time.time() - t0
         status = wait(launcher, handle, log=lambda _line: None)

@@ -45,6 +45,15 @@ Fault injection, for chaos tests only (never set in production)::
 poisons the batch window of step 12: its loss reads 1000x while the data salt is below
 ``KILN_FAULT_SPIKE_TIMES`` (default 1), i.e. the first ``TIMES`` draws of that window spike and a
 rollback's fresh draw is clean. A large ``TIMES`` makes every retry spike, so the guard gives up.
+``KILN_FAULT_SLOW_RANK=1 KILN_FAULT_SLOW_S=0.5 KILN_FAULT_SLOW_FROM_STEP=11`` makes rank 1 sleep
+0.5 s inside every step's compute from step 11 on (a straggler).
+
+Stragglers and scaling (``[stragglers]`` in the recipe): every ``every_steps`` steps the ranks
+all-gather their compute time per step (step time minus the time blocked in collectives); rank 0
+records ``rank_step_times``, ``straggler_rank`` (-1 when none) and ``scaling_efficiency`` and flags a
+rank slower than ``factor`` x the other ranks' median for ``windows`` windows (log line, a
+``straggler`` event in metrics.jsonl, MLflow tags ``kiln.straggler_rank``/``kiln.straggler``).
+Rank 0 also records where each invocation's start-up time went (``startup`` event and log line).
 """
 
 from __future__ import annotations
