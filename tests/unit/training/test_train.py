@@ -61,8 +61,17 @@ def test_result_checkpoints_and_metrics_of_a_run(ref_1rank: Path, corpus: Path) 
     assert m["tokens_per_s"] > 0 and m["wall_s"] > 0
     # keep_last=2: steps 8 was deleted, 16 and 24 remain.
     assert sorted(p.name for p in (ref_1rank / "checkpoints").iterdir()) == ["step-00000016", "step-00000024"]
-    lines = [json.loads(line) for line in (ref_1rank / "metrics.jsonl").read_text().splitlines()]
+    records = [json.loads(line) for line in (ref_1rank / "metrics.jsonl").read_text().splitlines()]
+    lines = [r for r in records if "loss" in r]
     assert [r["step"] for r in lines] == [4, 8, 12, 16, 20, 24]
+    # Straggler windows every 5 steps (one rank: its own compute time, never a straggler, no efficiency).
+    windows = [r for r in records if "rank_step_times" in r]
+    assert [w["step"] for w in windows] == [5, 10, 15, 20]
+    assert all(len(w["rank_step_times"]) == 1 and w["straggler_rank"] == -1 for w in windows)
+    assert not any("scaling_efficiency" in w for w in windows)
+    [startup] = [r for r in records if r.get("event") == "startup"]
+    assert startup["step"] == 1 and startup["resumed_from_step"] is None and startup["restart_count"] == 0
+    assert startup["first_step_unix"] >= startup["process_start_unix"] > 0
     assert {"loss", "tokens_per_s", "step_time", "data_wait_frac", "ckpt_block_s", "checkpoint_lag_steps"} <= set(
         lines[-1]
     )
