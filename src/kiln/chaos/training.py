@@ -112,16 +112,20 @@ def _step_dirs(run_dir: Path) -> list[tuple[int, Path]]:
     return checkpoint_dirs(run_dir)
 
 
-def _torn_write_in_flight(run_dir: Path, at_least: int) -> bool:
-    """A checkpoint of step >= ``at_least`` has state files on disk and no manifest yet."""
+def _torn_step(run_dir: Path, at_least: int) -> int | None:
+    """The step of a checkpoint (>= ``at_least``) with state files on disk and no manifest yet."""
     for step, step_dir in _step_dirs(run_dir):
         if step >= at_least and not (step_dir / "manifest.json").exists():
             try:
                 if any(step_dir.iterdir()):
-                    return True
+                    return step
             except OSError:
                 continue
-    return False
+    return None
+
+
+def _torn_write_in_flight(run_dir: Path, at_least: int) -> bool:
+    return _torn_step(run_dir, at_least) is not None
 
 
 def committed_problems(run_dir: Path) -> tuple[int, int, list[str]]:
@@ -220,7 +224,8 @@ def kill_trial(ctx: Context, index: int, manifest: Path, reference: str) -> Tria
         return TrialResult(family="kill", index=index, seed=ctx.seed, outcome="error", fault=fault, facts=facts,
                            detail=f"node {plan['node']}'s agent {agent} had no worker at the kill point")  # fmt: skip
     landed = last_logged_step(run_dir)
-    torn = _torn_write_in_flight(run_dir, 0)
+    torn_step = _torn_step(run_dir, 0)
+    torn = torn_step is not None
     os.kill(victim, signal.SIGKILL)
     lines: list[str] = []
     status = _follow(launcher, handle, lines)
@@ -248,7 +253,11 @@ def kill_trial(ctx: Context, index: int, manifest: Path, reference: str) -> Tria
             losses.append(f"lost {facts['steps_lost']} steps, more than the bound {bound} (+3)")
     elif status.state == "SUCCEEDED":
         losses.append("no 'resumed from' in the job log: the group did not restart from a checkpoint")
-    fault = fault.replace(">= ", "") if landed == plan["step"] else f"{fault} (landed at step {landed})"
+    if mid_save and torn:
+        fault = (f"SIGKILL {target} during the async write of checkpoint step {torn_step} (drawn: the first write "
+                 f"from step {plan['step']}); last logged step {landed}")
+    else:
+        fault = fault.replace(">= ", "") if landed == plan["step"] else f"{fault} (landed at step {landed})"
     return TrialResult(family="kill", index=index, seed=ctx.seed, outcome="lost" if losses else "recovered",
                        fault=fault, facts=facts, losses=losses,
                        detail="" if not losses else "\n".join(lines[-15:]))  # fmt: skip
