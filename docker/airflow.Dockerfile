@@ -35,7 +35,8 @@ COPY constraints.txt /opt/kiln/constraints.txt
 
 # Orchestration dependencies, each pinned by constraints.txt. This list is pyproject.toml's
 # `dependencies` WITHOUT torch, plus what the production-like stack needs on top of the embedded one
-# (celery provider for the CeleryExecutor over Redis, psycopg2 for the PostgreSQL metadata database).
+# (celery provider for the CeleryExecutor over Redis, psycopg2 + asyncpg for the PostgreSQL metadata database,
+# the FAB provider for per-DAG permissions).
 # The lock pins torch to a CPU build; torch is filtered out of the constraints here because it is
 # never installed in this image.
 RUN grep -v '^torch==' /opt/kiln/constraints.txt > /tmp/constraints.txt \
@@ -43,7 +44,9 @@ RUN grep -v '^torch==' /opt/kiln/constraints.txt > /tmp/constraints.txt \
         "apache-airflow==3.3.2" \
         apache-airflow-providers-standard \
         apache-airflow-providers-celery \
+        apache-airflow-providers-fab \
         psycopg2-binary \
+        asyncpg \
         "mlflow==3.17.2" \
         "dvc[s3]==3.67.1" \
         "great-expectations==1.24.1" \

@@ -10,12 +10,18 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("stack", help="start/stop the embedded Airflow + MLflow stack under KILN_HOME")
     p.add_argument("action", choices=("up", "down", "status"))
     p.add_argument("--timeout", type=float, default=180.0, help="seconds to wait for health (up)")
+    p.add_argument("--profile", choices=("embedded", "prodlike"), default="embedded",
+                   help="embedded (SQLite, LocalExecutor; default) or prodlike: PostgreSQL, Celery on Redis, "
+                        "MLflow on PostgreSQL + S3 (moto) with basic-auth, FAB per-DAG permissions "
+                        "(docs/production-stack.md)")
     p.set_defaults(func=handler)
 
 
 def handler(args: argparse.Namespace) -> int:
     from kiln import stack
 
+    if getattr(args, "profile", "embedded") == "prodlike":
+        from kiln import prodstack as stack  # same up/down/status interface
     if args.action == "up":
         stack.up(timeout=args.timeout)
     elif args.action == "down":

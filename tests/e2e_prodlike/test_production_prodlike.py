@@ -1,0 +1,109 @@
+"""The production DAG on the production-like topology, started as its schedule starts it.
+
+A corpus snapshot is pushed to the S3 remote (moto) and announced as the corpus Asset event by
+the ``corpus-publisher`` user; the scheduler starts an ``asset_triggered`` production run; its
+tasks run on the production Celery worker; a sandbox user's approval is refused (403) and the
+reviewer approves through the HITL REST endpoint; the ``champion`` alias and lineage tags are then
+read through MLflow's REST API with basic-auth, and the artifacts are in S3.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import requests
+
+pytestmark = [pytest.mark.slow, pytest.mark.e2e, pytest.mark.timeout(1500)]
+
+
+def _asset_triggered_run(admin, dag_id: str, timeout: float = 300.0) -> dict:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        runs = admin.request("GET", f"/dags/{dag_id}/dagRuns")["dag_runs"]
+        if runs:
+            assert len(runs) == 1, runs
+            return runs[0]
+        time.sleep(2)
+    raise AssertionError(f"no run of {dag_id} started within {timeout:.0f}s of the asset event")
+
+
+def test_asset_triggered_production_run_approved_by_reviewer(prodlike, login):
+    from kiln import settings as kiln_settings
+    from kiln.cli.snapshot import announce_snapshot
+    from kiln.corpus import build_corpus
+    from kiln.policy import PRODUCTION
+    from kiln.snapshot import create_snapshot
+
+    s = kiln_settings.load()
+    admin, publisher = login("admin"), login("corpus-publisher")
+    admin.wait_for_dag(PRODUCTION.dag_id, timeout=600)
+
+    # 1. a new corpus snapshot lands on the S3 remote and is announced: that is what starts production
+    build_corpus(s.corpus_root / PRODUCTION.corpus, shards=4, seed=5)
+    ref = create_snapshot(s.corpus_root / PRODUCTION.corpus, name=PRODUCTION.corpus).to_json()
+    assert ref["remote"].startswith("s3://"), ref
+    announce_snapshot(publisher, ref)
+    run = _asset_triggered_run(admin, PRODUCTION.dag_id)
+    assert run["run_type"] == "asset_triggered", run
+    _approve_and_check(prodlike, login, run["dag_run_id"], ref)
+
+
+def _approve_and_check(prodlike, login, run_id: str, ref: dict) -> None:
+    import boto3
+
+    from kiln import prodstack
+    from kiln import settings as kiln_settings
+    from kiln.airflow_client import AirflowAPIError
+    from kiln.demo import follow_run
+    from kiln.policy import PRODUCTION
+
+    s = kiln_settings.load()
+    st = prodstack.state(s)
+    admin = login("admin")
+    refused: dict[str, int] = {}
+
+    def review(ti):
+        if ti["task_id"] != "approval":
+            return
+        try:
+            login("sandbox-user").answer_hitl(PRODUCTION.dag_id, run_id, "approval", ["Approve"])
+        except AirflowAPIError as exc:
+            refused["status"] = exc.status
+        login("reviewer").answer_hitl(PRODUCTION.dag_id, run_id, "approval", ["Approve"])
+
+    final = follow_run(admin, PRODUCTION.dag_id, run_id, on_awaiting_input=review, timeout=1200, progress=print)
+    tis = admin.task_instances(PRODUCTION.dag_id, run_id)
+    states = {ti["task_id"]: ti["state"] for ti in tis}
+    assert final["state"] == "success", states
+    assert states["promote"] == "success", states
+    assert refused.get("status") == 403, "a sandbox user was able to answer a production approval"
+    # every task went through Celery to the production queue (and so the production identity's worker)
+    assert {ti["queue"] for ti in tis if ti["state"] == "success"} == {"kiln-production"}
+    worker_log = (prodstack.root(s) / "logs" / "worker-production.log").read_text(errors="replace")
+    assert run_id in worker_log, "the production worker did not run this run's tasks"
+
+    # 2. MLflow through its REST API, with basic-auth: no credentials -> 401
+    api = f"{prodlike['mlflow']}/api/2.0/mlflow"
+    query = {"name": PRODUCTION.target_model, "alias": "champion"}
+    assert requests.get(f"{api}/registered-models/alias", params=query, timeout=30).status_code == 401
+    reader = (prodstack.MLFLOW_IDENTITIES["sandbox"], st["mlflow_passwords"][prodstack.MLFLOW_IDENTITIES["sandbox"]])
+    resp = requests.get(f"{api}/registered-models/alias", params=query, auth=reader, timeout=30)
+    assert resp.status_code == 200, resp.text
+    version = resp.json()["model_version"]
+    tags = {t["key"]: t["value"] for t in version.get("tags", [])}
+    snap = admin.xcom(PRODUCTION.dag_id, run_id, "snapshot")
+    assert snap["id"] == ref["id"] == tags["kiln.snapshot_id"]
+    assert tags["kiln.dvc"] == snap["dvc"] and tags["kiln.contract"] == PRODUCTION.contract
+    assert tags["kiln.airflow.run_id"] == run_id
+    assert tags["kiln.promotion.approver"] == "reviewer"
+    # the sandbox identity reads production but cannot move its alias
+    moved = requests.post(f"{api}/registered-models/alias", auth=reader, timeout=30,
+                          json={"name": PRODUCTION.target_model, "alias": "champion", "version": version["version"]})
+    assert moved.status_code == 403, moved.text
+
+    # 3. artifacts and snapshots are in S3 (moto)
+    s3 = boto3.client("s3", endpoint_url=prodlike["s3"], region_name="us-east-1",
+                      aws_access_key_id=st["s3_access_key_id"], aws_secret_access_key=st["s3_secret_access_key"])
+    for bucket in st["buckets"].values():
+        assert s3.list_objects_v2(Bucket=bucket).get("KeyCount", 0) > 0, f"nothing in s3://{bucket}"

@@ -1,0 +1,48 @@
+"""kiln.prodstack without services: routing and credential separation of the Celery workers."""
+
+from __future__ import annotations
+
+import json
+import stat
+from types import SimpleNamespace
+
+import pytest
+
+from kiln import prodstack
+from kiln import settings as kiln_settings
+from kiln.policy import PRODUCTION, SANDBOX
+
+
+def test_task_policy_routes_each_policy_dag_to_its_queue():
+    for dag_id, queue in ((PRODUCTION.dag_id, "kiln-production"), (SANDBOX.dag_id, "kiln-sandbox")):
+        task = SimpleNamespace(dag_id=dag_id, queue="default")
+        prodstack.task_policy(task)
+        assert task.queue == queue
+    other = SimpleNamespace(dag_id="someone_elses_dag", queue="default")
+    prodstack.task_policy(other)
+    assert other.queue == "default"
+
+
+def test_state_is_private_and_workers_hold_only_their_identity(tmp_path, monkeypatch):
+    monkeypatch.setenv("KILN_HOME", str(tmp_path / "kiln"))
+    monkeypatch.setattr(prodstack, "_free_redis_db", lambda: 7)
+    s = kiln_settings.load()
+    with pytest.raises(Exception, match="no production-like stack"):
+        prodstack.state(s)
+    st = prodstack.state(s, create=True)
+    path = prodstack.root(s) / "state.json"
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600 and stat.S_IMODE(prodstack.root(s).stat().st_mode) == 0o700
+    assert json.loads(path.read_text())["tag"] == st["tag"] and st["tag"] in st["databases"]["airflow"]
+    services = {svc.name: svc for svc in prodstack.services(s, st)}
+    prod_pw = st["mlflow_passwords"]["kiln-production"]
+    sandbox_pw = st["mlflow_passwords"]["kiln-sandbox"]
+    prod_env = json.dumps(services["worker-production"].env)
+    sandbox_env = json.dumps(services["worker-sandbox"].env)
+    assert prod_pw in prod_env and sandbox_pw not in prod_env
+    assert sandbox_pw in sandbox_env and prod_pw not in sandbox_env
+    assert "kiln-production" in services["worker-production"].argv
+    # no credential on any command line
+    secrets = [st["pg_password"], st["s3_secret_access_key"], *st["mlflow_passwords"].values(),
+               *st["airflow_passwords"].values()]
+    for svc in services.values():
+        assert not any(secret in arg for secret in secrets for arg in svc.argv), svc.name
