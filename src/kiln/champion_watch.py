@@ -85,13 +85,19 @@ def heldout_manifest(snapshot: dict[str, Any], policy: Policy, out: Path) -> Pat
 
     root = Path(snapshot["path"])
 
-    def entry(path: Path) -> dict[str, Any]:
-        return {"path": str(path), "sha256": sha256_file(path), "rows": int(pq.read_metadata(path).num_rows)}
+    def entry(path: Path) -> dict[str, Any] | None:
+        try:  # an unreadable training shard (the data gate would quarantine it) is simply not listed
+            return {"path": str(path), "sha256": sha256_file(path), "rows": int(pq.read_metadata(path).num_rows)}
+        except (OSError, ValueError):  # pyarrow's ArrowInvalid is a ValueError
+            return None
 
     eval_shards = [entry(p) for p in sorted((root / "eval").glob("*.parquet"))]
-    if not eval_shards:
-        raise ConfigError(f"snapshot {snapshot['id']} of corpus {snapshot.get('corpus')!r} has no held-out split under eval/")
-    train = [entry(root / s) for s in snapshot["shards"] if (root / s).suffix == ".parquet" and (root / s).stat().st_size]
+    if not eval_shards or None in eval_shards:
+        raise ConfigError(f"snapshot {snapshot['id']} of corpus {snapshot.get('corpus')!r} has no readable held-out "
+                          "split under eval/")  # fmt: skip
+    train = [e for e in (entry(root / s) for s in snapshot["shards"]) if e is not None]
+    if not train:
+        raise ConfigError(f"snapshot {snapshot['id']} has no readable training shard to list")
     manifest = TrainingManifest.build(snapshot_id=snapshot["id"], corpus=snapshot["corpus"], contract=policy.contract,
                                       shards=train, eval_shards=eval_shards, quarantined=[])  # fmt: skip
     return manifest.write(out / "heldout-manifest.json")

@@ -63,3 +63,26 @@ def test_rollback_refuses_without_a_proposal_or_a_named_approval():
         rollback_stage(PRODUCTION, proposal, {"chosen_options": ["Approve"], "responded_by_user": {}}, "d/r")
     with pytest.raises(PolicyError, match="named reviewer"):
         rollback_stage(PRODUCTION, proposal, {"chosen_options": ["Reject"], "responded_by_user": {"name": "r"}}, "d/r")
+
+
+def test_heldout_manifest_lists_the_eval_split_and_only_readable_training_shards(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from kiln.champion_watch import heldout_manifest
+    from kiln.refs import TrainingManifest
+
+    for sub in ("train", "eval"):
+        (tmp_path / sub).mkdir()
+    table = pa.table({"doc_id": ["a", "b"], "text": ["x = 1\n" * 20, "y = 2\n" * 20], "source": ["s", "s"]})
+    pq.write_table(table, tmp_path / "train" / "shard-0.parquet")
+    (tmp_path / "train" / "shard-1.parquet").write_bytes(b"PAR1 not parquet")  # the gate would quarantine it
+    pq.write_table(table, tmp_path / "eval" / "eval-0.parquet")
+    snapshot = {"id": "abc.dir", "corpus": "c", "path": str(tmp_path), "shards": ["train/shard-0.parquet", "train/shard-1.parquet"]}
+    # Signed like any TrainingManifest; the evaluator's reader also wants a non-empty shard list.
+    manifest = TrainingManifest.read(heldout_manifest(snapshot, PRODUCTION, tmp_path))
+    assert [s["path"] for s in manifest.shards] == [str(tmp_path / "train" / "shard-0.parquet")]
+    assert [s["path"] for s in manifest.eval_shards] == [str(tmp_path / "eval" / "eval-0.parquet")]
+    (tmp_path / "eval" / "eval-0.parquet").unlink()
+    with pytest.raises(ConfigError, match="no readable held-out split"):
+        heldout_manifest(snapshot, PRODUCTION, tmp_path)
