@@ -3,35 +3,37 @@
 # run again and again:
 #   1. migrate the Airflow metadata database (PostgreSQL);
 #   2. create kiln's pools (same slots as the embedded stack, kiln.stack.POOL_SLOTS);
-#   3. write the SimpleAuthManager passwords file from the environment (.env), mode 0600, into the
-#      volume the api-server reads it from;
+#   3. create kiln's FAB roles and users (kiln.fab_auth) with the passwords from the environment (.env);
 #   4. create the S3 buckets for the DVC remote and MLflow artifacts if they do not exist.
 set -euo pipefail
 
 : "${AIRFLOW_ADMIN_PASSWORD:?set AIRFLOW_ADMIN_PASSWORD in docker/.env}"
 : "${AIRFLOW_REVIEWER_PASSWORD:?set AIRFLOW_REVIEWER_PASSWORD in docker/.env}"
 : "${AIRFLOW_SANDBOX_PASSWORD:?set AIRFLOW_SANDBOX_PASSWORD in docker/.env}"
-: "${AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_PASSWORDS_FILE:?}"
+: "${AIRFLOW_PUBLISHER_PASSWORD:?set AIRFLOW_PUBLISHER_PASSWORD in docker/.env}"
 
 airflow db migrate
 airflow pools set kiln_sandbox 2 "kiln sandbox runs"
 airflow pools set kiln_production 2 "kiln production runs"
 
 python - <<'PY'
-import json, os, tempfile
+import json, os, subprocess, sys, tempfile
 
-path = os.environ["AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_PASSWORDS_FILE"]
 passwords = {
     "admin": os.environ["AIRFLOW_ADMIN_PASSWORD"],
     "reviewer": os.environ["AIRFLOW_REVIEWER_PASSWORD"],
     "demo-reviewer": os.environ["AIRFLOW_REVIEWER_PASSWORD"],
     "sandbox-user": os.environ["AIRFLOW_SANDBOX_PASSWORD"],
+    "corpus-publisher": os.environ["AIRFLOW_PUBLISHER_PASSWORD"],
 }
-fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path))
-with os.fdopen(fd, "w") as fh:
-    json.dump(passwords, fh)
-os.chmod(tmp, 0o600)
-os.replace(tmp, path)
+# mkstemp creates the file 0600; it never leaves this container and is deleted right after.
+fd, tmp = tempfile.mkstemp()
+try:
+    with os.fdopen(fd, "w") as fh:
+        json.dump(passwords, fh)
+    subprocess.run([sys.executable, "-m", "kiln.fab_auth", "provision", tmp], check=True)
+finally:
+    os.unlink(tmp)
 PY
 
 python - <<'PY'
