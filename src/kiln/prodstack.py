@@ -186,9 +186,8 @@ def _clear_redis(st: dict[str, Any]) -> int:
     import redis
 
     client = redis.Redis.from_url(f"{_redis_base()}/{st['redis_db']}")
+    # kombu's global_keyprefix covers every key Celery writes (queues, bindings, unacked sets).
     keys = list(client.scan_iter(match=f"{st['redis_prefix']}*", count=500))
-    # Celery's unacked/fanout bookkeeping may live outside the prefix; the DB index is ours alone.
-    keys += [k for k in client.scan_iter(match="_kombu*", count=500)]
     return client.delete(*keys) if keys else 0
 
 
