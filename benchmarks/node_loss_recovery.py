@@ -14,9 +14,12 @@ Real processes throughout: the local launcher's supervisor, 2 agents ("nodes") x
   plain torchrun agents (``KILN_LOCAL_AGENT=torchrun``: a new interpreter per worker, 1 s monitor),
   i.e. the local backend before its agents forked preloaded workers; ratio = fast / baseline
   (medians). Goal: <= 10 s.
-- **effective training time**: the same number of steps with and without a worker SIGKILLed every
-  ``KILN_BENCH_KILL_EVERY_S`` (60) seconds; effective = uninterrupted wall time / wall time with the
-  kills, submit to result.json (goal >= 0.90). Both runs must end with the same ``weights_sha256``.
+- **effective training time**: a run with a worker SIGKILLed every ``KILN_BENCH_KILL_EVERY_S`` (60)
+  seconds. Headline: measured inside that run, ``1 - lost / wall``, lost = for each kill the time
+  since the newest committed checkpoint (those steps are redone) + crash -> first resumed step
+  (goal >= 0.90). Beside it, against a baseline: the same steps uninterrupted, wall / wall (submit to
+  result.json) -- on this shared host the load drifts between the two runs by more than the kills
+  cost, so that ratio is noise-dominated. Both runs must end with the same ``weights_sha256``.
 """
 
 from __future__ import annotations
@@ -134,37 +137,46 @@ def recovery_trial(root: Path, manifest: Path, kills: int, *, baseline: bool) ->
 def effective_time(root: Path, manifest: Path, steps: int, every_s: float) -> dict[str, Any]:
     from kiln.launchers import LocalLauncher, wait
 
-    def timed(name: str, kill_every: float | None) -> tuple[float, str, int]:
+    def timed(name: str, kill_every: float | None) -> tuple[float, str, int, float]:
         run_dir = root / name / "run"
         launcher = LocalLauncher()
         t0 = time.time()
         handle = launcher.submit(_spec(run_dir, manifest, steps, max_restarts=50))
         kills = 0
+        commits: list[tuple[float, float]] = []  # (kill time, commit time of the newest checkpoint then)
         next_kill = t0 + kill_every if kill_every else None
         while not launcher.poll(handle).done:
             if next_kill is not None and time.time() >= next_kill:
                 # No waiting here: between restarts (or after the last step) there may be no worker;
                 # then try again on the next pass.
                 pid = _worker_of(_agents(run_dir).get(str(kills % 2), -1))
-                if pid is not None:
+                newest = _committed(run_dir)
+                if pid is not None and newest:
                     try:
+                        committed_at = (run_dir / "checkpoints" / f"step-{newest[-1]:08d}" / "manifest.json").stat().st_mtime
                         os.kill(pid, signal.SIGKILL)
+                        commits.append((time.time(), committed_at))
                         kills += 1
                         next_kill = time.time() + kill_every
-                    except ProcessLookupError:
+                    except (ProcessLookupError, FileNotFoundError):
                         pass
             time.sleep(0.1)
         wall = time.time() - t0
         status = wait(launcher, handle, log=lambda _line: None)
         assert status.state == "SUCCEEDED", status
         result = json.loads((run_dir / "result.json").read_text())
+        # Lost to each kill, measured inside this run (immune to the host's load drifting between
+        # two runs): the steps computed since the newest commit (redone) + crash -> first resumed step.
+        resumed = [e["first_step_unix"] for e in _events(run_dir, "startup")[1:]]
+        lost = sum(first - committed for (_kill, committed), first in zip(commits, resumed))
         print("e", end="", flush=True)
-        return wall, result["weights_sha256"], kills
+        return wall, result["weights_sha256"], kills, lost
 
-    clean_s, clean_sha, _ = timed("uninterrupted", None)
-    faulty_s, faulty_sha, kills = timed("killed", every_s)
-    return {"uninterrupted_s": clean_s, "with_kills_s": faulty_s, "kills": kills,
-            "same_weights": clean_sha == faulty_sha, "effective": clean_s / faulty_s}
+    clean_s, clean_sha, _, _ = timed("uninterrupted", None)
+    faulty_s, faulty_sha, kills, lost = timed("killed", every_s)
+    return {"uninterrupted_s": clean_s, "with_kills_s": faulty_s, "kills": kills, "lost_s": lost,
+            "same_weights": clean_sha == faulty_sha, "effective": clean_s / faulty_s,
+            "effective_in_run": 1 - lost / faulty_s}
 
 
 def main() -> dict[str, Any]:
@@ -202,8 +214,9 @@ def main() -> dict[str, Any]:
         "crash_to_first_resumed_step_s": round(fast_s, 2),
         "crash_to_first_resumed_step_goal": "<= 10 s",
         "baseline_crash_to_first_resumed_step_s": round(base_s, 2),
-        "effective_training_time": round(eff["effective"], 4),
+        "effective_training_time": round(eff["effective_in_run"], 4),
         "effective_training_time_goal": f">= 0.90 (a worker SIGKILLed every {every_s:.0f} s)",
+        "effective_training_time_vs_uninterrupted_run": round(eff["effective"], 4),
         "effective_same_weights_sha256": eff["same_weights"],
         "load_avg_at_start": " ".join(f"{x:.1f}" for x in load),
         "fast_phases_median_s": phases(fast),
@@ -217,6 +230,7 @@ def main() -> dict[str, Any]:
             "uninterrupted_s": round(eff["uninterrupted_s"], 1),
             "with_kills_s": round(eff["with_kills_s"], 1),
             "kills": eff["kills"],
+            "lost_s (redone steps + recovery)": round(eff["lost_s"], 1),
             "benchmark_wall_s": round(time.perf_counter() - t_start, 1),
         },
     }

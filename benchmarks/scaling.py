@@ -130,11 +130,13 @@ def _probe() -> None:
 
 
 def _fit(samples: dict[str, float]) -> tuple[float, float]:
-    xs = [float(k) for k in samples]
-    ys = list(samples.values())
-    mx, my = statistics.fmean(xs), statistics.fmean(ys)
-    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
-    return my - slope * mx, slope  # alpha (s), seconds per byte
+    """alpha = the median time of the small messages (<= 64 KiB, latency-bound); seconds per byte =
+    the slope between the two largest (bandwidth-bound). A least-squares line over all sizes is
+    dominated by the large ones and can give a negative alpha."""
+    points = sorted((int(k), v) for k, v in samples.items())
+    alpha = statistics.median(v for k, v in points if k <= 64 * 1024)
+    (x0, y0), (x1, y1) = points[-2], points[-1]
+    return alpha, max(0.0, (y1 - y0) / (x1 - x0))
 
 
 def _env() -> dict[str, str]:

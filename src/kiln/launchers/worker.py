@@ -33,6 +33,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -92,6 +93,12 @@ def main(argv: list[str] | None = None) -> int:
 
 def forked_worker(*argv: str) -> int:
     """Entry point of a worker forked from the agent: ``main``, with its exit status as the process's."""
+    # A fork inherits the agent's handlers (torch elastic turns SIGTERM etc. into a Python exception,
+    # which a rank blocked in a collective would only see when the call returns): restore what a
+    # fresh interpreter has, so the agent's SIGTERM stops the rank at once.
+    for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT):
+        signal.signal(sig, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     code = main(list(argv))
     if code:
         sys.exit(code)  # SystemExit passes torch's wrappers: the agent sees this exit status
