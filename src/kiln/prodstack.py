@@ -262,6 +262,9 @@ def airflow_env(s: kiln_settings.Settings, st: dict[str, Any]) -> dict[str, str]
             # A loaded 2-core machine parses a DAG file in well over the default 50 s/30 s limits.
             "AIRFLOW__DAG_PROCESSOR__DAG_FILE_PROCESSOR_TIMEOUT": "300",
             "AIRFLOW__CORE__DAGBAG_IMPORT_TIMEOUT": "240",
+            # Tasks call the api-server's execution API; its 5 s default timed out (and the task was
+            # lost) with one busy api-server worker on a loaded machine.
+            "AIRFLOW__WORKERS__EXECUTION_API_TIMEOUT": "60",
             "AIRFLOW__SCHEDULER__ENABLE_HEALTH_CHECK": "False",
             "AIRFLOW__LOGGING__BASE_LOG_FOLDER": str(home / "logs"),
             "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "2",
