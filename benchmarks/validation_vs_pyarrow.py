@@ -216,7 +216,9 @@ def main() -> dict[str, Any]:
             "checks run in Arrow); the per-row derived checks in pyarrow.compute (RE2 control-char count, "
             "eval hashes only for rows of an eval document's byte length); the 8 secret regexes run by GE "
             "only on rows holding one of their required literals, found with one RE2 scan. GE still costs "
-            "~0.1-0.3 s per run whatever the rows, so small batches stay far above the read."
+            "~0.1-0.3 s per run whatever the rows, so small batches stay far above the read; a fresh task "
+            "process pays the import once more per batch. On a busy machine the wall ratio swings with the "
+            "other work (see the rounds); the CPU ratio is this process's own cost."
         ),
     }
 
