@@ -211,3 +211,9 @@ def test_checkpoint_lag_alert_fires_while_checkpoints_are_held_off_and_clears_af
     peak = values.index(max(values))
     assert max(values) > 200 and min(values[peak:]) < 200, values
     assert _active_alerts(url, "KilnUtilisationLow") == [], "a healthy CPU run is not under-utilised"
+    # Every trainer signal issue 9 lists reached Prometheus from the real run (straggler rank and
+    # scaling efficiency are checked with the straggler work), and the quarantine rate per snapshot.
+    for name in ("tokens_per_s", "step_time", "utilisation_ratio", "data_wait_frac", "ckpt_block_s", "checkpoint_lag_steps"):
+        scraped = _get(url, "/api/v1/query", query=f'count_over_time(kiln_train_{name}{{run="e2e-lag"}}[10m])')
+        assert scraped and scraped["result"], f"kiln_train_{name} was never scraped"
+    assert _get(url, "/api/v1/query", query='kiln_quarantine_share{snapshot="e2e.dir"}')["result"]
