@@ -98,12 +98,16 @@ def injected(point: KillPoint) -> Iterator[None]:
         mlflow.register_model = real_register
 
 
+START_LIMIT_S = 300.0
+"""A safety net for a loaded 2-core machine (the server's own default, 90 s, ran out at load 25)."""
+
+
 class _Server:
     def __init__(self, home: Path) -> None:
         from kiln.mlflow_server import start_server
         from kiln.netutil import free_port
 
-        self.handle = start_server(home, free_port())
+        self.handle = start_server(home, free_port(), timeout_s=START_LIMIT_S)
 
     def kill(self) -> None:
         from kiln.mlflow_server import kill_server
@@ -114,7 +118,7 @@ class _Server:
         from kiln.mlflow_server import restart_server
 
         if self.handle.poll() is not None:
-            self.handle = restart_server(self.handle)
+            self.handle = restart_server(self.handle, timeout_s=START_LIMIT_S)
 
 
 @dataclasses.dataclass
