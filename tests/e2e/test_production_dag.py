@@ -1,6 +1,12 @@
 """The production DAG under a real scheduler: pinned inputs, a human approval through the HITL
 REST endpoint (only assigned reviewers may answer), the champion alias moved with full lineage —
-and a rejected review that ends the run without promotion, saying so, champion untouched."""
+a rejected review that ends the run without promotion, saying so, champion untouched — and a
+review nobody answers: with the operator's timeout setting (an Airflow Variable, read when the
+DAG file is parsed) the scheduler applies the default (Reject) and the run says so in its outcome,
+its log and the candidate's MLflow tags. ``kiln audit`` then shows all three reviews.
+
+Runs against either stack mode: with ``KILN_MLFLOW_AUTH=basic`` the tasks act as the production
+MLflow identity and this test reads MLflow as the admin."""
 
 from __future__ import annotations
 
@@ -26,19 +32,58 @@ def _run_production(admin, login, answer: str, conf: dict) -> tuple[str, dict]:
             refused["status"] = exc.status
         login("reviewer").answer_hitl(PRODUCTION.dag_id, run_id, "approval", [answer])
 
-    final = follow_run(admin, PRODUCTION.dag_id, run_id, on_awaiting_input=review, timeout=780, progress=print)
+    # Generous: on a loaded 2-core machine one production run (300 steps on 2 agents) took 11 min.
+    final = follow_run(admin, PRODUCTION.dag_id, run_id, on_awaiting_input=review, timeout=1500, progress=print)
     states = {ti["task_id"]: ti["state"] for ti in admin.task_instances(PRODUCTION.dag_id, run_id)}
     assert final["state"] == "success", states
     assert refused.get("status") == 403, "a sandbox user was able to answer a production approval"
     return run_id, states
 
 
-def test_production_approve_then_reject(stack, admin, login):
+def _read_mlflow_as_admin(monkeypatch) -> None:
+    """Under basic-auth the test reads MLflow as the admin (after the stack started, so no Airflow
+    process inherits it); without auth there is nothing to do."""
+    from kiln import stack as kiln_stack
+
+    if kiln_stack.mlflow_auth_enabled():
+        monkeypatch.setenv("MLFLOW_TRACKING_USERNAME", kiln_stack.MLFLOW_ADMIN)
+        monkeypatch.setenv("MLFLOW_TRACKING_PASSWORD", kiln_stack.mlflow_passwords()[kiln_stack.MLFLOW_ADMIN])
+
+
+def _wait_for_doc(admin, dag_id: str, text: str, timeout: float = 240.0) -> None:
+    """Until the dag-processor has re-parsed the DAG file and its doc shows ``text``."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if text in (admin.request("GET", f"/dags/{dag_id}/details").get("doc_md") or ""):
+            return
+        time.sleep(3)
+    raise AssertionError(f"{dag_id} was not re-parsed with {text!r} within {timeout:.0f}s")
+
+
+def _patient(stack):
+    """``login(user)`` with a long HTTP timeout: on a loaded 2-core machine the api-server has
+    taken more than 30 s to answer a poll."""
+    from kiln import stack as kiln_stack
+    from kiln.airflow_client import AirflowClient
+
+    return lambda user: AirflowClient(stack["airflow"], user, kiln_stack.passwords()[user], timeout=180)
+
+
+@pytest.mark.timeout(3600)  # two full production runs and a review left to time out
+def test_production_approve_reject_and_timeout(stack, monkeypatch):
+    login = _patient(stack)
+    admin = login("admin")
     import mlflow
 
+    from kiln import registry
     from kiln import settings as kiln_settings
     from kiln.corpus import build_corpus
+    from kiln.demo import follow_run
     from kiln.policy import PRODUCTION
+
+    _read_mlflow_as_admin(monkeypatch)
 
     s = kiln_settings.load()
     build_corpus(s.corpus_root / PRODUCTION.corpus, shards=8, seed=11, poison=("null_text", "zero_bytes"))
@@ -67,6 +112,44 @@ def test_production_approve_then_reject(stack, admin, login):
     assert client.get_model_version_by_alias(PRODUCTION.target_model, "champion").version == champion.version
     candidate2 = admin.xcom(PRODUCTION.dag_id, run2, "register_candidate")
     assert client.get_model_version(PRODUCTION.candidate_model, str(candidate2["version"])).tags["kiln.review"] == "rejected"
+    approval1 = admin.hitl_detail(PRODUCTION.dag_id, run_id, "approval")
+    assert registry._parse_time(tags["kiln.promotion.approved_at"]) == registry._parse_time(approval1["responded_at"])
+
+    # 3. nobody answers: the operator shortens the timeout (Variable, bounded, read at parse time),
+    # the review of run 2 is asked again (cleared in Airflow) and left alone until it times out.
+    variable = f"kiln_{PRODUCTION.name}_approval_timeout_s"
+    admin.request("POST", "/variables", json={"key": variable, "value": "60"}, ok=(200, 201))
+    try:
+        _wait_for_doc(admin, PRODUCTION.dag_id, "| `approval_timeout_s` | `60` |")
+        admin.request("POST", f"/dags/{PRODUCTION.dag_id}/clearTaskInstances", json={
+            "dry_run": False, "dag_run_id": run2, "task_ids": ["approval"], "include_downstream": True,
+            "only_failed": False, "reset_dag_runs": True, "run_on_latest_version": True,
+            "note": "e2e: the review is asked again and left unanswered",
+        })  # fmt: skip
+        final = follow_run(admin, PRODUCTION.dag_id, run2, timeout=600, progress=print)  # nobody answers
+    finally:
+        admin.request("DELETE", f"/variables/{variable}", ok=(200, 204, 404))
+    states3 = {ti["task_id"]: ti["state"] for ti in admin.task_instances(PRODUCTION.dag_id, run2)}
+    assert final["state"] == "success", states3
+    assert states3["approval"] == "success" and states3["promote"] == "skipped" and states3["outcome"] == "success"
+    detail = admin.hitl_detail(PRODUCTION.dag_id, run2, "approval")
+    assert detail["chosen_options"] == ["Reject"] and not detail.get("responded_by_user"), detail
+    outcome3 = admin.xcom(PRODUCTION.dag_id, run2, "outcome")
+    assert outcome3["promoted"] is False and outcome3["review"] == "timed out"
+    assert "the review timed out" in outcome3["message"] and "within 60 s" in outcome3["message"]
+    outcome_try = next(ti for ti in admin.task_instances(PRODUCTION.dag_id, run2) if ti["task_id"] == "outcome")
+    assert "NOT promoted: the review timed out" in admin.task_log(PRODUCTION.dag_id, run2, "outcome",
+                                                                 try_number=outcome_try["try_number"])  # fmt: skip
+    tags2 = client.get_model_version(PRODUCTION.candidate_model, str(candidate2["version"])).tags
+    assert tags2["kiln.review"] == "timed out" and tags2["kiln.review.by"].startswith("nobody")
+    assert client.get_model_version_by_alias(PRODUCTION.target_model, "champion").version == champion.version
+
+    # The audit trail tells it all: one promotion, and the three reviews in order.
+    events = registry.audit_history(PRODUCTION.target_model, PRODUCTION)
+    assert [(e["event"], e.get("decision")) for e in events] == [
+        ("promotion", "promote"), ("review", "approved"), ("review", "rejected"), ("review", "timed out"),
+    ], events
+    assert events[0]["actor"] == "reviewer" and events[0]["to_version"] == champion.version
 
 
 def test_production_refuses_overrides_of_pinned_inputs(stack, admin):
