@@ -34,7 +34,6 @@ from pathlib import Path
 from typing import Any, Literal
 
 from kiln.errors import ConfigError
-from kiln_trainer.stragglers import slow_ranks  # torch-free: the one rule, shared with the trainer
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -87,6 +86,10 @@ class StragglerDetector:
 
     def observe(self, step: int, rank_step_times: Sequence[float]) -> list[StragglerFlag]:
         """Feed one window; return the ranks whose slow streak reaches ``policy.windows`` now."""
+        # The one rule, shared with the trainer (torch-free); imported here because the Airflow
+        # image, which imports kiln.launchers, does not ship kiln_trainer.
+        from kiln_trainer.stragglers import slow_ranks
+
         times = [float(t) for t in rank_step_times]
         slow = {rank: (own, ref) for rank, own, ref in slow_ranks(times, self.policy.factor)}
         flags = []
