@@ -122,6 +122,7 @@ def test_a_bit_flip_in_a_committed_checkpoint_is_refused_by_resume_and_registrat
     assert result.facts["kind"] == "bitflip"
     assert result.outcome == "recovered", _explain(result)
     assert result.facts["verify_refused"] and result.facts["resume_refused"] and result.facts["register_refused"]
+    assert result.facts["completed"], "the resumed run must finish, the damaged step rewritten"
 
 
 @pytest.mark.slow

@@ -285,9 +285,23 @@ class CheckpointWriter:
         step_dir = root / step_dir_name(snap.step)
         if step_dir.exists():
             if _is_committed_cheap(step_dir):
-                raise CheckpointError(f"{step_dir} is already committed; refusing to overwrite it")
-            # A leftover of a save that was interrupted before its commit: never a checkpoint.
-            shutil.rmtree(step_dir)
+                try:
+                    verify_checkpoint(step_dir)
+                except CheckpointError as exc:
+                    # A damaged checkpoint that resume skipped (truncated or flipped file): the run
+                    # has come back to its step. Keep it for forensics, out of the step-NNNNNNNN
+                    # namespace that resume, retention and promotion read, and write the step anew.
+                    stamp = dt.datetime.now(dt.UTC).strftime("%Y%m%dT%H%M%S%f")
+                    aside = root / f"{step_dir.name}.damaged-{stamp}"
+                    log.warning("%s fails verification (%s); moved aside to %s, writing step %d again",
+                                step_dir, exc, aside.name, snap.step)
+                    os.replace(step_dir, aside)
+                    fsync_dir(root)
+                else:
+                    raise CheckpointError(f"{step_dir} is already committed; refusing to overwrite it")
+            else:
+                # A leftover of a save that was interrupted before its commit: never a checkpoint.
+                shutil.rmtree(step_dir)
         step_dir.mkdir()
         files: dict[str, str] = {}
         payloads = {

@@ -408,6 +408,12 @@ def run_corrupt(ctx: Context, indices: list[int]) -> list[TrialResult]:
                 facts["verify_refused"] = False
             except CheckpointError:
                 facts["verify_refused"] = True
+            # Promotion is asked first: the resumed run rewrites this step (the damaged directory
+            # is moved aside), after which the step directory holds a whole checkpoint again.
+            refused, why = _register_refused(victim, original, manifest)
+            facts["register_refused"] = refused
+            if not refused:
+                losses.append(f"register_candidate did not refuse it: {why}")
             resumed = run_trainer(manifest, run_dir, list(CORRUPT_BASE))
             steps = resumed_steps(resumed.stderr + resumed.stdout)
             facts["resume_exit"] = resumed.returncode
@@ -416,16 +422,13 @@ def run_corrupt(ctx: Context, indices: list[int]) -> list[TrialResult]:
                 why = f"resumed from step {steps[0]}" if steps else f"exit {resumed.returncode}, no resume line"
                 losses.append(f"resume did not pass over the damaged checkpoint ({why})"
                               + (f"; changed manifest field(s) {changed}" if changed else ""))
-            # Refusing the damaged step is the goal; what the run does when it reaches that step
-            # again is recorded apart: the writer treats a directory with a parseable manifest as
-            # committed and stops (exit 2) rather than overwrite it.
-            facts["blocked_at_damaged_step"] = resumed.returncode == 2 and "refusing to overwrite" in resumed.stderr
-            if resumed.returncode != 0 and not facts["blocked_at_damaged_step"]:
+            # Refusing the damaged step is the goal; on reaching that step again the writer moves
+            # the damaged directory aside (kept for forensics) and the run goes on to the end.
+            facts["moved_aside"] = any(p.name.startswith(newest.name + ".damaged-")
+                                       for p in (run_dir / "checkpoints").iterdir())
+            facts["completed"] = resumed.returncode == 0
+            if resumed.returncode != 0:
                 losses.append(f"the resumed run failed (exit {resumed.returncode}): {resumed.stderr.strip()[-300:]}")
-            refused, why = _register_refused(victim, original, manifest)
-            facts["register_refused"] = refused
-            if not refused:
-                losses.append(f"register_candidate did not refuse it: {why}")
             if changed:
                 facts["manifest_fields_changed"] = changed
             result = TrialResult(family="corrupt", index=index, seed=ctx.seed, outcome="lost" if losses else "recovered",
@@ -448,7 +451,8 @@ def summarize_corrupt(results: list[TrialResult]) -> list[str]:
     resume = sum(bool(r.facts.get("resume_refused")) for r in results)
     register = sum(bool(r.facts.get("register_refused")) for r in results)
     verify = sum(bool(r.facts.get("verify_refused")) for r in results)
-    blocked = sum(bool(r.facts.get("blocked_at_damaged_step")) for r in results)
+    completed = sum(bool(r.facts.get("completed")) for r in results)
+    aside = sum(bool(r.facts.get("moved_aside")) for r in results)
     kinds = {k: sum(r.facts.get("kind") == k for r in results) for k in ("truncate", "bitflip")}
     return [
         outcome_line(results),
@@ -457,9 +461,8 @@ def summarize_corrupt(results: list[TrialResult]) -> list[str]:
         f"refused by verify_checkpoint: {verify}/{len(results)}; by resume: {resume}/{len(results)} "
         f"({100 * resume / n:.0f}%, goal 100%); by register_candidate: {register}/{len(results)} "
         f"({100 * register / n:.0f}%, goal 100%)",
-        f"after passing over the damaged step, the resumed run stopped with exit 2 on reaching that step again "
-        f"(\"already committed; refusing to overwrite it\"): {blocked}/{len(results)} — a clear stop, nothing "
-        "loaded from the damage, but the run needs an operator to move the damaged directory aside",
+        f"resumed runs that finished: {completed}/{len(results)}; damaged directory moved aside (kept for "
+        f"forensics) when the run reached its step again: {aside}/{len(results)}",
     ]
 
 

@@ -18,7 +18,7 @@ from kiln_trainer.checkpoint import (
     restore_rng_state,
     weights_sha256,
 )
-from kiln_trainer.checkpoint_manifest import CheckpointError, latest_committed, verify_checkpoint
+from kiln_trainer.checkpoint_manifest import CheckpointError, checkpoint_dirs, latest_committed, verify_checkpoint
 from kiln_trainer.config import ModelConfig, Recipe
 from kiln_trainer.model import GPT
 from trainer_fixtures import write_checkpoints
@@ -111,3 +111,26 @@ def test_writer_refuses_to_overwrite_a_commit_and_reports_failures(tmp_path: Pat
     with pytest.raises(CheckpointError, match="already committed"):
         writer.wait()  # the background failure surfaces on the next wait/save
     writer.close()
+
+
+def test_writer_moves_a_damaged_commit_aside_and_writes_the_step_again(tmp_path: Path, caplog) -> None:
+    """Resume skipped a damaged newest checkpoint; when training reaches its step again the writer
+    must not stop the run on it (found by the chaos suite), nor delete the evidence."""
+    writer = write_checkpoints(tmp_path, [1])
+    damaged = tmp_path / "checkpoints" / "step-00000001"
+    model_file = damaged / "model.pt"
+    data = bytearray(model_file.read_bytes())
+    data[len(data) // 2] ^= 0x01  # one flipped bit: the manifest still parses, the hash does not match
+    model_file.write_bytes(bytes(data))
+    writer = CheckpointWriter(tmp_path, writer.identity, keep_last=3, async_save=True)
+    model = GPT(ModelConfig(n_layer=1, n_head=1, n_embd=8, block_size=8))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda i: 1.0)
+    with caplog.at_level("WARNING"):
+        writer.save(step=1, model=model, optimizer=optimizer, scheduler=scheduler, trainer_state={}, rng_blobs=[b"x"])
+        writer.close()
+    assert verify_checkpoint(damaged)["weights_sha256"] == weights_sha256(model.state_dict())
+    aside = [p for p in (tmp_path / "checkpoints").iterdir() if p.name.startswith("step-00000001.damaged-")]
+    assert len(aside) == 1 and (aside[0] / "model.pt").read_bytes() == bytes(data)
+    assert "fails verification" in caplog.text and "moved aside" in caplog.text
+    assert [d.name for _, d in checkpoint_dirs(tmp_path)] == ["step-00000001"]
