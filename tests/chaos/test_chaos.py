@@ -110,7 +110,8 @@ def test_worker_killed_during_an_async_checkpoint_write_resumes_to_identical_wei
     facts = result.facts
     assert facts["torn_write_at_kill"] and facts["weights_match"] and facts["corrupt_committed"] == 0
     # A write in flight when the worker died may still commit (rank 0 lives on): then nothing is lost.
-    assert facts["resumed_from_step"] <= facts["killed_at_step"]
+    # The last *logged* step can lag the step whose save was in flight (seen: logged 29, saving 30).
+    assert facts["resumed_from_step"] <= max(facts["killed_at_step"], facts["torn_step"])
 
 
 @pytest.mark.slow

@@ -231,7 +231,7 @@ def kill_trial(ctx: Context, index: int, manifest: Path, reference: str) -> Tria
     status = _follow(launcher, handle, lines)
     log_text = "\n".join(lines)
     resumed = resumed_steps(log_text)
-    facts.update(killed_at_step=landed, torn_write_at_kill=torn, state=status.state)
+    facts.update(killed_at_step=landed, torn_write_at_kill=torn, torn_step=torn_step, state=status.state)
     committed, leftovers, problems = committed_problems(run_dir)
     facts.update(committed_checkpoints=committed, uncommitted_leftovers=leftovers, corrupt_committed=len(problems))
     if problems:
