@@ -47,15 +47,18 @@ def test_stale_champion_is_rolled_back_after_approval(stack, login, tmp_path):
     from kiln.airflow_client import AirflowClient
     from kiln.corpus import build_corpus
     from kiln.demo import follow_run
-    from kiln.policy import PRODUCTION, RECIPES_DIR
+    from kiln.policy import PRODUCTION, RECIPES_DIR, GatePolicy
 
     s = kiln_settings.load()
     registered = s.corpus_root / PRODUCTION.corpus
     python = {"shards": 8, "seed": 11, "poison": ("null_text", "zero_bytes")}  # as the production e2e test builds it
     build_corpus(registered, **python)
     # Production's target model and gate; a tiny recipe on one node so that setup stays short.
+    # The gate is opened for the setup only: other e2e tests may already have promoted a better
+    # production champion on this shared stack, and the setup must install its own two versions.
     setup = dataclasses.replace(PRODUCTION, recipes_dir=RECIPES_DIR, default_recipe="tiny.toml", nodes=1,
-                                max_restarts=0, pinned_inputs=False)  # fmt: skip
+                                max_restarts=0, pinned_inputs=False,
+                                gate=GatePolicy(max_bits_per_byte=PRODUCTION.gate.max_bits_per_byte, max_regression=100.0))  # fmt: skip
     previous = _trained_and_promoted(setup, PRODUCTION.corpus, "e2e_watch_setup/previous", steps=30)
     bits = tmp_path / "bits"  # the bad build: .py files of random bits, built by the same corpus builder
     bits.mkdir()
