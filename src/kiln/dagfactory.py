@@ -318,10 +318,9 @@ def _with_operator_settings(policy: Policy) -> Policy:
     return policy.with_approval_timeout(Variable.get(name, default=None), f"Airflow Variable {name}")
 
 
-def build_dag(policy: Policy):  # noqa: C901 - one function so the wiring reads top to bottom
-    policy = _with_operator_settings(policy)
-    policy = _with_launcher_settings(policy)
-    default_args = {
+def _default_args(policy: Policy) -> dict[str, Any]:
+    """Task defaults every DAG of a policy shares: owner, retries, its pool and priority."""
+    return {
         "owner": policy.owner,
         "retries": policy.retries,
         "retry_delay": timedelta(seconds=20),
@@ -329,6 +328,12 @@ def build_dag(policy: Policy):  # noqa: C901 - one function so the wiring reads 
         "pool_slots": policy.pool_slots,
         "priority_weight": policy.priority_weight,
     }
+
+
+def build_dag(policy: Policy):  # noqa: C901 - one function so the wiring reads top to bottom
+    policy = _with_operator_settings(policy)
+    policy = _with_launcher_settings(policy)
+    default_args = _default_args(policy)
     schedule: Any = None
     allowed_run_types = ["manual"]
     if policy.schedule_cron:
@@ -500,14 +505,7 @@ def build_champion_watch_dag(policy: Policy):
     if not policy.reviewers:
         raise PolicyError(f"policy {policy.name!r}: a champion watch proposes rollbacks to reviewers, and it names none")
     policy = _with_operator_settings(policy)
-    default_args = {
-        "owner": policy.owner,
-        "retries": policy.retries,
-        "retry_delay": timedelta(seconds=20),
-        "pool": policy.pool,
-        "pool_slots": policy.pool_slots,
-        "priority_weight": policy.priority_weight,
-    }
+    default_args = _default_args(policy)
 
     @dag(
         dag_id=policy.champion_watch_dag_id,

@@ -47,6 +47,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from kiln.errors import ConfigError, RegistryError
+from kiln.fsutil import write_private
 from kiln.policy import POLICIES, Policy
 
 if TYPE_CHECKING:
@@ -81,14 +82,6 @@ def _check_password(what: str, password: str | None) -> str:
     return password
 
 
-def _write_private(path: Path, text: str) -> None:
-    """Create or replace ``path`` with mode 0600 from the first byte on (no world-readable window)."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.unlink(missing_ok=True)
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    with os.fdopen(fd, "w") as fh:
-        fh.write(text)
-    os.replace(tmp, path)
 
 
 def write_auth_config(home: Path, admin_password: str, *, admin_username: str = "admin",
@@ -120,7 +113,7 @@ def write_auth_config(home: Path, admin_password: str, *, admin_username: str = 
     lines = ["# Written by kiln.mlflow_auth.write_auth_config. No admin password here: it",
              "# comes from MLFLOW_AUTH_ADMIN_PASSWORD (server_env), the secret key from flask_secret_key."]  # fmt: skip
     body = "\n".join(f"{k} = {v}" for k, v in config["mlflow"].items())
-    _write_private(path, "\n".join(lines) + "\n[mlflow]\n" + body + "\n")
+    write_private(path, "\n".join(lines) + "\n[mlflow]\n" + body + "\n")
     return path
 
 
@@ -135,7 +128,7 @@ def _secret_key(auth_dir: Path) -> str:
         key = ""
     if not key:
         key = secrets.token_hex(32)
-        _write_private(path, key + "\n")
+        write_private(path, key + "\n")
     return key
 
 

@@ -38,6 +38,7 @@ from typing import Any
 
 from kiln import settings as kiln_settings
 from kiln.errors import ConfigError
+from kiln.fsutil import write_private
 from kiln.netutil import free_port
 from kiln.policy import POLICIES, PRODUCTION, REPO_ROOT, SANDBOX
 from kiln.procutil import end_process_group
@@ -72,13 +73,6 @@ def airflow_home(s: kiln_settings.Settings) -> Path:
 
 
 # ------------------------------------------------------------------------------------------ state
-def _write_private(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.unlink(missing_ok=True)
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    with os.fdopen(fd, "w") as fh:
-        fh.write(text)
-    os.replace(tmp, path)
 
 
 def _pw() -> str:
@@ -115,7 +109,7 @@ def state(s: kiln_settings.Settings | None = None, *, create: bool = False) -> d
     }
     root(s).mkdir(parents=True, exist_ok=True)
     root(s).chmod(0o700)
-    _write_private(path, json.dumps(data, indent=2))
+    write_private(path, json.dumps(data, indent=2))
     return data
 
 
@@ -419,7 +413,7 @@ def up(*, timeout: float = 300.0, quiet: bool = False) -> dict[str, str]:
                          "use the same KILN_*_PORT settings, or stop it first")  # fmt: skip
     if st.get("ports") != ports:
         st["ports"] = ports
-        _write_private(root(s) / "state.json", json.dumps(st, indent=2))
+        write_private(root(s) / "state.json", json.dumps(st, indent=2))
     for d in ("logs", "run", "mlflow", "airflow/config"):
         (root(s) / d).mkdir(parents=True, exist_ok=True)
     logs = root(s) / "logs"
@@ -461,7 +455,7 @@ def up(*, timeout: float = 300.0, quiet: bool = False) -> dict[str, str]:
         say("migrating the Airflow metadata database (PostgreSQL) and provisioning roles/users (FAB)")
         _run([_bin("airflow"), "db", "migrate"], env, setup_log, "airflow db migrate")
         pw_file = root(s) / "airflow-passwords.json"
-        _write_private(pw_file, json.dumps(st["airflow_passwords"]))
+        write_private(pw_file, json.dumps(st["airflow_passwords"]))
         try:
             _run([sys.executable, "-m", "kiln.fab_auth", "provision", str(pw_file)], env, setup_log, "FAB provisioning")
         finally:
@@ -471,7 +465,7 @@ def up(*, timeout: float = 300.0, quiet: bool = False) -> dict[str, str]:
             _run([_bin("airflow"), "pools", "set", pool, str(slots), f"kiln {policy.name} runs"], env, setup_log,
                  f"airflow pools set {pool}")  # fmt: skip
         st["airflow_ready"] = True
-        _write_private(root(s) / "state.json", json.dumps(st, indent=2))
+        write_private(root(s) / "state.json", json.dumps(st, indent=2))
     for name in ("signals", *airflow_names):
         start(name)
     info = {"airflow": s.airflow_url, "mlflow": mlflow_uri, "s3": _s3_endpoint(st), "home": str(root(s))}
