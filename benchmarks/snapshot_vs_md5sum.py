@@ -29,6 +29,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from kiln.settings import restore_environ
+
 
 @contextmanager
 def _timing(owner: type, name: str, into: dict[str, float]):
@@ -173,11 +175,7 @@ def main() -> dict[str, Any]:
             },
         }
     finally:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
+        restore_environ(saved)
         shutil.rmtree(scratch, ignore_errors=True)
 
 

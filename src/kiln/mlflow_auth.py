@@ -49,6 +49,7 @@ from typing import TYPE_CHECKING, Any
 from kiln.errors import ConfigError, RegistryError
 from kiln.fsutil import write_private
 from kiln.policy import POLICIES, Policy
+from kiln.settings import restore_environ
 
 if TYPE_CHECKING:
     from mlflow.server.auth.client import AuthServiceClient
@@ -384,8 +385,4 @@ def use_identity(identity: MlflowIdentity | None) -> Iterator[None]:
             os.environ[PASSWORD_ENV] = identity.password
         yield
     finally:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
+        restore_environ(saved)

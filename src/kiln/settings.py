@@ -83,3 +83,12 @@ def _positive_int(name: str, default: int) -> int:
     if value < 1:
         raise ConfigError(f"{name} must be a positive integer, got {raw!r}")
     return value
+
+
+def restore_environ(saved: dict[str, str | None]) -> None:
+    """Put environment variables back as ``saved`` recorded them (``None``: the variable was unset)."""
+    for key, value in saved.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from kiln.netutil import free_port
+from kiln.settings import restore_environ
 
 
 @pytest.fixture(scope="package")
@@ -32,11 +33,7 @@ def stack(tmp_path_factory) -> Iterator[dict[str, str]]:
         try:
             kiln_stack.down()
         finally:
-            for key, value in saved.items():
-                if value is None:
-                    os.environ.pop(key, None)
-                else:
-                    os.environ[key] = value
+            restore_environ(saved)
 
 
 @pytest.fixture(scope="package")

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from kiln.netutil import free_port
+from kiln.settings import restore_environ
 
 ENV_KEYS = ("KILN_HOME", "KILN_AIRFLOW_PORT", "KILN_AIRFLOW_URL", "KILN_MLFLOW_PORT", "KILN_SIGNALS_PORT",
             "MLFLOW_TRACKING_URI", "MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD", "KILN_DVC_REMOTE",
@@ -55,11 +56,7 @@ def prodlike(tmp_path_factory) -> Iterator[dict[str, str]]:
         try:
             prodstack.down()
         finally:
-            for key, value in saved.items():
-                if value is None:
-                    os.environ.pop(key, None)
-                else:
-                    os.environ[key] = value
+            restore_environ(saved)
 
 
 @pytest.fixture(scope="package")

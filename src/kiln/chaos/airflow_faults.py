@@ -20,6 +20,7 @@ from typing import Any
 
 from kiln.chaos.core import Context, Family, TrialResult, outcome_line, total, trial_rng
 from kiln.netutil import free_port
+from kiln.settings import restore_environ
 
 STAGES = ("snapshot", "validate_shards", "data_gate", "train", "evaluate", "register_candidate", "promote")
 STARTED = frozenset({"running", "deferred", "success", "failed", "up_for_retry", "skipped", "up_for_reschedule"})
@@ -208,11 +209,7 @@ def run_scheduler(ctx: Context, indices: list[int]) -> list[TrialResult]:
         try:
             kiln_stack.down()
         finally:
-            for key, value in saved.items():
-                if value is None:
-                    os.environ.pop(key, None)
-                else:
-                    os.environ[key] = value
+            restore_environ(saved)
     return results
 
 

@@ -29,6 +29,7 @@ from typing import Any
 
 from kiln.chaos.core import Context, Family, TrialResult, outcome_line, total, trial_rng
 from kiln.chaos.fixtures import SNAPSHOT_ID, clean_manifest, run_trainer
+from kiln.settings import restore_environ
 
 WRITES = frozenset({
     "set_model_version_tag", "set_registered_model_alias", "copy_model_version", "create_model_version",
@@ -326,11 +327,7 @@ def run_mlflow(ctx: Context, indices: list[int]) -> list[TrialResult]:
 
         stop_server(server.handle)
         mlflow.set_tracking_uri(previous_uri)
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
+        restore_environ(saved)
     shutil.rmtree(folder / "run", ignore_errors=True)
     return results
 

@@ -30,6 +30,7 @@ from typing import Any
 
 from kiln.chaos.core import Context, Family, TrialResult, count, outcome_line, total, trial_rng
 from kiln.chaos.fixtures import SNAPSHOT_ID, clean_manifest, pinned_recipe, run_trainer
+from kiln.settings import restore_environ
 
 STEPS = 80
 EVERY = 10
@@ -438,11 +439,7 @@ def run_corrupt(ctx: Context, indices: list[int]) -> list[TrialResult]:
             if not losses:
                 shutil.rmtree(run_dir, ignore_errors=True)
     finally:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
+        restore_environ(saved)
     return results
 
 
