@@ -34,6 +34,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from kiln.launchers.local import agent_pids, worker_pid
+
 REPO = Path(__file__).resolve().parent.parent
 TINY = REPO / "training" / "recipes" / "tiny.toml"
 CKPT_EVERY = 20
@@ -51,25 +53,8 @@ def _spec(run_dir: Path, manifest: Path, steps: int, *, baseline: bool = False, 
                                  "checkpoint.keep_last=2", "train.log_every=50", "optim.warmup_steps=10"))
 
 
-def _agents(run_dir: Path) -> dict[str, int]:
-    try:
-        return json.loads((run_dir / ".launch" / "status.json").read_text())["agents"]
-    except (OSError, ValueError, KeyError):
-        return {}
 
 
-def _worker_of(agent_pid: int) -> int | None:
-    for entry in os.scandir("/proc"):
-        if not entry.name.isdigit():
-            continue
-        try:
-            if int(Path(f"/proc/{entry.name}/stat").read_text().rsplit(")", 1)[1].split()[1]) != agent_pid:
-                continue
-            if b"kiln.launchers.worker" in Path(f"/proc/{entry.name}/cmdline").read_bytes():
-                return int(entry.name)
-        except (OSError, ValueError, IndexError):
-            continue
-    return None
 
 
 def _committed(run_dir: Path) -> list[int]:
@@ -98,11 +83,11 @@ def _wait(predicate, limit_s: float = 600.0) -> None:
 
 def _kill_worker(run_dir: Path, node: str) -> float:
     def found() -> bool:
-        pid = _worker_of(_agents(run_dir).get(node, -1))
+        pid = worker_pid(agent_pids(run_dir).get(node, -1))
         return pid is not None
 
     _wait(found)
-    pid = _worker_of(_agents(run_dir)[node])
+    pid = worker_pid(agent_pids(run_dir)[node])
     assert pid is not None
     t = time.time()
     os.kill(pid, signal.SIGKILL)
@@ -120,7 +105,7 @@ def recovery_trial(root: Path, manifest: Path, kills: int, *, baseline: bool) ->
     out = []
     for i in range(kills):
         target = CKPT_EVERY * (2 * i + 1)
-        _wait(lambda: len(_agents(run_dir)) == 2 and bool(_committed(run_dir)) and max(_committed(run_dir)) >= target)
+        _wait(lambda: len(agent_pids(run_dir)) == 2 and bool(_committed(run_dir)) and max(_committed(run_dir)) >= target)
         t_kill = _kill_worker(run_dir, str(i % 2))
         _wait(lambda: len(_events(run_dir, "startup")) >= i + 2)
         event = _events(run_dir, "startup")[i + 1]
@@ -149,7 +134,7 @@ def effective_time(root: Path, manifest: Path, steps: int, every_s: float) -> di
             if next_kill is not None and time.time() >= next_kill:
                 # No waiting here: between restarts (or after the last step) there may be no worker;
                 # then try again on the next pass.
-                pid = _worker_of(_agents(run_dir).get(str(kills % 2), -1))
+                pid = worker_pid(agent_pids(run_dir).get(str(kills % 2), -1))
                 newest = _committed(run_dir)
                 if pid is not None and newest:
                     try:

@@ -11,7 +11,6 @@ Kills are triggered by state (a committed checkpoint on disk), never by elapsed 
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import time
@@ -22,6 +21,7 @@ from training_manifests import stdlib_manifest
 
 from kiln.errors import LaunchError
 from kiln.launchers import JobHandle, LaunchSpec, LocalLauncher, TrainingFaultError, launch_local, wait
+from kiln.launchers.local import agent_pids, worker_pid
 
 pytestmark = pytest.mark.slow
 
@@ -64,34 +64,15 @@ def _wait_for(predicate, what: str, limit_s: float = 120.0) -> None:
         time.sleep(0.02)
 
 
-def _agents(run_dir: Path) -> dict[str, int]:
-    try:
-        return json.loads((run_dir / ".launch" / "status.json").read_text())["agents"]
-    except (OSError, ValueError, KeyError):
-        return {}
 
 
-def _children(pid: int) -> list[int]:
-    kids = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                stat = (entry / "stat").read_text()
-            except OSError:
-                continue
-            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
-                kids.append(int(entry.name))
-    return kids
 
 
 def _worker_of(agent_pid: int) -> int:
-    for kid in _children(agent_pid):
-        try:
-            if b"kiln.launchers.worker" in Path(f"/proc/{kid}/cmdline").read_bytes():
-                return kid
-        except OSError:
-            continue
-    raise AssertionError(f"agent {agent_pid} has no worker process")
+    pid = worker_pid(agent_pid)
+    if pid is None:
+        raise AssertionError(f"agent {agent_pid} has no worker process")
+    return pid
 
 
 def _start_and_kill(spec: LaunchSpec, kill) -> tuple[LocalLauncher, JobHandle, list[str], int]:
@@ -99,7 +80,7 @@ def _start_and_kill(spec: LaunchSpec, kill) -> tuple[LocalLauncher, JobHandle, l
     launcher = LocalLauncher()
     handle = launcher.submit(spec)
     run_dir = spec.run_dir
-    _wait_for(lambda: len(_agents(run_dir)) == 2 and 20 in _committed_steps(run_dir), "the step-20 checkpoint")
+    _wait_for(lambda: len(agent_pids(run_dir)) == 2 and 20 in _committed_steps(run_dir), "the step-20 checkpoint")
     killed_at = max(_committed_steps(run_dir))
     kill(run_dir)
     lines: list[str] = []
@@ -111,7 +92,7 @@ def test_worker_killed_mid_training_resumes_to_identical_weights(manifest, refer
     spec = _spec(tmp_path / "run", manifest)
 
     def kill_worker(run_dir: Path) -> None:
-        os.kill(_worker_of(_agents(run_dir)["1"]), signal.SIGKILL)
+        os.kill(_worker_of(agent_pids(run_dir)["1"]), signal.SIGKILL)
 
     launcher, handle, lines, killed_at = _start_and_kill(spec, kill_worker)
     result = launcher.result(handle)
@@ -128,7 +109,7 @@ def test_node_agent_killed_is_replaced_and_resumes_to_identical_weights(manifest
 
     def kill_node_agent(run_dir: Path) -> None:
         # node 0: the first node, whose loss takes a rendezvous host with it on a naive setup.
-        killed["agent"] = _agents(run_dir)["0"]
+        killed["agent"] = agent_pids(run_dir)["0"]
         os.kill(killed["agent"], signal.SIGKILL)
 
     launcher, handle, lines, killed_at = _start_and_kill(spec, kill_node_agent)
@@ -136,7 +117,7 @@ def test_node_agent_killed_is_replaced_and_resumes_to_identical_weights(manifest
     log_text = "\n".join(lines)
     assert status.state == "SUCCEEDED", f"{status}\n{log_text[-3000:]}"
     assert status.restarts == 1 and "node 0 lost" in log_text
-    assert _agents(spec.run_dir)["0"] != killed["agent"]
+    assert agent_pids(spec.run_dir)["0"] != killed["agent"]
     assert "resumed from" in log_text
     result = launcher.result(handle)
     assert result.completed and result.weights_sha256 == reference
@@ -148,7 +129,7 @@ def test_restarts_exhausted_fails_clearly_and_keeps_the_last_checkpoint(manifest
     spec = _spec(tmp_path / "run", manifest, max_restarts=0)
 
     def kill_worker(run_dir: Path) -> None:
-        os.kill(_worker_of(_agents(run_dir)["0"]), signal.SIGKILL)
+        os.kill(_worker_of(agent_pids(run_dir)["0"]), signal.SIGKILL)
 
     launcher, handle, lines, _ = _start_and_kill(spec, kill_worker)
     status = launcher.poll(handle)

@@ -30,6 +30,7 @@ from typing import Any
 
 from kiln.chaos.core import Context, Family, TrialResult, count, outcome_line, total, trial_rng
 from kiln.chaos.fixtures import SNAPSHOT_ID, clean_manifest, pinned_recipe, run_trainer
+from kiln.launchers.local import agent_pids, worker_pid
 from kiln.settings import restore_environ
 
 STEPS = 80
@@ -85,26 +86,8 @@ def last_logged_step(run_dir: Path) -> int:
     return 0
 
 
-def _agents(run_dir: Path) -> dict[str, int]:
-    try:
-        return json.loads((run_dir / ".launch" / "status.json").read_text())["agents"]
-    except (OSError, ValueError, KeyError):
-        return {}
 
 
-def _worker_of(agent_pid: int) -> int | None:
-    for entry in os.scandir("/proc"):
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = Path(f"/proc/{entry.name}/stat").read_text()
-            if int(stat.rsplit(")", 1)[1].split()[1]) != agent_pid:
-                continue
-            if b"kiln.launchers.worker" in Path(f"/proc/{entry.name}/cmdline").read_bytes():
-                return int(entry.name)
-        except (OSError, ValueError, IndexError):
-            continue
-    return None
 
 
 def _step_dirs(run_dir: Path) -> list[tuple[int, Path]]:
@@ -208,7 +191,7 @@ def kill_trial(ctx: Context, index: int, manifest: Path, reference: str) -> Tria
     losses: list[str] = []
 
     def ready() -> bool:
-        if len(_agents(run_dir)) < 2:
+        if len(agent_pids(run_dir)) < 2:
             return False
         if mid_save:
             return _torn_write_in_flight(run_dir, plan["step"])
@@ -218,8 +201,8 @@ def kill_trial(ctx: Context, index: int, manifest: Path, reference: str) -> Tria
         launcher.cancel(handle)
         return TrialResult(family="kill", index=index, seed=ctx.seed, outcome="error", fault=fault, facts=facts,
                            detail=f"the kill point never came (state {launcher.poll(handle).state})")  # fmt: skip
-    agent = _agents(run_dir)[str(plan["node"])]
-    victim = agent if whole_node else _worker_of(agent)
+    agent = agent_pids(run_dir)[str(plan["node"])]
+    victim = agent if whole_node else worker_pid(agent)
     if victim is None:
         launcher.cancel(handle)
         return TrialResult(family="kill", index=index, seed=ctx.seed, outcome="error", fault=fault, facts=facts,

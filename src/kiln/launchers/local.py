@@ -377,6 +377,30 @@ def _read_status(run_dir: str | Path) -> dict[str, Any] | None:
         return None
 
 
+def agent_pids(run_dir: str | Path) -> dict[str, int]:
+    """Node index -> pid of its running agent, from the job's ``status.json`` ({} before they start)."""
+    status = _read_status(run_dir) or {}
+    agents = status.get("agents")
+    return dict(agents) if isinstance(agents, dict) else {}
+
+
+def worker_pid(agent_pid: int) -> int | None:
+    """The trainer worker an agent forked (its child running ``kiln.launchers.worker``), if any:
+    what fault injection kills to lose one worker rather than a whole node."""
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = Path(f"/proc/{entry.name}/stat").read_text()
+            if int(stat.rsplit(")", 1)[1].split()[1]) != agent_pid:
+                continue
+            if b"kiln.launchers.worker" in Path(f"/proc/{entry.name}/cmdline").read_bytes():
+                return int(entry.name)
+        except (OSError, ValueError, IndexError):
+            continue
+    return None
+
+
 class LocalLauncher:
     """The ``local`` backend (see the module docstring)."""
 
