@@ -46,3 +46,76 @@ def end_process_group(pgid: int, timeout_s: float, *, reap: subprocess.Popen | N
     with contextlib.suppress(ProcessLookupError):
         os.killpg(pgid, signal.SIGKILL)
     _reap(pgid, reap)
+
+
+# ------------------------------------------------------------------- services behind a pid file
+def group_members(pgid: int, marker: bytes) -> list[int]:
+    """Live processes of group ``pgid`` whose environment holds ``marker`` (e.g. ``KILN_HOME=/x``):
+    a group id is a pid, and pids are reused, so membership alone never marks a process as ours."""
+    from pathlib import Path
+
+    members = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            if fields[0] == "Z" or int(fields[2]) != pgid:
+                continue
+            if marker not in (entry / "environ").read_bytes():
+                continue
+        except (OSError, ValueError, IndexError):
+            continue
+        members.append(int(entry.name))
+    return members
+
+
+def record_start(pidfile, pid: int, marker: bytes) -> None:  # pidfile: pathlib.Path
+    """Write a service's new pid. If the previous leader died but left members of its group behind
+    (a killed scheduler's LocalExecutor workers: reparented to init, they ignore SIGTERM and may
+    still be finishing a task), their group goes to ``<name>.stale`` for ``end_recorded`` to end —
+    not now: a task one of them runs may still complete."""
+    try:
+        old = int(pidfile.read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        old = 0
+    if old and old != pid and group_members(old, marker):
+        with open(pidfile.with_suffix(".stale"), "a") as fh:
+            fh.write(f"{old}\n")
+    pidfile.write_text(f"{pid}\n")
+
+
+def end_recorded(pidfile, timeout_s: float, marker: bytes) -> bool:  # pidfile: pathlib.Path
+    """End the service behind ``pidfile``: its process group, and what is left of the groups of
+    leaders that died before (``record_start``). True when something was running."""
+    stale = pidfile.with_suffix(".stale")
+    groups: list[int] = []
+    for path in (pidfile, stale):
+        try:
+            groups += [int(line.split()[0]) for line in path.read_text().splitlines() if line.strip()]
+        except (OSError, ValueError, IndexError):
+            continue
+    ended = False
+    for pgid in dict.fromkeys(groups):
+        if _leader_alive(pgid):  # as before: the leader we started, and its group, the gentle way first
+            end_process_group(pgid, timeout_s)
+            ended = True
+            continue
+        for pid in group_members(pgid, marker):  # leaderless: nothing graceful is left to wait for
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+                ended = True
+    pidfile.unlink(missing_ok=True)
+    stale.unlink(missing_ok=True)
+    return ended
+
+
+def _leader_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+        state = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0]
+    except ProcessLookupError:
+        return False
+    except OSError:
+        return True
+    return state != "Z"

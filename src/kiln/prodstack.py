@@ -41,7 +41,7 @@ from kiln.errors import ConfigError
 from kiln.fsutil import write_private
 from kiln.netutil import free_port
 from kiln.policy import POLICIES, PRODUCTION, REPO_ROOT, SANDBOX
-from kiln.procutil import end_process_group
+from kiln.procutil import end_recorded, record_start
 from kiln.stack import POOL_SLOTS, Service, StackError, _alive, _bin
 
 PROFILE = "prodlike"
@@ -368,8 +368,13 @@ def _start(s: kiln_settings.Settings, svc: Service, env: dict[str, str]) -> int:
     with open(log, "ab") as fh:
         proc = subprocess.Popen(svc.argv, env={**env, **svc.env}, stdout=fh, stderr=subprocess.STDOUT,
                                 stdin=subprocess.DEVNULL, cwd=root(s), start_new_session=True)  # fmt: skip
-    _pidfile(s, svc.name).write_text(f"{proc.pid}\n")
+    record_start(_pidfile(s, svc.name), proc.pid, _marker(s))
     return proc.pid
+
+
+def _marker(s: kiln_settings.Settings) -> bytes:
+    """In the environment of every process of this stack: tells them from others (pids are reused)."""
+    return f"KILN_HOME={s.home}\0".encode()
 
 
 def _wait_healthy(url: str, name: str, log: Path, timeout: float, alive: Callable[[], bool]) -> None:
@@ -487,11 +492,8 @@ def down(*, timeout: float = 30.0, keep_data: bool = False) -> list[str]:
     st = state(s)
     stopped = []
     for svc in reversed(services(s, st)):
-        pid = running_pid(s, svc.name)
-        if pid is not None:
-            end_process_group(pid, timeout)
+        if end_recorded(_pidfile(s, svc.name), timeout, _marker(s)):
             stopped.append(svc.name)
-        _pidfile(s, svc.name).unlink(missing_ok=True)
     if not keep_data:
         _clear_redis(st)
         _drop_databases(st)

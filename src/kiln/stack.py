@@ -29,7 +29,7 @@ from kiln.errors import KilnError
 from kiln.fsutil import atomic_write_text
 from kiln.mlflow_server import server_command
 from kiln.policy import POLICIES, REPO_ROOT
-from kiln.procutil import end_process_group
+from kiln.procutil import end_recorded, record_start
 
 AIRFLOW_USERS = {
     "admin": "admin",
@@ -297,7 +297,7 @@ def up(*, timeout: float = 180.0, quiet: bool = False) -> dict[str, str]:
                 svc.argv, env={**env, **svc.env}, stdout=fh, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                 cwd=s.home, start_new_session=True,
             )
-        _pidfile(s, svc.name).write_text(f"{proc.pid}\n")
+        record_start(_pidfile(s, svc.name), proc.pid, _marker(s))
         say(f"kiln: started {svc.name} (pid {proc.pid}, log {log})")
     for svc in services(s):
         if svc.health_url:
@@ -322,17 +322,20 @@ def up(*, timeout: float = 180.0, quiet: bool = False) -> dict[str, str]:
     return info
 
 
+def _marker(s: kiln_settings.Settings) -> bytes:
+    """In the environment of every process of this stack (``airflow_env``): tells them from others."""
+    return f"KILN_HOME={s.home}\0".encode()
+
+
 def down(*, timeout: float = 20.0) -> list[str]:
-    """Stop exactly the processes ``up`` started (their whole process groups)."""
+    """Stop exactly the processes ``up`` started (their whole process groups), and what a service
+    that died left behind (a killed scheduler's executor workers: ``kiln.procutil.record_start``)."""
     s = kiln_settings.load()
     stopped = []
     for svc in reversed(services(s)):
-        path = _pidfile(s, svc.name)
-        pid = running_pid(s, svc.name)
-        if pid is not None:
-            end_process_group(pid, timeout)  # started with start_new_session: pid is the pgid
+        # started with start_new_session: the pid is the pgid
+        if end_recorded(_pidfile(s, svc.name), timeout, _marker(s)):
             stopped.append(svc.name)
-        path.unlink(missing_ok=True)
     return stopped
 
 

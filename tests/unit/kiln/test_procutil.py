@@ -1,0 +1,80 @@
+"""Services behind a pid file: a dead leader's leftovers are ended by ``end_recorded``, and only
+processes that carry the stack's marker (a pgid is a pid, and pids are reused)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from kiln.procutil import end_recorded, group_members, record_start
+
+# A leader that starts a child in its own group; the child ignores SIGTERM (as an orphaned
+# LocalExecutor worker does) and reports its pid.
+LEADER = """
+import subprocess, sys, time
+child = subprocess.Popen([sys.executable, "-c",
+    "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(300)"])
+print(child.pid, flush=True)
+time.sleep(300)
+"""
+
+
+def _leader(home: str) -> tuple[subprocess.Popen, int]:
+    proc = subprocess.Popen([sys.executable, "-c", LEADER], stdout=subprocess.PIPE, text=True,
+                            start_new_session=True, env={**os.environ, "KILN_HOME": home})
+    return proc, int(proc.stdout.readline())
+
+
+def _gone(pid: int) -> bool:
+    deadline = time.monotonic() + 10  # safety net, not a timing assertion
+    while time.monotonic() < deadline:
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            return True
+        if state == "Z":
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def test_a_dead_leaders_orphans_are_recorded_at_restart_and_ended_by_down(tmp_path):
+    marker = f"KILN_HOME={tmp_path}\0".encode()
+    pidfile = tmp_path / "scheduler.pid"
+    old, orphan = _leader(str(tmp_path))
+    record_start(pidfile, old.pid, marker)
+    os.kill(old.pid, signal.SIGKILL)  # the scheduler alone is killed; its worker lives on
+    old.wait()
+    assert group_members(old.pid, marker) == [orphan]
+    new, new_child = _leader(str(tmp_path))
+    try:
+        record_start(pidfile, new.pid, marker)  # what `stack up` does when it restarts the service
+        assert pidfile.with_suffix(".stale").read_text().split() == [str(old.pid)]
+        assert not _gone(orphan), "a restart must not kill the old group: its task may still finish"
+        assert end_recorded(pidfile, 1.0, marker)
+        assert _gone(orphan) and _gone(new_child)
+        new.wait(timeout=10)
+        assert not pidfile.exists() and not pidfile.with_suffix(".stale").exists()
+    finally:
+        for pid in (orphan, new_child, new.pid):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
+def test_a_reused_group_id_without_the_marker_is_left_alone(tmp_path):
+    other, other_child = _leader(str(tmp_path / "someone-else"))
+    try:
+        pidfile = tmp_path / "scheduler.pid"
+        pidfile.with_suffix(".stale").write_text(f"{other.pid}\n")
+        os.kill(other.pid, signal.SIGKILL)
+        other.wait()
+        assert not end_recorded(pidfile, 5.0, f"KILN_HOME={tmp_path}\0".encode())
+        assert Path(f"/proc/{other_child}").exists()
+    finally:
+        os.kill(other_child, signal.SIGKILL)
