@@ -242,6 +242,10 @@ class TrainOperator(BaseOperator):
       while the job queues and runs elsewhere. ``execute_complete`` copies the job log into the task
       log and returns the result, or fails with the launcher's reason (a trainer fault without retry).
       A retry re-attaches to the same job instead of submitting a second gang.
+    * Stragglers (slurm / kubernetes): the trigger follows the trainer's flags. ``alert`` is logged;
+      the policy's ``exclude_node`` (Slurm) brings the task back with a STRAGGLER event: it ends the
+      job, resubmits it without the slow node (resuming from the last committed checkpoint) and
+      defers again on the new job (``kiln.pipeline.exclude_straggler``).
 
     ``on_kill`` (task killed while submitting or waiting here) cancels the job; the trigger's own
     ``on_kill`` does the same for a task killed while deferred.
@@ -256,8 +260,7 @@ class TrainOperator(BaseOperator):
         self._submitted: tuple[dict[str, Any], dict[str, Any]] | None = None
 
     def execute(self, context):  # type: ignore[no-untyped-def]
-        from kiln.launchers.triggers import LaunchedJobTrigger
-        from kiln.pipeline import prepare_train, submit_train, train_stage
+        from kiln.pipeline import prepare_train, straggler_watch, submit_train, train_stage
 
         params = dict(context["params"])
         if self.policy.launcher == "local":
@@ -266,19 +269,33 @@ class TrainOperator(BaseOperator):
         if "done" in plan:
             return plan["done"]
         handle = _run(submit_train, plan)
-        self._submitted = (plan, handle)
         self.log.info("submitted %s job %s (%s); deferring until it ends", plan["backend"], handle["job_id"], plan["options"])
+        self._defer_on(plan, handle, straggler_watch(self.policy, plan))
+
+    def _defer_on(self, plan: dict[str, Any], handle: dict[str, Any], stragglers: dict[str, Any]) -> None:
+        from kiln.launchers.triggers import LaunchedJobTrigger
+
+        self._submitted = (plan, handle)
         self.defer(
-            trigger=LaunchedJobTrigger(handle=handle, backend=plan["backend"], options=plan["options"], poll_s=self.poll_s),
+            trigger=LaunchedJobTrigger(handle=handle, backend=plan["backend"], options=plan["options"],
+                                       poll_s=self.poll_s, stragglers=stragglers),
             method_name="execute_complete",
             kwargs={"plan": plan},
         )
 
     def execute_complete(self, context, event, plan):  # type: ignore[no-untyped-def]
         from kiln.launchers import JobHandle
-        from kiln.pipeline import finish_train, plan_launcher
+        from kiln.pipeline import exclude_straggler, finish_train, plan_launcher
 
         handle = event["handle"]
+        if event["state"] == "STRAGGLER":
+            self._submitted = (plan, handle)
+            self.log.warning("%s", event.get("reason", ""))
+            moved = _run(exclude_straggler, self.policy, plan, handle, event)
+            self.log.info("%s job %s ended; resubmitted as job %s excluding %s; deferring until it ends",
+                          plan["backend"], handle["job_id"], moved["handle"]["job_id"],
+                          ",".join(moved["plan"]["options"]["exclude"]))
+            self._defer_on(moved["plan"], moved["handle"], moved["stragglers"])
         try:
             text, _ = plan_launcher(plan).logs(JobHandle.from_json(handle), 0)
             for line in text.splitlines():

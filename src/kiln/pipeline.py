@@ -242,6 +242,39 @@ def submit_train(plan: dict[str, Any]) -> dict[str, Any]:
     return plan_launcher(plan).submit(LaunchSpec.from_json(plan["spec"])).to_json()
 
 
+def straggler_watch(policy: Policy, plan: dict[str, Any]) -> dict[str, Any]:
+    """The trigger's ``stragglers`` kwarg for a planned job: the policy's action, reading the run's
+    metrics.jsonl from its current end (flags of an earlier attempt were already acted on)."""
+    from kiln.launchers import LaunchSpec
+    from kiln.launchers.slurm import excluded_nodes
+
+    run = LaunchSpec.from_json(plan["spec"]).run_dir
+    try:
+        offset = (run / "metrics.jsonl").stat().st_size
+    except OSError:
+        offset = 0
+    excluded = list(excluded_nodes(run)) if plan["backend"] == "slurm" else []
+    return {"action": policy.straggler_action, "offset": offset, "excluded": excluded}
+
+
+def exclude_straggler(policy: Policy, plan: dict[str, Any], handle: dict[str, Any], event: dict[str, Any]) -> dict[str, Any]:
+    """The ``exclude_node`` action for a trigger's STRAGGLER event: end the Slurm job, submit it again
+    without the node (it resumes from the last committed checkpoint), tag the policy's MLflow run
+    (``kiln.straggler.excluded_nodes``). Returns ``{"plan", "handle", "stragglers"}`` to defer on."""
+    import mlflow
+
+    from kiln.launchers import JobHandle
+    from kiln.launchers.slurm import resubmit_excluding
+
+    if plan["backend"] != "slurm":
+        raise LaunchError(f"straggler action exclude_node needs the slurm launcher, not {plan['backend']!r}")
+    moved, new = resubmit_excluding(plan_launcher(plan), JobHandle.from_json(handle), str(event["node"]))
+    new_plan = {**plan, "options": {**plan["options"], "exclude": list(moved.exclude)}}
+    mlflow.MlflowClient(tracking_uri=kiln_settings.load().mlflow_uri).set_tag(
+        plan["mlflow_run_id"], "kiln.straggler.excluded_nodes", ",".join(moved.exclude))
+    return {"plan": new_plan, "handle": new.to_json(), "stragglers": straggler_watch(policy, new_plan)}
+
+
 def finish_train(
     policy: Policy, plan: dict[str, Any], handle: dict[str, Any], outcome: dict[str, Any] | None = None,
 ) -> dict[str, Any]:

@@ -25,7 +25,7 @@ APPROVAL_TIMEOUT_MAX_S = 30 * 24 * 3600
 one parks a production run (``max_active_runs = 1``) for more than a month."""
 LAUNCHERS = ("local", "slurm", "kubernetes")
 LAUNCHER_FIELDS = ("launcher", "slurm_partition", "slurm_qos", "slurm_conf", "k8s_namespace", "k8s_queue",
-                   "k8s_priority_class", "k8s_checkpoint_claim", "k8s_image", "k8s_runtime")
+                   "k8s_priority_class", "k8s_checkpoint_claim", "k8s_image", "k8s_runtime", "straggler_action")
 """What a deployment may set about where a policy's training runs (``Policy.with_launcher``)."""
 
 

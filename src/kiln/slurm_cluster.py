@@ -1,11 +1,12 @@
-"""A real 2-node Slurm cluster on localhost, for tests: munged + slurmctld + ``slurmd -N node1|node2``.
+"""A real Slurm cluster on localhost, for tests: munged + slurmctld + ``slurmd -N node1|node2|...``.
 
     cluster = start_cluster(Path("/tmp/slurm"))     # writes slurm.conf, starts the daemons, waits for idle nodes
+    cluster = start_cluster(root, nodes=3)          # a spare node (straggler exclusion: 2-node job, 3 nodes)
     env = cluster.env                               # SLURM_CONF=... for sbatch/squeue/scancel
     stop_cluster(cluster)
 
 Everything except munge lives under the given directory (config, state, spool, logs, pid files), so
-two clusters never share state and ``rm -rf`` resets one. Both "nodes" are this host: each slurmd has
+two clusters never share state and ``rm -rf`` resets one. All "nodes" are this host: each slurmd has
 its own ``Port=`` and ``NodeHostname=localhost`` (FIELD-NOTES). munged is machine-wide: it is
 started as the ``munge`` user (with ``/run/munge``) only when no munged answers, and left running.
 
@@ -27,6 +28,7 @@ from pathlib import Path
 from kiln.errors import ConfigError
 
 NODES = ("node1", "node2")
+"""The default cluster's nodes; ``start_cluster(nodes=N)`` names them node1..nodeN."""
 PARTITION = "kiln"
 _BINARIES = ("slurmctld", "slurmd", "sbatch", "squeue", "scontrol", "scancel", "sinfo", "munged", "munge")
 
@@ -96,7 +98,7 @@ def ensure_munged() -> None:
 
 def render_conf(root: Path, ctld_port: int, node_ports: dict[str, int], cpus: int) -> str:
     lines = [
-        "# written by kiln.slurm_cluster: a 2-node test cluster on localhost",
+        f"# written by kiln.slurm_cluster: a {len(node_ports)}-node test cluster on localhost",
         "ClusterName=kiln",
         "SlurmctldHost=localhost",
         f"SlurmctldPort={ctld_port}",
@@ -133,25 +135,28 @@ def render_conf(root: Path, ctld_port: int, node_ports: dict[str, int], cpus: in
     return "\n".join(lines) + "\n"
 
 
-def start_cluster(root: Path, *, ready_timeout_s: float = 60.0) -> SlurmCluster:
-    """Start munged (if needed), slurmctld and two slurmd under ``root``; wait until both nodes are idle."""
+def start_cluster(root: Path, *, nodes: int = len(NODES), ready_timeout_s: float = 60.0) -> SlurmCluster:
+    """Start munged (if needed), slurmctld and ``nodes`` slurmd under ``root``; wait until every node is idle."""
     reason = slurm_unavailable()
     if reason:
         raise ConfigError(f"cannot start a Slurm cluster here: {reason}")
+    if not 1 <= nodes <= 8:
+        raise ConfigError(f"a local test cluster has 1 to 8 nodes, not {nodes}")
+    names = [f"node{i}" for i in range(1, nodes + 1)]
     root = Path(root).resolve()
-    for sub in ("state", "spool/node1", "spool/node2", "run", "log"):
+    for sub in ("state", "run", "log", *(f"spool/{n}" for n in names)):
         (root / sub).mkdir(parents=True, exist_ok=True)
-    ctld_port, *ports = _free_ports(1 + len(NODES))
+    ctld_port, *ports = _free_ports(1 + nodes)
     conf = root / "slurm.conf"
-    conf.write_text(render_conf(root, ctld_port, dict(zip(NODES, ports)), os.cpu_count() or 1))
-    cluster = SlurmCluster(root=root, conf=conf, ctld_port=ctld_port, node_ports=dict(zip(NODES, ports)))
+    conf.write_text(render_conf(root, ctld_port, dict(zip(names, ports)), os.cpu_count() or 1))
+    cluster = SlurmCluster(root=root, conf=conf, ctld_port=ctld_port, node_ports=dict(zip(names, ports)))
     ensure_munged()
     env = cluster.env
     try:
         # -D: stay in the foreground so this object owns the processes; -i: ignore state from a
         # previous cluster in the same dir; -c: clear saved jobs.
         cluster.procs["slurmctld"] = _spawn(["slurmctld", "-D", "-i", "-c"], root / "log" / "slurmctld.out", env)
-        for name in NODES:
+        for name in names:
             cluster.procs[name] = _spawn(["slurmd", "-D", "-N", name], root / "log" / f"slurmd-{name}.out", env)
         _wait_idle(cluster, ready_timeout_s)
     except BaseException:
@@ -178,7 +183,7 @@ def _wait_idle(cluster: SlurmCluster, timeout_s: float) -> None:
         out = subprocess.run(["sinfo", "-h", "-N", "-o", "%N %t"], capture_output=True, text=True, env=cluster.env)
         last = (out.stdout + out.stderr).strip()
         states = dict(line.split() for line in out.stdout.splitlines() if len(line.split()) == 2)
-        if out.returncode == 0 and all(states.get(n, "").startswith("idle") for n in NODES):
+        if out.returncode == 0 and all(states.get(n, "").startswith("idle") for n in cluster.node_ports):
             return
         time.sleep(0.5)
     raise ConfigError(f"Slurm nodes not idle after {timeout_s:.0f} s: {last}")
@@ -188,7 +193,7 @@ def stop_cluster(cluster: SlurmCluster) -> None:
     """Stop the slurmd's and slurmctld (munged stays: it is machine-wide). Jobs still running die."""
     subprocess.run(["scancel", "--full", "--quiet", f"--partition={PARTITION}"], capture_output=True,
                    env=cluster.env, timeout=30)
-    for name in [*NODES, "slurmctld"]:
+    for name in [*cluster.node_ports, "slurmctld"]:
         proc = cluster.procs.get(name)
         if proc is None or proc.poll() is not None:
             continue

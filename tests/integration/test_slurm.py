@@ -1,4 +1,4 @@
-"""The slurm backend against a real 2-node Slurm cluster on localhost (kiln.slurm_cluster).
+"""The slurm backend against a real 3-node Slurm cluster on localhost (kiln.slurm_cluster).
 
 Needs Debian's slurm-wlm + munge (``make system-deps``) and root; skipped, with that reason, where
 ``slurm_unavailable()`` names one.
@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from training_manifests import stdlib_manifest
 
-from kiln.launchers import LaunchSpec, SlurmLauncher, TrainingFaultError, get_launcher, launch, wait
+from kiln.launchers import JobHandle, LaunchSpec, SlurmLauncher, TrainingFaultError, get_launcher, launch, wait
 from kiln.slurm_cluster import PARTITION, SlurmCluster, slurm_unavailable, start_cluster, stop_cluster
 
 pytestmark = [
@@ -33,7 +33,8 @@ def manifest(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SlurmCluster]:
-    handle = start_cluster(tmp_path_factory.mktemp("slurm"))
+    # Three nodes: 2-node jobs, and a spare node for a job that excludes a straggler's node.
+    handle = start_cluster(tmp_path_factory.mktemp("slurm"), nodes=3)
     try:
         yield handle
     finally:
@@ -188,3 +189,70 @@ def test_resubmit_excluding_a_node_moves_the_job_and_resumes(cluster, manifest, 
     assert node_of(new_handle.job_id) not in (slow, "(null)")
     assert "resumed from" in "\n".join(lines)
     assert moved.result(new_handle).step == 60
+
+
+def _wait_all_idle(cluster: SlurmCluster, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout  # safety net, not a timing assertion
+    while True:
+        out = subprocess.run(["sinfo", "-h", "-N", "-o", "%N %t"], capture_output=True, text=True, env=cluster.env)
+        states = dict(line.split() for line in out.stdout.splitlines() if len(line.split()) == 2)
+        if states and all(v.startswith("idle") for v in states.values()):
+            return
+        assert time.monotonic() < deadline, out.stdout
+        time.sleep(0.5)
+
+
+def test_a_slow_node_is_excluded_and_the_job_resumes_on_the_others_to_identical_weights(
+        uninterrupted, cluster, manifest, tmp_path, monkeypatch):
+    """Policy ``straggler_action = exclude_node``, through the train task's own code (no scheduler):
+    node2 is throttled (``KILN_FAULT_SLOW_NODE``: every rank there sleeps 0.5 s a step from step 11);
+    the trainer flags its rank; the trigger the task defers on fires STRAGGLER naming node2;
+    ``TrainOperator.execute_complete`` ends the job, resubmits it with ``--exclude=node2`` and defers
+    again; the new job resumes from the last committed checkpoint on node1 + node3 and ends with the
+    uninterrupted run's weights."""
+    from airflow.sdk.exceptions import TaskDeferred
+    from mlflow.tracking import MlflowClient
+
+    from kiln.dagfactory import TrainOperator
+    from kiln.launchers.slurm import EXCLUDED_NODES_FILE
+    from kiln.pipeline import straggler_watch
+    from kiln.policy import SANDBOX
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    runs = MlflowClient(tracking_uri=uri)
+    mlflow_run_id = runs.create_run(runs.create_experiment("s", artifact_location=str(tmp_path / "a"))).info.run_id
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    policy = SANDBOX.with_launcher({"launcher": "slurm", "slurm_partition": PARTITION, "slurm_conf": str(cluster.conf),
+                                    "straggler_action": "exclude_node"}, "test")
+    spec = _spec(tmp_path / "run", manifest, "stragglers.every_steps=5", "stragglers.factor=3.0", "stragglers.windows=3")
+    spec = LaunchSpec.from_json({**spec.to_json(), "env": {**spec.env, "KILN_FAULT_SLOW_NODE": "node2",
+                                                           "KILN_FAULT_SLOW_S": "0.5", "KILN_FAULT_SLOW_FROM_STEP": "11"}})
+    plan = {"spec": spec.to_json(), "backend": "slurm", "options": policy.launcher_options(), "mlflow_run_id": mlflow_run_id}
+    _wait_all_idle(cluster)  # the 2-node job lands on node[1-2]: node2 is one of its nodes
+    first = SlurmLauncher(**plan["options"]).submit(spec)
+    task = TrainOperator(task_id="train", policy=policy, snapshot={}, data={}, poll_s=0.5)
+
+    with pytest.raises(TaskDeferred) as deferred:  # what execute() does after sbatch
+        task._defer_on(plan, first.to_json(), straggler_watch(policy, plan))
+    event = _first_event(deferred.value.trigger)
+    assert event["state"] == "STRAGGLER" and event["node"] == "node2", event
+    assert "exclude node node2" in event["reason"]
+
+    with pytest.raises(TaskDeferred) as again:
+        task.execute_complete({}, event, plan=deferred.value.kwargs["plan"])
+    moved_plan, trigger = again.value.kwargs["plan"], again.value.trigger
+    assert trigger.handle["job_id"] != first.job_id and first.job_id not in (spec.launch_dir / "slurm-job-id").read_text()
+    assert moved_plan["options"]["exclude"] == ["node2"] and trigger.stragglers["excluded"] == ["node2"]
+    assert "#SBATCH --exclude=node2" in (spec.launch_dir / "job.sbatch").read_text()
+    assert (spec.launch_dir / EXCLUDED_NODES_FILE).read_text() == '["node2"]'
+    assert runs.get_run(mlflow_run_id).data.tags["kiln.straggler.excluded_nodes"] == "node2"
+
+    final = _first_event(trigger)
+    assert final["state"] == "SUCCEEDED", final
+    new = JobHandle.from_json(trigger.handle)
+    log_text = (spec.launch_dir / f"slurm-{new.job_id}.log").read_text()
+    assert "on node[1,3]" in log_text, log_text[-2000:]
+    assert "resumed from" in log_text, log_text[-3000:]
+    result = SlurmLauncher(**moved_plan["options"]).result(new)
+    assert result.step == 60 and result.world_size == 2
+    assert result.weights_sha256 == uninterrupted[0].weights_sha256

@@ -46,7 +46,9 @@ poisons the batch window of step 12: its loss reads 1000x while the data salt is
 ``KILN_FAULT_SPIKE_TIMES`` (default 1), i.e. the first ``TIMES`` draws of that window spike and a
 rollback's fresh draw is clean. A large ``TIMES`` makes every retry spike, so the guard gives up.
 ``KILN_FAULT_SLOW_RANK=1 KILN_FAULT_SLOW_S=0.5 KILN_FAULT_SLOW_FROM_STEP=11`` makes rank 1 sleep
-0.5 s inside every step's compute from step 11 on (a straggler).
+0.5 s inside every step's compute from step 11 on (a straggler). ``KILN_FAULT_SLOW_NODE=node2``
+instead slows every rank on that node (a throttled node: after the launcher excludes it, the job on
+the other nodes runs at full speed).
 
 Stragglers and scaling (``[stragglers]`` in the recipe): every ``every_steps`` steps the ranks
 all-gather their compute time per step (step time minus the time blocked in collectives); rank 0
@@ -120,6 +122,7 @@ _FAULT_SPIKE_STEP_ENV = "KILN_FAULT_SPIKE_AT_STEP"
 _FAULT_SPIKE_TIMES_ENV = "KILN_FAULT_SPIKE_TIMES"
 _FAULT_SPIKE_FACTOR = 1000.0
 _FAULT_SLOW_RANK_ENV = "KILN_FAULT_SLOW_RANK"
+_FAULT_SLOW_NODE_ENV = "KILN_FAULT_SLOW_NODE"
 _FAULT_SLOW_S_ENV = "KILN_FAULT_SLOW_S"
 _FAULT_SLOW_FROM_ENV = "KILN_FAULT_SLOW_FROM_STEP"
 _NODE_NAME_ENVS = ("KILN_NODE_NAME", "SLURMD_NODENAME")
@@ -332,7 +335,8 @@ class SpikeFault:
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class SlowRankFault:
-    """Chaos hook: rank ``rank`` sleeps ``seconds`` inside every step's compute from ``from_step`` on.
+    """Chaos hook: rank ``rank`` (or every rank on node ``node``) sleeps ``seconds`` inside every
+    step's compute from ``from_step`` on.
 
     Models a throttled device or a noisy neighbour on one node: the other ranks wait for it at the
     gradient all-reduce, and the straggler detector must name it."""
@@ -340,20 +344,29 @@ class SlowRankFault:
     rank: int
     seconds: float = 0.2
     from_step: int = 1
+    node: str = ""
+    """Set: the fault follows the node (``node_name()``), whatever ranks land there; ``rank`` is -1."""
 
     @classmethod
     def from_env(cls) -> SlowRankFault | None:
         raw = os.environ.get(_FAULT_SLOW_RANK_ENV, "")
-        if not raw:
+        node = os.environ.get(_FAULT_SLOW_NODE_ENV, "")
+        if raw and node:
+            raise TrainerError(f"set {_FAULT_SLOW_RANK_ENV} or {_FAULT_SLOW_NODE_ENV}, not both")
+        if not raw and not node:
             return None
         try:
-            rank = int(raw)
+            rank = int(raw) if raw else -1
             seconds = float(os.environ.get(_FAULT_SLOW_S_ENV, "") or 0.2)
             from_step = int(os.environ.get(_FAULT_SLOW_FROM_ENV, "") or 1)
         except ValueError as exc:
             raise TrainerError(
                 f"{_FAULT_SLOW_RANK_ENV} (int), {_FAULT_SLOW_S_ENV} (float), {_FAULT_SLOW_FROM_ENV} (int): {exc}"
             ) from exc
+        if node:
+            if not seconds > 0 or from_step < 1:
+                raise TrainerError(f"{_FAULT_SLOW_S_ENV} must be > 0 and {_FAULT_SLOW_FROM_ENV} >= 1, got {seconds}, {from_step}")
+            return cls(rank=-1, seconds=seconds, from_step=from_step, node=node)
         if rank < 0 or not seconds > 0 or from_step < 1:
             raise TrainerError(
                 f"{_FAULT_SLOW_RANK_ENV} must be >= 0, {_FAULT_SLOW_S_ENV} > 0 and {_FAULT_SLOW_FROM_ENV} >= 1, "
@@ -361,8 +374,11 @@ class SlowRankFault:
             )
         return cls(rank=rank, seconds=seconds, from_step=from_step)
 
+    def hits(self, rank: int) -> bool:
+        return node_name() == self.node if self.node else rank == self.rank
+
     def apply(self, rank: int, step: int) -> None:
-        if rank == self.rank and step >= self.from_step:
+        if step >= self.from_step and self.hits(rank):
             time.sleep(self.seconds)
 
 
@@ -491,7 +507,7 @@ class Run:
         if self.spike_fault is not None:
             log.warning("fault injection: %s", self.spike_fault)
         self.slow_fault = SlowRankFault.from_env()
-        if self.slow_fault is not None and self.slow_fault.rank == self.env.rank:
+        if self.slow_fault is not None and self.slow_fault.hits(self.env.rank):
             log.warning("fault injection on rank %d: %s", self.env.rank, self.slow_fault)
 
         self.train_model: torch.nn.Module = self.model

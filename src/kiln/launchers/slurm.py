@@ -6,6 +6,10 @@ on every node, so the N agents meet over c10d, torchrun restarts the group after
 (``--max-restarts``) and a node whose agent gives up takes the whole step down instead of leaving
 the others waiting on rendezvous.
 
+Nodes a straggler action excluded (``resubmit_excluding``) are kept in
+``RUN/.launch/slurm-excluded-nodes.json``: every later submission of that run dir (a retried task,
+the next resubmission) leaves them out too.
+
 State comes from ``squeue`` while the job is known to the controller's queue, then
 ``scontrol show job`` (kept ``MinJobAge`` seconds), then ``sacct`` where accounting is on. Partition
 and QoS come from the policy (production may preempt sandbox); ``scancel`` cancels. The batch log is
@@ -41,6 +45,8 @@ from kiln.refs import TrainResult
 _PENDING = {"PENDING", "CONFIGURING", "REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED", "RESV_DEL_HOLD", "SUSPENDED"}
 _RUNNING = {"RUNNING", "COMPLETING", "STAGE_OUT", "SIGNALING", "RESIZING"}
 _NAME_OK = re.compile(r"^[A-Za-z0-9_.-]+$")
+
+EXCLUDED_NODES_FILE = "slurm-excluded-nodes.json"
 
 _FREE_PORT = 'import socket; s = socket.socket(); s.bind(("", 0)); print(s.getsockname()[1])'
 
@@ -116,8 +122,10 @@ class SlurmLauncher:
         self.env = env
 
     def render(self, spec: LaunchSpec) -> str:
+        """The batch script: this launcher's ``exclude`` plus the nodes the run dir excluded before."""
+        exclude = tuple(dict.fromkeys((*self.exclude, *excluded_nodes(spec.run_dir))))
         return render_sbatch(spec, partition=self.partition, qos=self.qos, python=self.python,
-                             time_limit=self.time_limit, rdzv_port=self.rdzv_port, exclude=self.exclude,
+                             time_limit=self.time_limit, rdzv_port=self.rdzv_port, exclude=exclude,
                              requeue=self.requeue)
 
     def submit(self, spec: LaunchSpec) -> JobHandle:
@@ -207,6 +215,20 @@ class SlurmLauncher:
         return result_for(status, handle, tail_text(text) if status.state != "SUCCEEDED" else "")
 
 
+def excluded_nodes(run_dir: str | Path) -> tuple[str, ...]:
+    """Nodes a straggler action excluded for this run dir (``resubmit_excluding``), oldest first."""
+    path = Path(run_dir) / ".launch" / EXCLUDED_NODES_FILE
+    try:
+        nodes = json.loads(path.read_text())
+    except FileNotFoundError:
+        return ()
+    except (OSError, ValueError) as exc:
+        raise LaunchError(f"{path} is unreadable ({exc}); fix or delete it to resubmit") from exc
+    if not isinstance(nodes, list) or not all(isinstance(n, str) and _NAME_OK.match(n) for n in nodes):
+        raise LaunchError(f"{path} must be a JSON list of Slurm node names, got {nodes!r}")
+    return tuple(nodes)
+
+
 def resubmit_excluding(launcher: SlurmLauncher, handle: JobHandle, node: str, *, timeout_s: float = 300.0,
                        poll_s: float = 1.0) -> tuple[SlurmLauncher, JobHandle]:
     """Straggler action on Slurm: end the job, then submit it again without ``node`` (``--exclude``).
@@ -215,6 +237,8 @@ def resubmit_excluding(launcher: SlurmLauncher, handle: JobHandle, node: str, *,
     since then. The old job must have left the nodes before the new one starts, or two gangs would
     write the same checkpoints: this waits for it (``timeout_s``). Returns the launcher that excludes
     the node (and every node it excluded before) and the new job's handle; poll that one from now on.
+    The node is also recorded in ``RUN/.launch/slurm-excluded-nodes.json`` before the new job is
+    submitted, so a retried task that submits again keeps it out.
     """
     if not _NAME_OK.match(node):
         raise ConfigError(f"slurm node name must be a plain Slurm name, got {node!r}")
@@ -228,7 +252,12 @@ def resubmit_excluding(launcher: SlurmLauncher, handle: JobHandle, node: str, *,
         if time.monotonic() > deadline:
             raise LaunchError(f"slurm job {handle.job_id} still {state} {timeout_s:.0f} s after scancel; not resubmitting")
         time.sleep(poll_s)
+    recorded = tuple(dict.fromkeys((*excluded_nodes(handle.run_dir), node)))
+    path = Path(handle.run_dir) / ".launch" / EXCLUDED_NODES_FILE
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(list(recorded)))
+    os.replace(tmp, path)
     excluding = SlurmLauncher(partition=launcher.partition, qos=launcher.qos, time_limit=launcher.time_limit,
                               python=launcher.python, rdzv_port=launcher.rdzv_port, requeue=launcher.requeue,
-                              exclude=tuple(dict.fromkeys((*launcher.exclude, node))), env=launcher.env)
+                              exclude=tuple(dict.fromkeys((*launcher.exclude, *recorded))), env=launcher.env)
     return excluding, excluding.submit(spec)

@@ -284,3 +284,77 @@ def test_deployment_launcher_setting_refuses_anything_else(raw, match):
 
     with pytest.raises(PolicyError, match=match):
         SANDBOX.with_launcher(raw, "Airflow Variable kiln_sandbox_launcher")
+
+
+def test_trigger_turns_an_exclude_node_flag_into_one_straggler_event(tmp_path):
+    """With the policy's exclude_node, a straggler flag the trainer writes while the job runs ends the
+    wait with a STRAGGLER event naming the node (the task acts on it); flags before the offset (an
+    earlier attempt's) and alert-only policies do not."""
+    import asyncio
+    import subprocess
+    import sys
+
+    from kiln.launchers.triggers import LaunchedJobTrigger
+
+    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)", "kiln.launchers.local"],
+                               start_new_session=True)
+    (tmp_path / ".launch").mkdir()
+    metrics = tmp_path / "metrics.jsonl"
+    old = json.dumps({"event": "straggler", "step": 15, "rank": 1, "node": "node1", "ratio": 4.0, "message": "old"})
+    metrics.write_text(old + "\n")
+    handle = JobHandle(backend="local", job_id=str(sleeper.pid), run_dir=str(tmp_path))
+
+    def trigger(action: str) -> LaunchedJobTrigger:
+        stragglers = {"action": action, "offset": metrics.stat().st_size, "excluded": []}
+        return LaunchedJobTrigger(handle=handle.to_json(), backend="local", poll_s=0.05, stragglers=stragglers)
+
+    async def scenario(t: LaunchedJobTrigger):
+        events = t.run()
+        first = asyncio.ensure_future(events.__anext__())
+        await asyncio.sleep(0.4)
+        assert not first.done(), "an earlier attempt's flag (before the offset) must not fire"
+        with metrics.open("a") as fh:
+            fh.write(json.dumps({"event": "straggler", "step": 30, "rank": 1, "node": "node2", "ratio": 5.0,
+                                 "message": "straggler: rank 1 on node node2"}) + "\n")
+        done, _ = await asyncio.wait([first], timeout=1.0)
+        return first.result() if done else (first.cancel(), None)[1]
+
+    try:
+        alert_only = asyncio.run(scenario(trigger("alert")))
+        metrics.write_text(old + "\n")
+        event = asyncio.run(scenario(trigger("exclude_node")))
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+    assert alert_only is None, "an alert-only policy keeps waiting for the job"
+    assert event is not None
+    payload = event.payload
+    assert payload["state"] == "STRAGGLER" and payload["node"] == "node2", payload
+    assert "exclude node node2" in payload["reason"]
+    assert payload["stragglers"]["excluded"] == ["node2"] and payload["stragglers"]["offset"] == metrics.stat().st_size
+    assert payload["handle"] == handle.to_json()
+
+
+def test_excluded_nodes_are_kept_per_run_and_reach_every_later_batch_script(tmp_path):
+    from kiln.launchers.slurm import EXCLUDED_NODES_FILE, SlurmLauncher, excluded_nodes
+
+    spec = LaunchSpec(run_dir=tmp_path / "run", manifest=tmp_path / "m.json", recipe=tmp_path / "r.toml",
+                      run_key="dag/run", nodes=2)
+    assert excluded_nodes(spec.run_dir) == ()
+    spec.launch_dir.mkdir(parents=True)
+    (spec.launch_dir / EXCLUDED_NODES_FILE).write_text('["node2"]')
+    script = SlurmLauncher(exclude=("node9",)).render(spec)
+    assert "#SBATCH --exclude=node9,node2" in script
+    (spec.launch_dir / EXCLUDED_NODES_FILE).write_text('["node2; rm -rf /"]')
+    with pytest.raises(LaunchError, match="list of Slurm node names"):
+        excluded_nodes(spec.run_dir)
+
+
+def test_straggler_action_is_a_deployment_setting_and_exclude_node_needs_slurm():
+    from kiln.errors import PolicyError
+    from kiln.policy import SANDBOX
+
+    moved = SANDBOX.with_launcher('{"launcher": "slurm", "straggler_action": "exclude_node"}', "test")
+    assert moved.straggler_action == "exclude_node"
+    with pytest.raises(PolicyError, match="needs launcher 'slurm'"):
+        SANDBOX.with_launcher('{"straggler_action": "exclude_node"}', "test")

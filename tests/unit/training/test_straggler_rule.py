@@ -57,6 +57,21 @@ def test_slow_rank_fault_is_off_unless_asked_and_checks_its_settings(monkeypatch
         train_module.SlowRankFault.from_env()
 
 
+def test_slow_node_fault_follows_the_node_not_the_rank(monkeypatch):
+    for name in ("KILN_FAULT_SLOW_RANK", "KILN_FAULT_SLOW_S", "KILN_FAULT_SLOW_FROM_STEP", "KILN_NODE_NAME"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("KILN_FAULT_SLOW_NODE", "node2")
+    fault = train_module.SlowRankFault.from_env()
+    assert fault == train_module.SlowRankFault(rank=-1, seconds=0.2, from_step=1, node="node2")
+    monkeypatch.setenv("KILN_NODE_NAME", "node2")
+    assert fault.hits(0) and fault.hits(5)
+    monkeypatch.setenv("KILN_NODE_NAME", "node3")
+    assert not fault.hits(0) and not fault.hits(1)
+    monkeypatch.setenv("KILN_FAULT_SLOW_RANK", "1")
+    with pytest.raises(train_module.TrainerError, match="not both"):
+        train_module.SlowRankFault.from_env()
+
+
 def test_prometheus_textfile_keeps_each_latest_value_and_labels_ranks(tmp_path):
     sink = PrometheusTextfileSink(tmp_path / "m.prom", {"run_dir": "/r"})
     sink.log(10, {"loss": 2.5, "tokens_per_s": 100.0})
