@@ -72,7 +72,7 @@ def write_checkpoint(run_dir: Path, manifest: TrainingManifest, *, step: int = 1
         "weights_sha256": files["model.pt"],
         "created_at": "2026-11-29T17:00:00+00:00",
     }
-    checkpoint_manifest.atomic_write_bytes(step_dir / "manifest.json", json.dumps(body).encode())
+    checkpoint_manifest.atomic_write_bytes(step_dir / "manifest.json", json.dumps(checkpoint_manifest.seal(body)).encode())
     return step_dir
 
 

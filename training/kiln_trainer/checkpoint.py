@@ -50,6 +50,7 @@ from kiln_trainer.checkpoint_manifest import (
     fsync_dir,
     read_manifest,
     rng_file_name,
+    seal,
     step_dir_name,
     verify_checkpoint,
 )
@@ -332,7 +333,7 @@ class CheckpointWriter:
             "created_at": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
         }
         fsync_dir(step_dir)
-        atomic_write_bytes(step_dir / MANIFEST_NAME, json.dumps(manifest, indent=1, sort_keys=True).encode("utf-8"))
+        atomic_write_bytes(step_dir / MANIFEST_NAME, json.dumps(seal(manifest), indent=1, sort_keys=True).encode("utf-8"))
         with self._lock:
             self.last_committed_step = snap.step
             self.last_committed_dir = step_dir

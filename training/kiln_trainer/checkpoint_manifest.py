@@ -15,9 +15,14 @@ A checkpoint is one directory per step, ``RUN_DIR/checkpoints/step-00000050/``, 
      "recipe_sha256": "<hex>", "recipe": {...resolved recipe...},
      "snapshot_id": "<md5>.dir", "training_manifest_sha256": "<hex>",
      "files": {"model.pt": "<sha256>", ...}, "weights_sha256": "<hex>",
-     "created_at": "2026-11-29T17:00:00+00:00"}
+     "created_at": "2026-11-29T17:00:00+00:00", "seal_sha256": "<hex>"}
 
-A directory is *committed* only if its manifest parses, lists exactly the files the protocol
+``seal_sha256`` is the sha256 of the canonical JSON of every other field (``seal``): the files'
+hashes cover the state, the seal covers the manifest itself, so no byte of a committed checkpoint
+can change unnoticed (a flipped bit in ``created_at`` or in the recipe is refused like one in
+``model.pt``).
+
+A directory is *committed* only if its manifest parses, is sealed, lists exactly the files the protocol
 requires for its world size, every listed file exists with the listed sha256, and nothing else is in
 the directory. Anything else (a crash mid-save, a truncated file, an edited byte, a stray file) is
 not a checkpoint: readers ignore it and say why.
@@ -47,6 +52,7 @@ __all__ = [
     "checkpoint_dirs",
     "expected_files",
     "latest_committed",
+    "seal",
     "sha256_file",
     "step_dir_name",
     "verify_checkpoint",
@@ -72,12 +78,20 @@ _REQUIRED_KEYS: dict[str, type | tuple[type, ...]] = {
     "files": dict,
     "weights_sha256": str,
     "created_at": str,
+    "seal_sha256": str,
 }
+SEAL_KEY = "seal_sha256"
 
 
 def canonical_json(obj: Any) -> bytes:
     """The bytes every content hash is taken over (same rule as kiln's refs): sorted keys, no spaces."""
     return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
+
+
+def seal(manifest: dict[str, Any]) -> dict[str, Any]:
+    """``manifest`` with ``seal_sha256``: the sha256 of the canonical JSON of every other field."""
+    body = {k: v for k, v in manifest.items() if k != SEAL_KEY}
+    return {**body, SEAL_KEY: hashlib.sha256(canonical_json(body)).hexdigest()}
 
 
 def sha256_file(path: str | Path, chunk: int = 1 << 20) -> str:
@@ -169,6 +183,8 @@ def read_manifest(step_dir: str | Path) -> dict[str, Any]:
     match = _STEP_DIR_RE.match(step_dir.name)
     if match and int(match.group(1)) != manifest["step"]:
         raise CheckpointError(f"{path}: field 'step' is {manifest['step']} but the directory is {step_dir.name}")
+    if seal(manifest)[SEAL_KEY] != manifest[SEAL_KEY]:
+        raise CheckpointError(f"{path}: seal mismatch: the manifest was changed after it was written")
     return manifest
 
 

@@ -15,6 +15,7 @@ from kiln_trainer.checkpoint_manifest import (
     checkpoint_dirs,
     latest_committed,
     manifest_sha256,
+    seal,
     verify_checkpoint,
 )
 from kiln_trainer.config import load_recipe
@@ -88,7 +89,7 @@ def test_partial_state_in_manifest(committed: Path) -> None:
     manifest = json.loads((committed / "manifest.json").read_text())
     del manifest["files"]["optimizer.pt"]
     (committed / "optimizer.pt").unlink()
-    (committed / "manifest.json").write_text(json.dumps(manifest))
+    (committed / "manifest.json").write_text(json.dumps(seal(manifest)))  # a consistent but partial commit
     with pytest.raises(CheckpointError, match="partial state.*optimizer.pt"):
         verify_checkpoint(committed)
 
@@ -96,7 +97,7 @@ def test_partial_state_in_manifest(committed: Path) -> None:
 def test_world_size_demands_one_rng_file_per_rank(committed: Path) -> None:
     manifest = json.loads((committed / "manifest.json").read_text())
     manifest["world_size"] = 2
-    (committed / "manifest.json").write_text(json.dumps(manifest))
+    (committed / "manifest.json").write_text(json.dumps(seal(manifest)))
     with pytest.raises(CheckpointError, match="rng-rank00001.pt"):
         verify_checkpoint(committed)
 
@@ -116,6 +117,37 @@ def test_bad_manifest_fields(committed: Path, edit, message: str) -> None:
     (committed / "manifest.json").write_text(json.dumps(manifest))
     with pytest.raises(CheckpointError, match=message):
         verify_checkpoint(committed)
+
+
+@pytest.mark.parametrize(
+    "edit",
+    [
+        lambda m: m.update(created_at=m["created_at"].replace("2", "3", 1)),  # one character, no file hash covers it
+        lambda m: m["recipe"].update(extra=1),
+        lambda m: m.update(weights_sha256="0" * 64),
+        lambda m: m.pop("seal_sha256") and m.update(seal_sha256="0" * 64),
+    ],
+)
+def test_a_manifest_changed_after_it_was_sealed_is_refused(committed: Path, edit) -> None:
+    manifest = json.loads((committed / "manifest.json").read_text())
+    edit(manifest)
+    (committed / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(CheckpointError, match="seal mismatch"):
+        verify_checkpoint(committed)
+
+
+def test_a_bit_flip_anywhere_in_the_manifest_file_is_refused(committed: Path) -> None:
+    path = committed / "manifest.json"
+    original = path.read_bytes()
+    for offset in range(0, len(original), max(1, len(original) // 97)):
+        for bit in (0, 5):
+            flipped = bytearray(original)
+            flipped[offset] ^= 1 << bit
+            path.write_bytes(bytes(flipped))
+            with pytest.raises(CheckpointError):
+                verify_checkpoint(committed)
+    path.write_bytes(original)
+    verify_checkpoint(committed)
 
 
 def test_unparseable_manifest(committed: Path) -> None:
