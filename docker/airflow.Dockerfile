@@ -80,6 +80,7 @@ RUN python -m pip install --constraint /opt/kiln/constraints.txt --no-deps -e /o
 
 COPY docker/airflow/kiln-healthcheck.sh /usr/local/bin/kiln-healthcheck
 COPY docker/airflow/kiln-init.sh /usr/local/bin/kiln-init
+COPY docker/airflow/kiln-mlflow-init.sh /usr/local/bin/kiln-mlflow-init
 
 ENV AIRFLOW_HOME=/opt/airflow \
     KILN_HOME=/var/lib/kiln \
@@ -89,7 +90,13 @@ ENV AIRFLOW_HOME=/opt/airflow \
 
 RUN mkdir -p /opt/airflow/logs /var/lib/kiln /var/lib/airflow-auth \
     && chown -R airflow:airflow /opt/airflow /var/lib/kiln /var/lib/airflow-auth \
-    && chmod 0755 /usr/local/bin/kiln-healthcheck /usr/local/bin/kiln-init
+    && chmod 0755 /usr/local/bin/kiln-healthcheck /usr/local/bin/kiln-init /usr/local/bin/kiln-mlflow-init
+
+# kiln's cluster policy (kiln.prodstack.task_policy): each policy DAG's tasks go to its own Celery
+# queue, served by the worker holding only that policy's MLflow identity (compose.yaml). Airflow
+# imports `airflow_local_settings` from $AIRFLOW_HOME/config, which it puts on sys.path; the file is
+# copied after the chown above so it stays root-owned (a task cannot rewrite the routing).
+COPY docker/airflow/airflow_local_settings.py /opt/airflow/config/airflow_local_settings.py
 
 USER 50000:50000
 WORKDIR /opt/airflow

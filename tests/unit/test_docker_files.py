@@ -8,6 +8,11 @@ container. What is checked instead:
   long-running service, ``depends_on`` in the long form with conditions that can be met, host paths
   that exist, valid ``${VAR}`` interpolation, and no credential written into the file (every
   secret-looking value is interpolated from ``docker/.env``, which git ignores);
+* the topology of ``kiln.prodstack``: one Celery worker per policy queue (``--queues`` and
+  ``--concurrency`` as prodstack's, the cluster policy routes each policy DAG to its worker), each
+  worker holding only its own policy's MLflow identity, the api-server only the read-only
+  ``kiln-reader``, and no Airflow-image container but the one-shot ``mlflow-init`` the MLflow admin
+  password; the Airflow image installs the cluster policy (``airflow_local_settings``);
 * the Compose JSON schema, when an installed package ships one (none in the lock does today: the
   test says so and skips);
 * every Dockerfile parses (each instruction is a real one, continuations join), bases are pinned
@@ -20,6 +25,8 @@ container. What is checked instead:
 
 from __future__ import annotations
 
+import importlib.util
+import json
 import os
 import re
 import shlex
@@ -31,6 +38,7 @@ import tomllib
 from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import yaml
@@ -48,9 +56,18 @@ PENDING_LOCK: set[str] = set()
 
 SERVICES = {
     "postgres", "redis", "s3", "airflow-init", "airflow-apiserver", "airflow-scheduler",
-    "airflow-dag-processor", "airflow-triggerer", "airflow-worker", "mlflow", "kiln-signals", "prometheus",
+    "airflow-dag-processor", "airflow-triggerer", "airflow-worker-production", "airflow-worker-sandbox",
+    "mlflow", "mlflow-init", "kiln-signals", "prometheus",
 }  # fmt: skip
-ONE_SHOT = {"airflow-init"}
+ONE_SHOT = {"airflow-init", "mlflow-init"}
+WORKERS = {"production": "airflow-worker-production", "sandbox": "airflow-worker-sandbox"}
+"""One Celery worker per policy queue, as kiln.prodstack runs them."""
+AIRFLOW_COMPONENTS = (
+    "airflow-apiserver", "airflow-scheduler", "airflow-dag-processor", "airflow-triggerer", *WORKERS.values(),
+)  # fmt: skip
+MLFLOW_INIT = "mlflow-init"
+"""The one Airflow-image container that holds the MLflow admin password (it provisions the identities)."""
+MLFLOW_READER = "kiln-reader"
 
 # Top-level and service keys of the Compose specification (compose-spec/compose-spec, schema
 # compose-spec.json); a typo in a key is silently ignored by nothing but this list.
@@ -292,14 +309,19 @@ def test_compose_dependency_graph_is_acyclic_and_everything_waits_for_its_backen
     for name in services:
         visit(name, ())
     assert services["airflow-init"]["depends_on"].keys() >= {"postgres", "redis", "s3"}
-    for name in ("airflow-apiserver", "airflow-scheduler", "airflow-dag-processor", "airflow-triggerer", "airflow-worker"):
+    for name in AIRFLOW_COMPONENTS:
         assert services[name]["depends_on"]["airflow-init"]["condition"] == "service_completed_successfully"
     assert services["mlflow"]["depends_on"].keys() >= {"postgres", "s3"}
+    # MLflow identities are provisioned once mlflow answers, and the workers start after that.
+    assert services[MLFLOW_INIT]["depends_on"]["mlflow"]["condition"] == "service_healthy"
+    for name in WORKERS.values():
+        assert services[name]["depends_on"][MLFLOW_INIT]["condition"] == "service_completed_successfully"
+        assert services[name]["depends_on"]["mlflow"]["condition"] == "service_healthy"
 
 
 def test_compose_airflow_runs_celery_on_postgres_and_mlflow_has_postgres_s3_and_basic_auth():
     services = load_compose()["services"]
-    for name in ("airflow-apiserver", "airflow-scheduler", "airflow-dag-processor", "airflow-triggerer", "airflow-worker"):
+    for name in AIRFLOW_COMPONENTS:
         env = services[name]["environment"]
         assert env["AIRFLOW__CORE__EXECUTOR"] == "CeleryExecutor"
         assert env["AIRFLOW__DATABASE__SQL_ALCHEMY_CONN"].startswith("postgresql+psycopg2://")
@@ -309,7 +331,7 @@ def test_compose_airflow_runs_celery_on_postgres_and_mlflow_has_postgres_s3_and_
     commands = {name: services[name]["command"][0] for name in services if name.startswith("airflow-") and name != "airflow-init"}
     assert commands == {
         "airflow-apiserver": "api-server", "airflow-scheduler": "scheduler", "airflow-dag-processor": "dag-processor",
-        "airflow-triggerer": "triggerer", "airflow-worker": "celery",
+        "airflow-triggerer": "triggerer", "airflow-worker-production": "celery", "airflow-worker-sandbox": "celery",
     }  # fmt: skip
     mlflow = services["mlflow"]["environment"]
     assert mlflow["MLFLOW_BACKEND_STORE_URI"].startswith("postgresql+psycopg2://")
@@ -324,6 +346,155 @@ def test_compose_airflow_runs_celery_on_postgres_and_mlflow_has_postgres_s3_and_
     assert "./prometheus/rules:/etc/prometheus/rules:ro" in prom["volumes"]
     assert prom["network_mode"] == "service:kiln-signals"
     assert "127.0.0.1:9469" in (DOCKER / "prometheus" / "prometheus.yml").read_text()
+
+
+def _flag(command: list[str], flag: str) -> str:
+    assert command.count(flag) == 1, f"{command}: expected one {flag}"
+    return command[command.index(flag) + 1]
+
+
+def _interpolated_var(value: str) -> str:
+    """The variable of a value that is exactly one ``${VAR...}`` interpolation."""
+    m = ANY_INTERPOLATION.fullmatch(value)
+    assert m, f"{value!r} is not an interpolation from docker/.env"
+    return m.group(1)
+
+
+def _airflow_image_services(services: dict) -> dict:
+    return {n: s for n, s in services.items() if (s.get("build") or {}).get("dockerfile") == "docker/airflow.Dockerfile"}
+
+
+def test_compose_runs_one_celery_worker_per_policy_queue_like_prodstack():
+    from kiln.policy import POLICIES
+    from kiln.prodstack import QUEUES, WORKER_CONCURRENCY, task_policy
+
+    services = load_compose()["services"]
+    assert not any(n.startswith("airflow-worker") and n not in WORKERS.values() for n in services), "one worker per policy"
+    assert set(WORKERS) == set(WORKER_CONCURRENCY)
+    served: dict[str, str] = {}
+    for policy, name in WORKERS.items():
+        svc = services[name]
+        command = svc["command"]
+        assert command[:2] == ["celery", "worker"], f"{name}: {command}"
+        queues = _flag(command, "--queues").split(",")
+        expected = [QUEUES[POLICIES[policy].dag_id]] + (["default"] if policy == "sandbox" else [])
+        assert queues == expected, f"{name}: queues {queues}, prodstack serves {expected}"
+        assert _flag(command, "--concurrency") == str(WORKER_CONCURRENCY[policy]), f"{name}: concurrency"
+        assert svc["environment"]["KILN_AIRFLOW_COMPONENT"] == "celery-worker"
+        assert "AIRFLOW__CELERY__WORKER_CONCURRENCY" not in svc["environment"], f"{name}: concurrency is on the command"
+        assert svc.get("stop_grace_period"), f"{name}: give Celery's warm shutdown time"
+        for q in queues:
+            assert q not in served, f"queue {q} served by {served[q]} and {name}"
+            served[q] = name
+        # The cluster policy the image installs sends this policy's tasks to this worker.
+        task = SimpleNamespace(dag_id=POLICIES[policy].dag_id, queue="default")
+        task_policy(task)
+        assert served[task.queue] == name, f"{POLICIES[policy].dag_id} is routed to {task.queue}, not served by {name}"
+    assert set(served) == {*QUEUES.values(), "default"}, f"queues nobody serves: {set(QUEUES.values()) - set(served)}"
+
+
+def test_compose_each_worker_holds_only_its_policys_mlflow_identity():
+    from kiln.policy import POLICIES
+    from kiln.prodstack import MLFLOW_ADMIN, MLFLOW_IDENTITIES, _worker_env
+
+    services = load_compose()["services"]
+    fake_state = {"mlflow_passwords": {ident: f"pw-of-{ident}" for ident in MLFLOW_IDENTITIES.values()}}
+    password_vars = {policy: f"MLFLOW_{policy.upper()}_PASSWORD" for policy in WORKERS}
+    for policy, name in WORKERS.items():
+        env = services[name]["environment"]
+        ident = MLFLOW_IDENTITIES[policy]
+        # Same variables as kiln.prodstack gives its worker of this policy.
+        prodstack_keys = set(_worker_env(fake_state, policy, "http://mlflow:5000"))
+        assert prodstack_keys <= set(env), f"{name}: lacks {prodstack_keys - set(env)} (kiln.prodstack._worker_env)"
+        conn_var = f"AIRFLOW_CONN_{POLICIES[policy].mlflow_conn_id.upper()}"
+        conn = json.loads(env[conn_var])
+        assert conn["conn_type"] == "http" and conn["host"] == env["MLFLOW_TRACKING_URI"]
+        assert conn["login"] == ident != MLFLOW_ADMIN
+        assert _interpolated_var(conn["password"]) == password_vars[policy]
+        assert env["MLFLOW_TRACKING_USERNAME"] == ident
+        assert _interpolated_var(env["MLFLOW_TRACKING_PASSWORD"]) == password_vars[policy]
+        text = json.dumps(env)
+        assert "MLFLOW_ADMIN_PASSWORD" not in text, f"{name} holds the MLflow admin password"
+        for other in set(WORKERS) - {policy}:
+            assert f"AIRFLOW_CONN_{POLICIES[other].mlflow_conn_id.upper()}" not in env, f"{name} has {other}'s connection"
+            assert password_vars[other] not in text, f"{name} holds the {other} identity's password"
+            assert MLFLOW_IDENTITIES[other] not in text, f"{name} names the {other} identity"
+        assert not [k for k in env if k.startswith("AIRFLOW_CONN_KILN_MLFLOW") and k != conn_var]
+
+
+def test_compose_only_mlflow_init_holds_the_mlflow_admin_password():
+    from kiln.prodstack import MLFLOW_IDENTITIES
+
+    doc = load_compose()
+    services = doc["services"]
+    admin = services["mlflow"]["environment"]["MLFLOW_AUTH_ADMIN_USERNAME"]
+    shared = doc["x-airflow-common"]["environment"]
+    assert not {"MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD"} & set(shared), "no MLflow identity shared by all"
+    airflow_image = _airflow_image_services(services)
+    assert set(airflow_image) >= {*AIRFLOW_COMPONENTS, "airflow-init", MLFLOW_INIT, "kiln-signals"}
+    identity_vars = {f"MLFLOW_{p.upper()}_PASSWORD" for p in MLFLOW_IDENTITIES}
+    for name, svc in airflow_image.items():
+        if name == MLFLOW_INIT:
+            continue
+        env = svc.get("environment") or {}
+        text = json.dumps(env)
+        assert "MLFLOW_ADMIN_PASSWORD" not in text, f"{name} holds the MLflow admin password"
+        assert env.get("MLFLOW_TRACKING_USERNAME") != admin, f"{name} logs into MLflow as the admin"
+        if name in WORKERS.values():
+            continue  # each its own identity, test above
+        assert not [k for k in env if k.startswith("AIRFLOW_CONN_KILN_MLFLOW")], f"{name}: a policy's MLflow connection"
+        assert not [v for v in identity_vars if v in text], f"{name}: a policy identity's password"
+        if name == "airflow-apiserver":  # the run view reads MLflow: the read-only user, nothing more
+            assert env["MLFLOW_TRACKING_USERNAME"] == MLFLOW_READER
+            assert _interpolated_var(env["MLFLOW_TRACKING_PASSWORD"]) == "MLFLOW_READER_PASSWORD"
+        else:
+            assert "MLFLOW_TRACKING_USERNAME" not in env and "MLFLOW_TRACKING_PASSWORD" not in env, (
+                f"{name} needs no MLflow identity"
+            )
+
+    init = services[MLFLOW_INIT]
+    env = init["environment"]
+    assert init["entrypoint"][-1] == "/usr/local/bin/kiln-mlflow-init"
+    assert not [k for k in env if k.startswith("AIRFLOW")], f"{MLFLOW_INIT} needs no Airflow settings"
+    assert env["MLFLOW_TRACKING_URI"] == shared["MLFLOW_TRACKING_URI"]
+    assert env["MLFLOW_ADMIN_USERNAME"] == admin
+    assert _interpolated_var(env["MLFLOW_ADMIN_PASSWORD"]) == "MLFLOW_ADMIN_PASSWORD"
+    for policy, ident in MLFLOW_IDENTITIES.items():
+        assert env[f"MLFLOW_{policy.upper()}_USERNAME"] == ident
+        assert _interpolated_var(env[f"MLFLOW_{policy.upper()}_PASSWORD"]) == f"MLFLOW_{policy.upper()}_PASSWORD"
+    assert env["MLFLOW_READER_USERNAME"] == MLFLOW_READER not in {admin, *MLFLOW_IDENTITIES.values()}
+    script = (DOCKER / "airflow" / "kiln-mlflow-init.sh").read_text()
+    assert "provision_identities(" in script
+    for key in env:
+        if key.startswith("MLFLOW_") and key not in ("MLFLOW_TRACKING_URI", "MLFLOW_HTTP_REQUEST_MAX_RETRIES"):
+            assert key in script, f"kiln-mlflow-init.sh does not use {key}"
+
+
+def test_airflow_image_installs_the_cluster_policy_and_the_init_scripts():
+    from kiln import prodstack
+
+    instructions = parse_dockerfile(DOCKERFILES["airflow"])
+    env = " ".join(i.args for i in instructions if i.keyword == "ENV")
+    airflow_home = re.search(r"\bAIRFLOW_HOME=(\S+)", env).group(1)
+    copies = {}
+    for ins in instructions:
+        if ins.keyword == "COPY":
+            parts = [p for p in shlex.split(ins.args) if not p.startswith("--")]
+            for source in parts[:-1]:
+                copies[source] = (parts[-1], ins.line)
+    dest, line = copies["docker/airflow/airflow_local_settings.py"]
+    # Airflow puts $AIRFLOW_HOME/config on sys.path and imports airflow_local_settings from there.
+    assert dest in (f"{airflow_home}/config/airflow_local_settings.py", f"{airflow_home}/config/"), dest
+    chowns = [i.line for i in instructions if i.keyword == "RUN" and "chown" in i.args]
+    assert chowns and line > max(chowns), "copy the cluster policy after the chown: root-owned, tasks cannot rewrite it"
+    local_settings = DOCKER / "airflow" / "airflow_local_settings.py"
+    spec = importlib.util.spec_from_file_location("kiln_image_local_settings", local_settings)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    assert module.task_policy is prodstack.task_policy, "the image must route tasks as kiln.prodstack does"
+    assert "from kiln.prodstack import task_policy" in prodstack.LOCAL_SETTINGS
+    assert copies["docker/airflow/kiln-init.sh"][0] == "/usr/local/bin/kiln-init"
+    assert copies["docker/airflow/kiln-mlflow-init.sh"][0] == "/usr/local/bin/kiln-mlflow-init"
 
 
 def test_compose_host_paths_exist_and_ports_bind_loopback_only():
@@ -514,8 +685,8 @@ def test_dockerfile_pip_installs_are_pinned_by_the_lock(name):
 def test_shell_scripts_parse_and_are_executable():
     scripts = sorted(DOCKER.glob("*/*.sh"))
     assert {s.relative_to(DOCKER).as_posix() for s in scripts} >= {
-        "airflow/kiln-healthcheck.sh", "airflow/kiln-init.sh", "mlflow/entrypoint.sh", "trainer/entrypoint.sh",
-        "postgres/init-databases.sh",
+        "airflow/kiln-healthcheck.sh", "airflow/kiln-init.sh", "airflow/kiln-mlflow-init.sh", "mlflow/entrypoint.sh",
+        "trainer/entrypoint.sh", "postgres/init-databases.sh",
     }  # fmt: skip
     for script in scripts:
         assert os.access(script, os.X_OK), f"{script} is not executable"
