@@ -992,6 +992,7 @@ def _report_from_tags(mv: ModelVersion) -> EvalReport:
             bits_per_byte=float(tags[TAGS["eval_bits_per_byte"]]),
             loss=float(tags[TAGS["eval_loss"]]),
             tokens=int(tags[TAGS["eval_tokens"]]),
+            snapshot_id=tags.get(TAGS["snapshot_id"], ""),
         )
     except (KeyError, ValueError) as exc:
         raise RegistryError(

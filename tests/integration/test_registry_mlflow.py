@@ -294,6 +294,7 @@ def test_promote_copies_tags_then_moves_alias_last_and_is_idempotent(
     assert (record_a.registered_model, record_a.version, record_a.alias) == (target, "1", "champion")
     assert record_a.previous_version is None
     assert registry.champion_report(policy).bits_per_byte == 3.0
+    assert registry.champion_report(policy).snapshot_id == SNAPSHOT_ID  # what the champion watch reports as recorded
 
     # Second model beats the champion.
     b = make_candidate(tmp_path, "b", 2.9)
