@@ -1,8 +1,10 @@
 """Airflow cluster policy of kiln's image (copied to $AIRFLOW_HOME/config/, which Airflow puts on sys.path).
 
-The same file kiln.prodstack writes (``kiln.prodstack.LOCAL_SETTINGS``): route each policy DAG's tasks
-to its own Celery queue (kiln-production, kiln-sandbox), served by a worker that holds only that
-policy's MLflow identity (docker/compose.yaml, airflow-worker-production / airflow-worker-sandbox).
+The same file kiln.prodstack writes (``kiln.prodstack.LOCAL_SETTINGS``): route every DAG of a policy
+(the retraining DAG and the champion watch) to that policy's Celery queue (kiln-production,
+kiln-sandbox), served by a worker that holds only that policy's MLflow identity
+(docker/compose.yaml, airflow-worker-production / airflow-worker-sandbox). ``kiln.cluster_policy``
+imports nothing but ``kiln.policy``: every Airflow process loads this file.
 """
 
-from kiln.prodstack import task_policy  # noqa: F401
+from kiln.cluster_policy import task_policy  # noqa: F401

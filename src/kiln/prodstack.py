@@ -40,17 +40,16 @@ from kiln import settings as kiln_settings
 from kiln.errors import ConfigError
 from kiln.fsutil import write_private
 from kiln.netutil import free_port
-from kiln.policy import POLICIES, PRODUCTION, REPO_ROOT, SANDBOX
+from kiln.policy import POLICIES, REPO_ROOT
 from kiln.procutil import end_recorded, record_start
 from kiln.stack import POOL_SLOTS, Service, StackError, _alive, _bin
+from kiln.cluster_policy import QUEUES, task_policy  # noqa: F401  (re-exported: the stack's routing)
 
 PROFILE = "prodlike"
 PG_ADMIN_ENV = "KILN_PG_ADMIN_URI"
 PG_ADMIN_DEFAULT = "postgresql://postgres@127.0.0.1:5432/postgres"
 REDIS_ENV = "KILN_REDIS_URL"
 REDIS_DEFAULT = "redis://127.0.0.1:6379"
-QUEUES = {PRODUCTION.dag_id: "kiln-production", SANDBOX.dag_id: "kiln-sandbox"}
-"""Celery queue per policy DAG (set by the cluster policy ``task_policy``); other DAGs use ``default``."""
 AIRFLOW_USER_ROLES = {
     "admin": "Admin",
     "demo-reviewer": "kiln-reviewer",
@@ -285,16 +284,8 @@ def _worker_env(st: dict[str, Any], policy: str, mlflow_uri: str) -> dict[str, s
     }
 
 
-def task_policy(task: Any) -> None:
-    """Airflow cluster policy (installed as ``airflow_local_settings``): route each policy DAG's
-    tasks to its own Celery queue, served by a worker holding only that policy's MLflow identity."""
-    queue = QUEUES.get(getattr(task, "dag_id", None) or "")
-    if queue:
-        task.queue = queue
-
-
 LOCAL_SETTINGS = '''"""Written by kiln.prodstack: route kiln's DAGs to per-policy Celery queues."""
-from kiln.prodstack import task_policy  # noqa: F401
+from kiln.cluster_policy import task_policy  # noqa: F401
 '''
 
 

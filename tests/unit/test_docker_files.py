@@ -492,7 +492,7 @@ def test_airflow_image_installs_the_cluster_policy_and_the_init_scripts():
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     assert module.task_policy is prodstack.task_policy, "the image must route tasks as kiln.prodstack does"
-    assert "from kiln.prodstack import task_policy" in prodstack.LOCAL_SETTINGS
+    assert "from kiln.cluster_policy import task_policy" in prodstack.LOCAL_SETTINGS
     assert copies["docker/airflow/kiln-init.sh"][0] == "/usr/local/bin/kiln-init"
     assert copies["docker/airflow/kiln-mlflow-init.sh"][0] == "/usr/local/bin/kiln-mlflow-init"
 

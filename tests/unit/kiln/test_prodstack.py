@@ -18,6 +18,10 @@ def test_task_policy_routes_each_policy_dag_to_its_queue():
         task = SimpleNamespace(dag_id=dag_id, queue="default")
         prodstack.task_policy(task)
         assert task.queue == queue
+    # The champion watch is a production DAG: on the sandbox worker it would have no production identity.
+    watch = SimpleNamespace(dag_id=PRODUCTION.champion_watch_dag_id, queue="default")
+    prodstack.task_policy(watch)
+    assert watch.queue == "kiln-production"
     other = SimpleNamespace(dag_id="someone_elses_dag", queue="default")
     prodstack.task_policy(other)
     assert other.queue == "default"
