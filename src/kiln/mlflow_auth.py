@@ -190,12 +190,14 @@ class Grant:
     permission: str
 
 
-def planned_grants(policies: Iterable[Policy], owners: dict[str, str]) -> list[Grant]:
+def planned_grants(policies: Iterable[Policy], owners: dict[str, str], readers: Iterable[str] = ()) -> list[Grant]:
     """The grants that make each policy's names writable only by its own identity.
 
     ``owners`` maps policy name → username. The owner of a policy gets EDIT on its writable
     models and its experiment; every other identity gets an explicit READ on the production
     policy's names (explicit so that it overrides any MANAGE/EDIT the identity held before).
+    Each of ``readers`` (e.g. the Airflow api-server's run view) gets an explicit READ on every
+    policy's names and nothing else.
     """
     from kiln.registry import experiment_name  # the experiment the registry and trainer log into
 
@@ -207,6 +209,7 @@ def planned_grants(policies: Iterable[Policy], owners: dict[str, str]) -> list[G
             grants.append(Grant(owner, rtype, name, "EDIT"))
             if policy.name == "production":
                 grants += [Grant(other, rtype, name, "READ") for other in owners.values() if other != owner]
+            grants += [Grant(reader, rtype, name, "READ") for reader in readers]
     return grants
 
 
@@ -219,9 +222,15 @@ def provision_identities(
     production_password: str,
     sandbox_user: str,
     sandbox_password: str,
+    reader_user: str | None = None,
+    reader_password: str | None = None,
     policies: Iterable[Policy] | None = None,
 ) -> list[Grant]:
     """Create (or update) the production and sandbox identities and grant per-model permissions.
+
+    ``reader_user`` (optional): a read-only identity (READ on every policy's models and
+    experiment, no write grant on any kiln name) for processes that only look things up, such as
+    the Airflow api-server's "kiln run" view.
 
     Idempotent: existing users get the given password (so this also rotates), existing grants
     are changed to the planned permission. Refuses (``ConfigError``) identities that share a
@@ -232,8 +241,11 @@ def provision_identities(
 
     policies = list(POLICIES.values() if policies is None else policies)
     users = {production_user: production_password, sandbox_user: sandbox_password}
-    if len(users) != 2 or admin_user in users:
-        raise ConfigError("the production, sandbox and admin MLflow identities must be three different users")
+    readers = [reader_user] if reader_user else []
+    if reader_user:
+        users[reader_user] = reader_password or ""
+    if len(users) != 2 + len(readers) or admin_user in users:
+        raise ConfigError("the production, sandbox, reader and admin MLflow identities must be different users")
     for user, password in users.items():
         _check_password(f"the password of MLflow user {user!r}", password)
     owners = {"production": production_user, "sandbox": sandbox_user}
@@ -259,7 +271,7 @@ def provision_identities(
                 auth.update_user_password(user, password)
 
         ids = _ensure_resources(auth, policies)
-        grants = planned_grants(policies, owners)
+        grants = planned_grants(policies, owners, readers)
         for grant in grants:
             step = f"granting {grant}"
             _set_permission(auth, grant.username, grant.resource_type, ids[grant.resource_type, grant.resource],

@@ -60,6 +60,8 @@ AIRFLOW_USER_ROLES = {
 """Airflow (FAB) users of this stack and their roles; what each role may do: ``kiln.fab_auth``."""
 MLFLOW_ADMIN = "admin"
 MLFLOW_IDENTITIES = {"production": "kiln-production", "sandbox": "kiln-sandbox"}
+MLFLOW_READER = "kiln-reader"
+"""The api-server's MLflow identity: READ on every policy's names (the "kiln run" view's lookup)."""
 WORKER_CONCURRENCY = {"production": 2, "sandbox": 2}
 
 
@@ -104,7 +106,8 @@ def state(s: kiln_settings.Settings | None = None, *, create: bool = False) -> d
         "jwt_secret": secrets.token_urlsafe(32),
         "secret_key": secrets.token_urlsafe(32),
         "airflow_passwords": {user: _pw() for user in AIRFLOW_USER_ROLES},
-        "mlflow_passwords": {MLFLOW_ADMIN: _pw(), **{ident: _pw() for ident in MLFLOW_IDENTITIES.values()}},
+        "mlflow_passwords": {MLFLOW_ADMIN: _pw(), MLFLOW_READER: _pw(),
+                             **{ident: _pw() for ident in MLFLOW_IDENTITIES.values()}},
     }
     root(s).mkdir(parents=True, exist_ok=True)
     root(s).chmod(0o700)
@@ -331,7 +334,10 @@ def services(s: kiln_settings.Settings, st: dict[str, Any]) -> list[Service]:
             health_url=f"http://127.0.0.1:{s.mlflow_port}/health",
         ),
         Service(name="api-server", argv=[airflow, "api-server", "--host", "127.0.0.1", "--port", port, "--workers", "1"],
-                health_url=f"{s.airflow_url}/api/v2/monitor/health"),
+                health_url=f"{s.airflow_url}/api/v2/monitor/health",
+                # read-only: the "kiln run" view finds a run's MLflow run (no policy identity here)
+                env={"MLFLOW_TRACKING_USERNAME": MLFLOW_READER,
+                     "MLFLOW_TRACKING_PASSWORD": st["mlflow_passwords"][MLFLOW_READER]}),
         Service(name="signals", argv=[_bin("kiln"), "signals", "serve", "--port", str(s.signals_port)],
                 health_url=f"http://127.0.0.1:{s.signals_port}/healthz"),
         Service(name="scheduler", argv=[airflow, "scheduler", "--skip-serve-logs"]),
@@ -440,6 +446,7 @@ def up(*, timeout: float = 300.0, quiet: bool = False) -> dict[str, str]:
         mlflow_uri, MLFLOW_ADMIN, admin_pw,
         production_user=MLFLOW_IDENTITIES["production"], production_password=st["mlflow_passwords"][MLFLOW_IDENTITIES["production"]],
         sandbox_user=MLFLOW_IDENTITIES["sandbox"], sandbox_password=st["mlflow_passwords"][MLFLOW_IDENTITIES["sandbox"]],
+        reader_user=MLFLOW_READER, reader_password=st["mlflow_passwords"][MLFLOW_READER],
     )  # fmt: skip
 
     from kiln.snapshot import ensure_workspace

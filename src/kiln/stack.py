@@ -45,6 +45,8 @@ generated passwords, each DAG's tasks acting as their policy's identity through 
 connections ``kiln_mlflow_<policy>``. Unset / ``off``: an open MLflow server (the default)."""
 MLFLOW_ADMIN = "kiln-admin"
 MLFLOW_IDENTITIES = {"production": "kiln-production", "sandbox": "kiln-sandbox"}
+MLFLOW_READER = "kiln-reader"
+"""basic-auth mode: the api-server's identity, READ on every policy's names (the "kiln run" view)."""
 
 
 class StackError(KilnError):
@@ -108,7 +110,7 @@ def mlflow_passwords(s: kiln_settings.Settings | None = None) -> dict[str, str]:
     auth_dir.mkdir(parents=True, exist_ok=True)
     auth_dir.chmod(0o700)
     path = auth_dir / "identities.json"
-    users = [MLFLOW_ADMIN, *MLFLOW_IDENTITIES.values()]
+    users = [MLFLOW_ADMIN, MLFLOW_READER, *MLFLOW_IDENTITIES.values()]
     known = json.loads(path.read_text()) if path.is_file() else {}
     if set(known) != set(users):
         known = {u: known.get(u) or secrets.token_urlsafe(18) for u in users}
@@ -190,10 +192,11 @@ def airflow_env(s: kiln_settings.Settings | None = None) -> dict[str, str]:
 def services(s: kiln_settings.Settings) -> list[Service]:
     airflow = _bin("airflow")
     mlflow_home = s.home / "mlflow"
-    auth_args, auth_env, task_conns = [], {}, {}
+    auth_args, auth_env, task_conns, reader_env = [], {}, {}, {}
     if mlflow_auth_enabled():
         auth_args, auth_env = _mlflow_auth_server(s)
         task_conns = mlflow_connections(s)
+        reader_env = {"MLFLOW_TRACKING_USERNAME": MLFLOW_READER, "MLFLOW_TRACKING_PASSWORD": mlflow_passwords(s)[MLFLOW_READER]}
     return [
         Service(
             name="mlflow",
@@ -208,6 +211,7 @@ def services(s: kiln_settings.Settings) -> list[Service]:
             name="api-server",
             argv=[airflow, "api-server", "--host", "127.0.0.1", "--port", _port(s.airflow_url), "--workers", "1"],
             health_url=f"{s.airflow_url}/api/v2/monitor/health",
+            env=reader_env,  # basic-auth: read-only, for the "kiln run" view's MLflow lookup
         ),
         Service(
             name="signals",  # Prometheus exporter of kiln's operational signals (docs/runbook.md)
@@ -215,7 +219,7 @@ def services(s: kiln_settings.Settings) -> list[Service]:
             health_url=f"http://127.0.0.1:{s.signals_port}/healthz",
         ),
         # The LocalExecutor runs tasks as children of the scheduler: only it gets the policies'
-        # MLflow connections (api-server, dag-processor and triggerer never talk to MLflow).
+        # MLflow connections (dag-processor and triggerer never talk to MLflow; the api-server only reads).
         Service(name="scheduler", argv=[airflow, "scheduler", "--skip-serve-logs"], env=task_conns),
         Service(name="dag-processor", argv=[airflow, "dag-processor"]),
         Service(name="triggerer", argv=[airflow, "triggerer", "--skip-serve-logs"]),
@@ -309,7 +313,8 @@ def up(*, timeout: float = 180.0, quiet: bool = False) -> dict[str, str]:
         prod, sandbox = MLFLOW_IDENTITIES["production"], MLFLOW_IDENTITIES["sandbox"]
         mlflow_auth.provision_identities(s.mlflow_uri, MLFLOW_ADMIN, pw[MLFLOW_ADMIN], production_user=prod,
                                          production_password=pw[prod], sandbox_user=sandbox,
-                                         sandbox_password=pw[sandbox])  # fmt: skip
+                                         sandbox_password=pw[sandbox], reader_user=MLFLOW_READER,
+                                         reader_password=pw[MLFLOW_READER])  # fmt: skip
         say(f"kiln: MLflow basic-auth on; identities {prod} (production) and {sandbox} (sandbox) provisioned")
     info = {"airflow": s.airflow_url, "mlflow": s.mlflow_uri, "home": str(s.home)}
     if not quiet:

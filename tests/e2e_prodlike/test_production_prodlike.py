@@ -101,6 +101,12 @@ def _approve_and_check(prodlike, login, run_id: str, ref: dict) -> None:
     moved = requests.post(f"{api}/registered-models/alias", auth=reader, timeout=30,
                           json={"name": PRODUCTION.target_model, "alias": "champion", "version": version["version"]})
     assert moved.status_code == 403, moved.text
+    # the "kiln run" view (an api-server plugin) finds the run's MLflow run as the read-only kiln-reader
+    from kiln.links import run_view_url
+
+    view = requests.get(run_view_url(PRODUCTION.dag_id, run_id, prodlike["airflow"]), timeout=60)
+    train_run = admin.xcom(PRODUCTION.dag_id, run_id, "train")["mlflow_run_id"]
+    assert view.status_code == 200 and train_run in view.text, view.text[-2000:]
 
     # 3. artifacts and snapshots are in S3 (moto)
     s3 = boto3.client("s3", endpoint_url=prodlike["s3"], region_name="us-east-1",

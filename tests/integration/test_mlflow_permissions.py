@@ -28,7 +28,7 @@ from kiln.refs import Decision
 
 pytestmark = pytest.mark.slow
 
-ADMIN, PROD_USER, SANDBOX_USER = "kiln-admin", "kiln-production", "kiln-sandbox"
+ADMIN, PROD_USER, SANDBOX_USER, READER = "kiln-admin", "kiln-production", "kiln-sandbox", "kiln-reader"
 SOURCE = "s3://kiln-test-bucket/model"
 """Model-version source: only metadata here, nothing reads it."""
 
@@ -47,7 +47,7 @@ class AuthServer:
 @pytest.fixture(scope="module")
 def auth_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[AuthServer]:
     home = tmp_path_factory.mktemp("mlflow-auth")
-    passwords = {ADMIN: _password(), PROD_USER: _password(), SANDBOX_USER: _password()}
+    passwords = {ADMIN: _password(), PROD_USER: _password(), SANDBOX_USER: _password(), READER: _password()}
     mlflow_auth.write_auth_config(home, passwords[ADMIN], admin_username=ADMIN)
     handle = start_server(home, free_port(), timeout_s=300, extra_args=mlflow_auth.SERVER_ARGS,
                           extra_env=mlflow_auth.server_env(home, passwords[ADMIN]))  # fmt: skip
@@ -68,7 +68,8 @@ def auth_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[AuthServer
 def provisioned(auth_server: AuthServer) -> AuthServer:
     pw = auth_server.passwords
     kwargs = dict(production_user=PROD_USER, production_password=pw[PROD_USER],
-                  sandbox_user=SANDBOX_USER, sandbox_password=pw[SANDBOX_USER])  # fmt: skip
+                  sandbox_user=SANDBOX_USER, sandbox_password=pw[SANDBOX_USER],
+                  reader_user=READER, reader_password=pw[READER])  # fmt: skip
     first = mlflow_auth.provision_identities(auth_server.url, ADMIN, pw[ADMIN], **kwargs)
     second = mlflow_auth.provision_identities(auth_server.url, ADMIN, pw[ADMIN], **kwargs)  # idempotent
     assert first == second
@@ -166,6 +167,29 @@ def test_sandbox_identity_cannot_write_production(as_user: Callable) -> None:
         assert prod.get_model_version_by_alias(PRODUCTION_MODEL, PRODUCTION.alias).version == nxt.version
         # ... but not the sandbox's model beyond reading it (default READ).
         _denied(lambda: prod.create_model_version(SANDBOX.target_model, SOURCE))
+
+
+def test_reader_identity_reads_every_policy_and_writes_nothing_of_kiln(provisioned: AuthServer, as_user: Callable) -> None:
+    """The api-server's identity (the "kiln run" view looks a DAG run's MLflow run up): READ only."""
+    url, admin_pw = provisioned.url, provisioned.passwords[ADMIN]
+    for model in (*PRODUCTION.writable_models, *SANDBOX.writable_models):
+        assert mlflow_auth.effective_permission(url, ADMIN, admin_pw, READER, model) == "READ"
+    with as_user(PROD_USER) as prod:
+        experiment = prod.get_experiment_by_name(registry.experiment_name(PRODUCTION))
+        run = prod.create_run(experiment.experiment_id, tags={registry.RUN_KEY_TAG: "kiln_production/r"})
+    with as_user(READER) as reader:
+        found = reader.search_runs([experiment.experiment_id], filter_string=f"tags.`{registry.RUN_KEY_TAG}` = 'kiln_production/r'")
+        assert [r.info.run_id for r in found] == [run.info.run_id]
+        assert reader.get_registered_model(PRODUCTION_MODEL).name == PRODUCTION_MODEL
+        _denied(lambda: reader.create_run(experiment.experiment_id))
+        _denied(lambda: reader.set_tag(run.info.run_id, "kiln.review", "approved"))
+        for model in (*PRODUCTION.writable_models, *SANDBOX.writable_models):
+            _denied(lambda m=model: reader.create_model_version(m, SOURCE))
+    with pytest.raises(ConfigError, match="different users"):
+        mlflow_auth.provision_identities(url, ADMIN, admin_pw, production_user=PROD_USER,
+                                         production_password=provisioned.passwords[PROD_USER],
+                                         sandbox_user=SANDBOX_USER, sandbox_password=provisioned.passwords[SANDBOX_USER],
+                                         reader_user=SANDBOX_USER, reader_password=provisioned.passwords[SANDBOX_USER])  # fmt: skip
 
 
 def test_sandbox_identity_cannot_squat_or_regain_production(provisioned: AuthServer, as_user: Callable) -> None:

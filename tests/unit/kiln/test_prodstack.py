@@ -45,6 +45,15 @@ def test_state_is_private_and_workers_hold_only_their_identity(tmp_path, monkeyp
     assert prod_pw in prod_env and sandbox_pw not in prod_env
     assert sandbox_pw in sandbox_env and prod_pw not in sandbox_env
     assert "kiln-production" in services["worker-production"].argv
+    # The api-server reads (the "kiln run" view) as kiln-reader; no other component holds an MLflow identity.
+    reader_pw = st["mlflow_passwords"][prodstack.MLFLOW_READER]
+    assert services["api-server"].env["MLFLOW_TRACKING_USERNAME"] == "kiln-reader"
+    for name, svc in services.items():
+        held = [pw for pw in (prod_pw, sandbox_pw, reader_pw, st["mlflow_passwords"]["admin"]) if pw in json.dumps(svc.env)]
+        allowed = {"worker-production": [prod_pw], "worker-sandbox": [sandbox_pw], "api-server": [reader_pw]}
+        if name == "mlflow":  # the server itself knows its admin (to bootstrap the auth database)
+            continue
+        assert held == allowed.get(name, []), name
     # no credential on any command line
     secrets = [st["pg_password"], st["s3_secret_access_key"], *st["mlflow_passwords"].values(),
                *st["airflow_passwords"].values()]
