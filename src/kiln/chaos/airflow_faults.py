@@ -228,4 +228,4 @@ def summarize_scheduler(results: list[TrialResult]) -> list[str]:
 
 SCHEDULER = Family(name="scheduler", title="The Airflow scheduler killed mid-run and restarted",
                    goals="the DAG run completes or fails clearly; no stage runs twice with a visible effect",
-                   default_trials=1, run=run_scheduler, summarize=summarize_scheduler)
+                   default_trials=2, run=run_scheduler, summarize=summarize_scheduler)
