@@ -161,7 +161,8 @@ def _linked_task(policy: Policy, task_id: str, **kwargs: Any):
                           {"operator_extra_links": links, "__module__": __name__})  # fmt: skip
 
     def decorate(fn):  # type: ignore[no-untyped-def]
-        return task_decorator_factory(python_callable=fn, decorated_operator_class=operator_class, **kwargs)
+        return task_decorator_factory(python_callable=fn, decorated_operator_class=operator_class,
+                                      **{"multiple_outputs": False, **kwargs})
 
     return decorate
 
@@ -377,7 +378,7 @@ def build_dag(policy: Policy):  # noqa: C901 - one function so the wiring reads 
         allowed_run_types=allowed_run_types,
     )
     def kiln_pipeline():
-        @task
+        @task(multiple_outputs=False)
         def snapshot() -> dict[str, Any]:
             from kiln.pipeline import check_run_conf, snapshot_stage
 
@@ -392,7 +393,7 @@ def build_dag(policy: Policy):  # noqa: C901 - one function so the wiring reads 
             ]
             return _run(snapshot_stage, policy, ctx["params"].get("corpus"), expected or None)
 
-        @task
+        @task(multiple_outputs=False)
         def shard_plan(snapshot: dict[str, Any]) -> list[list[str]]:
             """Batches of shards, one mapped validation task each (XCom can only be mapped over a list)."""
             from kiln.pipeline import shard_batches
@@ -433,7 +434,7 @@ def build_dag(policy: Policy):  # noqa: C901 - one function so the wiring reads 
             print(f"promotion decision: {decision['action']}: " + "; ".join(decision["reasons"]))
             return decision if decision["action"] == "promote" else False
 
-        @task
+        @task(multiple_outputs=False)
         def promote(candidate: dict[str, Any], decision: dict[str, Any], approval: dict[str, Any] | None = None):
             from kiln.pipeline import promote_stage
 
@@ -447,7 +448,7 @@ def build_dag(policy: Policy):  # noqa: C901 - one function so the wiring reads 
                 approver = f"policy:{policy.name} (no human approval required)"
             return _run(promote_stage, policy, candidate, decision, approver, _key(), approved_at)
 
-        @task(trigger_rule="none_failed")
+        @task(trigger_rule="none_failed", multiple_outputs=False)
         def outcome() -> dict[str, Any]:
             """How the run ended for the model, in words: runs after a promotion, a hold or a rejection
             (skipped upstream), never after a failure (the run fails instead)."""
@@ -536,13 +537,13 @@ def build_champion_watch_dag(policy: Policy):
         allowed_run_types=["manual", "scheduled"],
     )
     def kiln_champion_watch():
-        @task
+        @task(multiple_outputs=False)
         def reevaluate() -> dict[str, Any]:
             from kiln.champion_watch import reevaluate_stage
 
             return _run(reevaluate_stage, policy, _key())
 
-        @task
+        @task(multiple_outputs=False)
         def decide(evaluation: dict[str, Any]) -> dict[str, Any]:
             from kiln.champion_watch import watch_decision
 
@@ -554,13 +555,13 @@ def build_champion_watch_dag(policy: Policy):
         def propose_rollback(decision: dict[str, Any]) -> bool:
             return decision["action"] == "propose_rollback"
 
-        @task
+        @task(multiple_outputs=False)
         def rollback(decision: dict[str, Any], approval: dict[str, Any]) -> dict[str, Any]:
             from kiln.champion_watch import rollback_stage
 
             return _run(rollback_stage, policy, decision, approval, _key())
 
-        @task(trigger_rule="none_failed")
+        @task(trigger_rule="none_failed", multiple_outputs=False)
         def watch_outcome() -> dict[str, Any]:
             from kiln.champion_watch import watch_outcome_stage
 

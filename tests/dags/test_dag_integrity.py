@@ -55,6 +55,14 @@ def test_every_task_has_owner_retries_and_its_policy_pool(dagbag, policy):
             assert t.retries == policy.retries, t.task_id
 
 
+def test_no_task_splits_its_result_into_one_xcom_per_key(dagbag):
+    """A ``-> dict`` annotation would make ``@task`` push every key as an XCom of its own, next to
+    ``return_value``: rows nobody reads, and copies of values (checkpoint paths, run ids) to keep."""
+    for dag_id in (*(p.dag_id for p in POLICIES.values()), "kiln_champion_watch"):
+        for t in dagbag.dags[dag_id].tasks:
+            assert getattr(t, "multiple_outputs", False) is False, f"{dag_id}.{t.task_id}"
+
+
 def test_production_is_pinned_gated_and_one_at_a_time(dagbag):
     prod = dagbag.dags["kiln_production"]
     assert prod.max_active_runs == 1
