@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import time
+from pathlib import Path
 
 
 def group_alive(pgid: int) -> bool:
@@ -49,11 +50,16 @@ def end_process_group(pgid: int, timeout_s: float, *, reap: subprocess.Popen | N
 
 
 # ------------------------------------------------------------------- services behind a pid file
-def group_members(pgid: int, marker: bytes) -> list[int]:
-    """Live processes of group ``pgid`` whose environment holds ``marker`` (e.g. ``KILN_HOME=/x``):
-    a group id is a pid, and pids are reused, so membership alone never marks a process as ours."""
-    from pathlib import Path
+def group_members(pgid: int, marker: Path) -> list[int]:
+    """Live processes of group ``pgid`` that belong to the stack at ``marker`` (its KILN_HOME): a
+    group id is a pid, and pids are reused, so membership alone never marks a process as ours.
 
+    A process belongs when its working directory is at or under ``marker`` (every stack service is
+    started there and its children inherit it) or its environment says ``KILN_HOME=<marker>``. The
+    working directory is the check that holds for Airflow's executor workers: ``setproctitle``
+    ("airflow worker -- LocalExecutor") writes over the memory ``/proc/<pid>/environ`` reads."""
+    env_marker = f"KILN_HOME={marker}\0".encode()
+    marker = Path(marker).resolve()
     members = []
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
@@ -62,7 +68,8 @@ def group_members(pgid: int, marker: bytes) -> list[int]:
             fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
             if fields[0] == "Z" or int(fields[2]) != pgid:
                 continue
-            if marker not in (entry / "environ").read_bytes():
+            cwd = Path(os.readlink(entry / "cwd"))
+            if cwd != marker and marker not in cwd.parents and env_marker not in (entry / "environ").read_bytes():
                 continue
         except (OSError, ValueError, IndexError):
             continue
@@ -70,7 +77,7 @@ def group_members(pgid: int, marker: bytes) -> list[int]:
     return members
 
 
-def record_start(pidfile, pid: int, marker: bytes) -> None:  # pidfile: pathlib.Path
+def record_start(pidfile: Path, pid: int, marker: Path) -> None:
     """Write a service's new pid. If the previous leader died but left members of its group behind
     (a killed scheduler's LocalExecutor workers: reparented to init, they ignore SIGTERM and may
     still be finishing a task), their group goes to ``<name>.stale`` for ``end_recorded`` to end —
@@ -85,7 +92,7 @@ def record_start(pidfile, pid: int, marker: bytes) -> None:  # pidfile: pathlib.
     pidfile.write_text(f"{pid}\n")
 
 
-def end_recorded(pidfile, timeout_s: float, marker: bytes) -> bool:  # pidfile: pathlib.Path
+def end_recorded(pidfile: Path, timeout_s: float, marker: Path) -> bool:
     """End the service behind ``pidfile``: its process group, and what is left of the groups of
     leaders that died before (``record_start``). True when something was running."""
     stale = pidfile.with_suffix(".stale")

@@ -369,9 +369,9 @@ def _start(s: kiln_settings.Settings, svc: Service, env: dict[str, str]) -> int:
     return proc.pid
 
 
-def _marker(s: kiln_settings.Settings) -> bytes:
-    """In the environment of every process of this stack: tells them from others (pids are reused)."""
-    return f"KILN_HOME={s.home}\0".encode()
+def _marker(s: kiln_settings.Settings) -> Path:
+    """KILN_HOME: every process of this stack runs under it (``cwd``); tells them from others."""
+    return s.home
 
 
 def _wait_healthy(url: str, name: str, log: Path, timeout: float, alive: Callable[[], bool]) -> None:

@@ -327,9 +327,9 @@ def up(*, timeout: float = 180.0, quiet: bool = False) -> dict[str, str]:
     return info
 
 
-def _marker(s: kiln_settings.Settings) -> bytes:
-    """In the environment of every process of this stack (``airflow_env``): tells them from others."""
-    return f"KILN_HOME={s.home}\0".encode()
+def _marker(s: kiln_settings.Settings) -> Path:
+    """Where every process of this stack runs (``cwd``) and its KILN_HOME: tells them from others."""
+    return s.home
 
 
 def down(*, timeout: float = 20.0) -> list[str]:

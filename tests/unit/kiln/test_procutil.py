@@ -1,5 +1,6 @@
 """Services behind a pid file: a dead leader's leftovers are ended by ``end_recorded``, and only
-processes that carry the stack's marker (a pgid is a pid, and pids are reused)."""
+processes of the stack (its KILN_HOME as working directory or in the environment: a pgid is a pid,
+and pids are reused)."""
 
 from __future__ import annotations
 
@@ -23,9 +24,10 @@ time.sleep(300)
 """
 
 
-def _leader(home: str) -> tuple[subprocess.Popen, int]:
-    proc = subprocess.Popen([sys.executable, "-c", LEADER], stdout=subprocess.PIPE, text=True,
-                            start_new_session=True, env={**os.environ, "KILN_HOME": home})
+def _leader(home: str, *, cwd: str | None = None, env: bool = True) -> tuple[subprocess.Popen, int]:
+    environ = {k: v for k, v in os.environ.items() if k != "KILN_HOME"}
+    proc = subprocess.Popen([sys.executable, "-c", LEADER], stdout=subprocess.PIPE, text=True, cwd=cwd,
+                            start_new_session=True, env={**environ, "KILN_HOME": home} if env else environ)
     return proc, int(proc.stdout.readline())
 
 
@@ -43,9 +45,11 @@ def _gone(pid: int) -> bool:
 
 
 def test_a_dead_leaders_orphans_are_recorded_at_restart_and_ended_by_down(tmp_path):
-    marker = f"KILN_HOME={tmp_path}\0".encode()
+    marker = tmp_path
     pidfile = tmp_path / "scheduler.pid"
-    old, orphan = _leader(str(tmp_path))
+    # The old group is known by its working directory only, as Airflow's executor workers are
+    # (setproctitle writes over their /proc/<pid>/environ); the new one by its environment.
+    old, orphan = _leader(str(tmp_path), cwd=str(tmp_path), env=False)
     record_start(pidfile, old.pid, marker)
     os.kill(old.pid, signal.SIGKILL)  # the scheduler alone is killed; its worker lives on
     old.wait()
@@ -74,7 +78,7 @@ def test_a_reused_group_id_without_the_marker_is_left_alone(tmp_path):
         pidfile.with_suffix(".stale").write_text(f"{other.pid}\n")
         os.kill(other.pid, signal.SIGKILL)
         other.wait()
-        assert not end_recorded(pidfile, 5.0, f"KILN_HOME={tmp_path}\0".encode())
+        assert not end_recorded(pidfile, 5.0, tmp_path)
         assert Path(f"/proc/{other_child}").exists()
     finally:
         os.kill(other_child, signal.SIGKILL)
