@@ -262,6 +262,9 @@ def airflow_env(s: kiln_settings.Settings, st: dict[str, Any]) -> dict[str, str]
             # lost) with one busy api-server worker on a loaded machine.
             "AIRFLOW__WORKERS__EXECUTION_API_TIMEOUT": "60",
             "AIRFLOW__SCHEDULER__ENABLE_HEALTH_CHECK": "False",
+            # A scheduler that died with running tasks: its successor resets them at its next orphan
+            # check (Airflow's default: every 300 s); 60 s bounds what a scheduler loss costs a run.
+            "AIRFLOW__SCHEDULER__ORPHANED_TASKS_CHECK_INTERVAL": "60",
             "AIRFLOW__LOGGING__BASE_LOG_FOLDER": str(home / "logs"),
             "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "2",
             "DVC_NO_ANALYTICS": "1",

@@ -175,6 +175,9 @@ def airflow_env(s: kiln_settings.Settings | None = None) -> dict[str, str]:
             "AIRFLOW__DAG_PROCESSOR__REFRESH_INTERVAL": "5",
             "AIRFLOW__DAG_PROCESSOR__MIN_FILE_PROCESS_INTERVAL": "10",
             "AIRFLOW__SCHEDULER__ENABLE_HEALTH_CHECK": "False",
+            # A scheduler that died with running tasks: its successor resets them at its next orphan
+            # check (Airflow's default: every 300 s); 60 s bounds what a scheduler loss costs a run.
+            "AIRFLOW__SCHEDULER__ORPHANED_TASKS_CHECK_INTERVAL": "60",
             "AIRFLOW__LOGGING__BASE_LOG_FOLDER": str(home / "logs"),
             "KILN_HOME": str(s.home),
             "MLFLOW_TRACKING_URI": s.mlflow_uri,
