@@ -83,8 +83,6 @@ def _check_password(what: str, password: str | None) -> str:
     return password
 
 
-
-
 def write_auth_config(home: Path, admin_password: str, *, admin_username: str = "admin",
                       database_uri: str | None = None, auth_cache_ttl_seconds: int = AUTH_CACHE_TTL_S) -> Path:  # fmt: skip
     """Write ``HOME/auth/basic_auth.ini`` (and the per-install secret key) and return its path.

@@ -10,6 +10,21 @@ import time
 from pathlib import Path
 
 
+def pid_alive(pid: int) -> bool:
+    """``pid`` runs (a zombie does not)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        return state != "Z"
+    except OSError:
+        return False
+
+
 def group_alive(pgid: int) -> bool:
     try:
         os.killpg(pgid, 0)
@@ -104,7 +119,7 @@ def end_recorded(pidfile: Path, timeout_s: float, marker: Path) -> bool:
             continue
     ended = False
     for pgid in dict.fromkeys(groups):
-        if _leader_alive(pgid):  # as before: the leader we started, and its group, the gentle way first
+        if pid_alive(pgid):  # as before: the leader we started, and its group, the gentle way first
             end_process_group(pgid, timeout_s)
             ended = True
             continue
@@ -115,14 +130,3 @@ def end_recorded(pidfile: Path, timeout_s: float, marker: Path) -> bool:
     pidfile.unlink(missing_ok=True)
     stale.unlink(missing_ok=True)
     return ended
-
-
-def _leader_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-        state = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0]
-    except ProcessLookupError:
-        return False
-    except OSError:
-        return True
-    return state != "Z"

@@ -37,13 +37,13 @@ from collections.abc import Callable
 from typing import Any
 
 from kiln import settings as kiln_settings
+from kiln.cluster_policy import QUEUES, task_policy  # noqa: F401  (re-exported: the stack's routing)
 from kiln.errors import ConfigError
 from kiln.fsutil import write_private
 from kiln.netutil import free_port
 from kiln.policy import POLICIES, REPO_ROOT
-from kiln.procutil import end_recorded, record_start
-from kiln.stack import POOL_SLOTS, Service, StackError, _alive, _bin
-from kiln.cluster_policy import QUEUES, task_policy  # noqa: F401  (re-exported: the stack's routing)
+from kiln.procutil import end_recorded, pid_alive, record_start
+from kiln.stack import POOL_SLOTS, Service, StackError, _bin
 
 PROFILE = "prodlike"
 PG_ADMIN_ENV = "KILN_PG_ADMIN_URI"
@@ -74,8 +74,6 @@ def airflow_home(s: kiln_settings.Settings) -> Path:
 
 
 # ------------------------------------------------------------------------------------------ state
-
-
 def _pw() -> str:
     return secrets.token_urlsafe(18)
 
@@ -360,7 +358,7 @@ def running_pid(s: kiln_settings.Settings, name: str) -> int | None:
     if not path.is_file():
         return None
     pid = int(path.read_text().split()[0])
-    return pid if _alive(pid) else None
+    return pid if pid_alive(pid) else None
 
 
 def _start(s: kiln_settings.Settings, svc: Service, env: dict[str, str]) -> int:
@@ -368,13 +366,8 @@ def _start(s: kiln_settings.Settings, svc: Service, env: dict[str, str]) -> int:
     with open(log, "ab") as fh:
         proc = subprocess.Popen(svc.argv, env={**env, **svc.env}, stdout=fh, stderr=subprocess.STDOUT,
                                 stdin=subprocess.DEVNULL, cwd=root(s), start_new_session=True)  # fmt: skip
-    record_start(_pidfile(s, svc.name), proc.pid, _marker(s))
+    record_start(_pidfile(s, svc.name), proc.pid, s.home)  # its processes run under KILN_HOME
     return proc.pid
-
-
-def _marker(s: kiln_settings.Settings) -> Path:
-    """KILN_HOME: every process of this stack runs under it (``cwd``); tells them from others."""
-    return s.home
 
 
 def _wait_healthy(url: str, name: str, log: Path, timeout: float, alive: Callable[[], bool]) -> None:
@@ -493,7 +486,7 @@ def down(*, timeout: float = 30.0, keep_data: bool = False) -> list[str]:
     st = state(s)
     stopped = []
     for svc in reversed(services(s, st)):
-        if end_recorded(_pidfile(s, svc.name), timeout, _marker(s)):
+        if end_recorded(_pidfile(s, svc.name), timeout, s.home):
             stopped.append(svc.name)
     if not keep_data:
         _clear_redis(st)

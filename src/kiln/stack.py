@@ -29,7 +29,7 @@ from kiln.errors import KilnError
 from kiln.fsutil import atomic_write_text
 from kiln.mlflow_server import server_command
 from kiln.policy import POLICIES, REPO_ROOT
-from kiln.procutil import end_recorded, record_start
+from kiln.procutil import end_recorded, pid_alive, record_start
 
 AIRFLOW_USERS = {
     "admin": "admin",
@@ -233,26 +233,12 @@ def _pidfile(s: kiln_settings.Settings, name: str) -> Path:
     return s.home / "run" / f"{name}.pid"
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:  # a zombie is not alive
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-        return state != "Z"
-    except OSError:
-        return False
-
-
 def running_pid(s: kiln_settings.Settings, name: str) -> int | None:
     path = _pidfile(s, name)
     if not path.is_file():
         return None
     pid = int(path.read_text().split()[0])
-    return pid if _alive(pid) else None
+    return pid if pid_alive(pid) else None
 
 
 def _run_airflow(args: list[str], env: dict[str, str], log: Path) -> None:
@@ -304,7 +290,7 @@ def up(*, timeout: float = 180.0, quiet: bool = False) -> dict[str, str]:
                 svc.argv, env={**env, **svc.env}, stdout=fh, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                 cwd=s.home, start_new_session=True,
             )
-        record_start(_pidfile(s, svc.name), proc.pid, _marker(s))
+        record_start(_pidfile(s, svc.name), proc.pid, s.home)  # its processes run in KILN_HOME
         say(f"kiln: started {svc.name} (pid {proc.pid}, log {log})")
     for svc in services(s):
         if svc.health_url:
@@ -330,11 +316,6 @@ def up(*, timeout: float = 180.0, quiet: bool = False) -> dict[str, str]:
     return info
 
 
-def _marker(s: kiln_settings.Settings) -> Path:
-    """Where every process of this stack runs (``cwd``) and its KILN_HOME: tells them from others."""
-    return s.home
-
-
 def down(*, timeout: float = 20.0) -> list[str]:
     """Stop exactly the processes ``up`` started (their whole process groups), and what a service
     that died left behind (a killed scheduler's executor workers: ``kiln.procutil.record_start``)."""
@@ -342,7 +323,7 @@ def down(*, timeout: float = 20.0) -> list[str]:
     stopped = []
     for svc in reversed(services(s)):
         # started with start_new_session: the pid is the pgid
-        if end_recorded(_pidfile(s, svc.name), timeout, _marker(s)):
+        if end_recorded(_pidfile(s, svc.name), timeout, s.home):
             stopped.append(svc.name)
     return stopped
 
