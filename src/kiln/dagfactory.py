@@ -249,7 +249,8 @@ class TrainOperator(BaseOperator):
       defers again on the new job (``kiln.pipeline.exclude_straggler``).
 
     ``on_kill`` (task killed while submitting or waiting here) cancels the job; the trigger's own
-    ``on_kill`` does the same for a task killed while deferred.
+    ``on_kill`` does the same for a task killed while deferred, and the DAG's failure callback
+    (``end_orphaned_job``) for one killed before a triggerer picked its trigger up.
     """
 
     template_fields = ("snapshot", "data")
@@ -326,6 +327,22 @@ def _train_task(policy: Policy, snapshot: Any, data: Any) -> Any:
     return operator_class(task_id="train", policy=policy, snapshot=snapshot, data=data).output
 
 
+def end_orphaned_job(context) -> None:  # type: ignore[no-untyped-def]
+    """The DAG's failure callback (run by the dag-processor): cancel a training job the failed run
+    left queued or running. The trigger's ``on_kill`` covers a deferred task killed while a triggerer
+    runs its trigger; this covers one killed before any triggerer picked the trigger up."""
+    from kiln.pipeline import cancel_live_job, run_key
+
+    key = run_key(context["dag"].dag_id, context["run_id"])
+    try:
+        done = cancel_live_job(key)
+    except Exception:  # a callback's exception is only logged by Airflow: say it in kiln's words
+        log.exception("run %s failed and its training job could not be cancelled", key)
+        raise
+    if done:
+        log.warning("%s", done)
+
+
 def _with_operator_settings(policy: Policy) -> Policy:
     """The policy as this deployment configured it (today: the review timeout)."""
     if not policy.requires_approval:
@@ -376,6 +393,7 @@ def build_dag(policy: Policy):  # noqa: C901 - one function so the wiring reads 
         doc_md=policy.doc_md(),
         params=_params(policy),
         allowed_run_types=allowed_run_types,
+        on_failure_callback=end_orphaned_job,
     )
     def kiln_pipeline():
         @task(multiple_outputs=False)

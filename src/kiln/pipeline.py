@@ -235,11 +235,47 @@ def plan_launcher(plan: dict[str, Any]):  # -> kiln.launchers.Launcher
     return get_launcher(plan["backend"], **plan["options"])
 
 
+JOB_RECORD = "job.json"
+"""In the launch folder: the backend, its options and the handle of the run's last submitted job."""
+
+
+def _record_job(plan: dict[str, Any], handle: dict[str, Any]) -> None:
+    """Remember the submitted job where ``cancel_live_job`` finds it without the task."""
+    from kiln.launchers import LaunchSpec
+
+    record = {"backend": plan["backend"], "options": plan["options"], "handle": handle}
+    atomic_write_text(LaunchSpec.from_json(plan["spec"]).launch_dir / JOB_RECORD, json.dumps(record, indent=2, sort_keys=True))
+
+
 def submit_train(plan: dict[str, Any]) -> dict[str, Any]:
     """Submit the planned job (or re-attach to it); the JSON handle a trigger polls."""
     from kiln.launchers import LaunchSpec
 
-    return plan_launcher(plan).submit(LaunchSpec.from_json(plan["spec"])).to_json()
+    handle = plan_launcher(plan).submit(LaunchSpec.from_json(plan["spec"])).to_json()
+    _record_job(plan, handle)
+    return handle
+
+
+def cancel_live_job(key: str) -> str | None:
+    """Cancel the run's submitted training job if it is still queued or running; what was done.
+
+    For a run that failed while its job lives on without a task: the trigger's ``on_kill`` only runs
+    in a triggerer that has picked the trigger up, so a deferred task killed in the seconds before
+    that leaves nobody to end the job. The DAG's failure callback calls this."""
+    from kiln.launchers import JobHandle
+
+    path = run_dir(key) / "train" / ".launch" / JOB_RECORD
+    try:
+        record = json.loads(path.read_text())
+    except FileNotFoundError:
+        return None  # nothing was submitted (local launcher, or the run failed before training)
+    except (OSError, ValueError) as exc:
+        raise LaunchError(f"job record {path} is unreadable: {exc}") from exc
+    launcher, handle = plan_launcher(record), JobHandle.from_json(record["handle"])
+    if launcher.poll(handle).done:
+        return None
+    launcher.cancel(handle)
+    return f"cancelled {record['backend']} job {handle.job_id}: run {key} ended without it"
 
 
 def straggler_watch(policy: Policy, plan: dict[str, Any]) -> dict[str, Any]:
@@ -270,6 +306,7 @@ def exclude_straggler(policy: Policy, plan: dict[str, Any], handle: dict[str, An
         raise LaunchError(f"straggler action exclude_node needs the slurm launcher, not {plan['backend']!r}")
     moved, new = resubmit_excluding(plan_launcher(plan), JobHandle.from_json(handle), str(event["node"]))
     new_plan = {**plan, "options": {**plan["options"], "exclude": list(moved.exclude)}}
+    _record_job(new_plan, new.to_json())
     mlflow.MlflowClient(tracking_uri=kiln_settings.load().mlflow_uri).set_tag(
         plan["mlflow_run_id"], "kiln.straggler.excluded_nodes", ",".join(moved.exclude))
     return {"plan": new_plan, "handle": new.to_json(), "stragglers": straggler_watch(policy, new_plan)}

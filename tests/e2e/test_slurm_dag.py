@@ -82,10 +82,19 @@ def _task(admin, dag_id: str, run_id: str, task_id: str) -> dict:
         return {"state": None}
 
 
+def _partition(cluster: SlurmCluster, state: str) -> None:
+    """DOWN: Slurm still queues submitted jobs but starts none; UP: it starts them."""
+    import subprocess
+
+    subprocess.run(["scontrol", "update", f"PartitionName={PARTITION}", f"State={state}"],
+                   check=True, capture_output=True, env=cluster.env)
+
+
 @pytest.fixture(scope="module")
-def runs(stack, admin, slurm_sandbox) -> dict[str, str]:
-    """Two runs started together: one whose deferred train task is killed (its Slurm job queued
-    behind the other's or running: both want the two nodes), one followed to the end."""
+def runs(stack, admin, slurm_sandbox, cluster) -> dict[str, str]:
+    """Two runs started together while the partition is DOWN, so both Slurm jobs are queued and
+    neither can finish before the kill test has cancelled one: one run whose deferred train task is
+    killed, one followed to the end once the partition is UP again."""
     from kiln import settings as kiln_settings
     from kiln.corpus import build_corpus
     from kiln.policy import SANDBOX
@@ -93,6 +102,7 @@ def runs(stack, admin, slurm_sandbox) -> dict[str, str]:
     corpus = kiln_settings.load().corpus_root / SANDBOX.corpus
     if not corpus.is_dir():  # the sandbox e2e test may have built it already
         build_corpus(corpus, shards=4, seed=11)
+    _partition(cluster, "DOWN")
     admin.unpause(slurm_sandbox)
     conf = {"recipe": "tiny.toml", "max_steps": 20, "nodes": 2}
     return {"follow": admin.trigger(slurm_sandbox, conf={**conf, "seed": 3})["dag_run_id"],
@@ -106,21 +116,36 @@ def test_killing_the_deferred_train_task_cancels_its_slurm_job(stack, admin, slu
     from kiln.pipeline import run_dir
 
     run_id = runs["kill"]
-    deadline = time.monotonic() + 600  # safety net, not a timing assertion
-    while (ti := _task(admin, slurm_sandbox, run_id, "train"))["state"] != "deferred":
-        assert ti["state"] not in ("failed", "upstream_failed", "success") and time.monotonic() < deadline, ti
-        time.sleep(2)
-    job_id = (run_dir(f"{slurm_sandbox}/{run_id}") / "train" / ".launch" / "slurm-job-id").read_text().strip()
-    admin.request("PATCH", f"/dags/{slurm_sandbox}/dagRuns/{run_id}/taskInstances/train", json={"new_state": "failed"})
+    try:
+        deadline = time.monotonic() + 600  # safety net, not a timing assertion
+        while (ti := _task(admin, slurm_sandbox, run_id, "train"))["state"] != "deferred":
+            assert ti["state"] not in ("failed", "upstream_failed", "success") and time.monotonic() < deadline, ti
+            time.sleep(2)
+        job_id = (run_dir(f"{slurm_sandbox}/{run_id}") / "train" / ".launch" / "slurm-job-id").read_text().strip()
 
-    def slurm_state() -> str:
-        out = subprocess.run(["scontrol", "-o", "show", "job", job_id], capture_output=True, text=True, env=cluster.env)
-        return (out.stdout.split("JobState=", 1)[1].split()[0]) if "JobState=" in out.stdout else "UNKNOWN"
+        def slurm_state() -> str:
+            out = subprocess.run(["scontrol", "-o", "show", "job", job_id], capture_output=True, text=True,
+                                 env=cluster.env)
+            return (out.stdout.split("JobState=", 1)[1].split()[0]) if "JobState=" in out.stdout else "UNKNOWN"
 
-    deadline = time.monotonic() + 180  # safety net, not a timing assertion
-    while (state := slurm_state()) != "CANCELLED":
-        assert time.monotonic() < deadline, f"slurm job {job_id} is {state} after its deferred task was killed"
-        time.sleep(1)
+        # Queued behind the DOWN partition, the job cannot end on its own before the kill lands.
+        assert slurm_state() == "PENDING", slurm_state()
+        # on_kill runs in the triggerer that runs the trigger: kill once the trigger is polling (a
+        # task killed before that is the DAG failure callback's, tests/integration/test_slurm.py).
+        deadline = time.monotonic() + 180  # safety net, not a timing assertion
+        while f"slurm job {job_id}: PENDING" not in admin.task_log(slurm_sandbox, run_id, "train"):
+            assert time.monotonic() < deadline, admin.task_log(slurm_sandbox, run_id, "train")[-3000:]
+            time.sleep(1)
+        admin.request("PATCH", f"/dags/{slurm_sandbox}/dagRuns/{run_id}/taskInstances/train",
+                      json={"new_state": "failed"})
+        deadline = time.monotonic() + 180  # safety net, not a timing assertion
+        while (state := slurm_state()) != "CANCELLED":
+            assert time.monotonic() < deadline, f"slurm job {job_id} is {state} after its deferred task was killed"
+            time.sleep(1)
+        log = admin.task_log(slurm_sandbox, run_id, "train")
+        assert f"cancelled slurm job {job_id}" in log, log[-3000:]  # by the trigger's on_kill
+    finally:
+        _partition(cluster, "UP")  # the other run's job may start now
 
 
 def test_sandbox_dag_trains_on_two_slurm_nodes_through_a_deferred_task(stack, admin, slurm_sandbox, cluster, runs):
@@ -128,6 +153,7 @@ def test_sandbox_dag_trains_on_two_slurm_nodes_through_a_deferred_task(stack, ad
     from kiln.pipeline import run_dir
 
     run_id = runs["follow"]
+    _partition(cluster, "UP")  # already UP when the kill test ran first
     progress: list[str] = []
     final = follow_run(admin, slurm_sandbox, run_id, timeout=780, progress=lambda line: (progress.append(line), print(line)))
     states = {ti["task_id"]: ti["state"] for ti in admin.task_instances(slurm_sandbox, run_id)}

@@ -145,6 +145,32 @@ def test_killing_the_deferred_task_cancels_the_job_with_scancel(cluster, manifes
     assert queue.stdout.strip() == ""
 
 
+def test_a_failed_runs_live_job_is_cancelled_by_the_dag_failure_callback(cluster, manifest):
+    """A deferred task killed before a triggerer picked its trigger up gets no on_kill: the DAG's
+    failure callback finds the job the run submitted (the launch folder's job record) and ends it."""
+    from types import SimpleNamespace
+
+    from kiln.dagfactory import end_orphaned_job
+    from kiln.pipeline import JOB_RECORD, cancel_live_job, run_dir, submit_train
+
+    dag_id, run_id = "kiln_sandbox", f"manual__orphan-{time.time_ns()}"
+    spec = _spec(run_dir(f"{dag_id}/{run_id}") / "train", manifest, "train.steps=100000")
+    plan = {"spec": spec.to_json(), "backend": "slurm",
+            "options": {"partition": PARTITION, "env": {"SLURM_CONF": str(cluster.conf)}}}
+    handle = JobHandle.from_json(submit_train(plan))
+    assert (spec.launch_dir / JOB_RECORD).is_file()
+    launcher = _launcher(cluster)
+    deadline = time.monotonic() + 120  # safety net, not a timing assertion
+    while launcher.poll(handle).state != "RUNNING":
+        assert time.monotonic() < deadline and not launcher.poll(handle).done, launcher.logs(handle)[0][-2000:]
+        time.sleep(0.2)
+    end_orphaned_job({"dag": SimpleNamespace(dag_id=dag_id), "run_id": run_id})
+    status = wait(launcher, handle, log=lambda _line: None, poll_s=0.5)
+    assert status.state == "CANCELLED", status
+    assert cancel_live_job(f"{dag_id}/{run_id}") is None  # an ended job is left as it is
+    assert cancel_live_job(f"{dag_id}/manual__never-trained") is None  # nothing submitted: nothing to do
+
+
 def test_trainer_fault_is_fatal_on_slurm_and_the_trigger_says_why(cluster, manifest, tmp_path):
     """Waited for the way the DAG waits (the deferrable trigger): one FATAL event naming the rank and
     the trainer's error, with the job log's tail; the result is a non-retryable TrainingFaultError."""

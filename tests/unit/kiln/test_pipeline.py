@@ -35,6 +35,19 @@ def test_run_dir_is_keyed_by_dag_and_run(tmp_path, monkeypatch):
     assert d.parent.name == "kiln_production" and ":" not in d.name and "+" not in d.name
 
 
+def test_an_unreadable_job_record_is_named_and_nothing_is_cancelled(tmp_path, monkeypatch):
+    from kiln.errors import LaunchError
+
+    monkeypatch.setenv("KILN_HOME", str(tmp_path))
+    key = pipeline.run_key("kiln_sandbox", "manual__1")
+    assert pipeline.cancel_live_job(key) is None  # nothing submitted
+    record = pipeline.run_dir(key) / "train" / ".launch" / pipeline.JOB_RECORD
+    record.parent.mkdir(parents=True)
+    record.write_text('{"backend": "slurm", ')
+    with pytest.raises(LaunchError, match=str(record)):
+        pipeline.cancel_live_job(key)
+
+
 def test_outcome_says_why_nothing_was_promoted(tmp_path, monkeypatch):
     monkeypatch.setenv("KILN_HOME", str(tmp_path))
     candidate = {"model_name": "sandbox.kiln-stdlib-lm", "version": "3",
