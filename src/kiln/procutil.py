@@ -107,6 +107,15 @@ def record_start(pidfile: Path, pid: int, marker: Path) -> None:
     pidfile.write_text(f"{pid}\n")
 
 
+def recorded_pid(pidfile: Path) -> int | None:
+    """The service behind ``pidfile`` (``record_start``) if it still runs."""
+    try:
+        pid = int(pidfile.read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+    return pid if pid_alive(pid) else None
+
+
 def end_recorded(pidfile: Path, timeout_s: float, marker: Path) -> bool:
     """End the service behind ``pidfile``: its process group, and what is left of the groups of
     leaders that died before (``record_start``). True when something was running."""

@@ -42,7 +42,7 @@ from kiln.errors import ConfigError
 from kiln.fsutil import write_private
 from kiln.netutil import free_port
 from kiln.policy import POLICIES, REPO_ROOT
-from kiln.procutil import end_recorded, pid_alive, record_start
+from kiln.procutil import end_recorded, record_start, recorded_pid
 from kiln.stack import POOL_SLOTS, Service, StackError, _bin
 
 PROFILE = "prodlike"
@@ -354,11 +354,7 @@ def _pidfile(s: kiln_settings.Settings, name: str) -> Path:
 
 
 def running_pid(s: kiln_settings.Settings, name: str) -> int | None:
-    path = _pidfile(s, name)
-    if not path.is_file():
-        return None
-    pid = int(path.read_text().split()[0])
-    return pid if pid_alive(pid) else None
+    return recorded_pid(_pidfile(s, name))
 
 
 def _start(s: kiln_settings.Settings, svc: Service, env: dict[str, str]) -> int:

@@ -29,7 +29,7 @@ from kiln.errors import KilnError
 from kiln.fsutil import atomic_write_text
 from kiln.mlflow_server import server_command
 from kiln.policy import POLICIES, REPO_ROOT
-from kiln.procutil import end_recorded, pid_alive, record_start
+from kiln.procutil import end_recorded, record_start, recorded_pid
 
 AIRFLOW_USERS = {
     "admin": "admin",
@@ -234,11 +234,7 @@ def _pidfile(s: kiln_settings.Settings, name: str) -> Path:
 
 
 def running_pid(s: kiln_settings.Settings, name: str) -> int | None:
-    path = _pidfile(s, name)
-    if not path.is_file():
-        return None
-    pid = int(path.read_text().split()[0])
-    return pid if pid_alive(pid) else None
+    return recorded_pid(_pidfile(s, name))
 
 
 def _run_airflow(args: list[str], env: dict[str, str], log: Path) -> None:

@@ -11,7 +11,7 @@ import sys
 import time
 from pathlib import Path
 
-from kiln.procutil import end_recorded, group_members, record_start
+from kiln.procutil import end_recorded, group_members, record_start, recorded_pid
 
 # A leader that starts a child in its own group; the child ignores SIGTERM (as an orphaned
 # LocalExecutor worker does) and reports its pid.
@@ -82,3 +82,18 @@ def test_a_reused_group_id_without_the_marker_is_left_alone(tmp_path):
         assert Path(f"/proc/{other_child}").exists()
     finally:
         os.kill(other_child, signal.SIGKILL)
+
+
+def test_recorded_pid_is_the_live_service_or_none(tmp_path):
+    pidfile = tmp_path / "svc.pid"
+    assert recorded_pid(pidfile) is None  # never started
+    pidfile.write_text("not a pid\n")
+    assert recorded_pid(pidfile) is None  # a torn write reads as "not running", not a crash
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)"])
+    try:
+        record_start(pidfile, proc.pid, tmp_path)
+        assert recorded_pid(pidfile) == proc.pid
+    finally:
+        proc.kill()
+        proc.wait()
+    assert recorded_pid(pidfile) is None
