@@ -217,6 +217,48 @@ def test_resubmit_excluding_a_node_moves_the_job_and_resumes(cluster, manifest, 
     assert moved.result(new_handle).step == 60
 
 
+def test_a_lost_node_fails_the_job_and_the_retry_resumes_on_the_others_to_identical_weights(
+        uninterrupted, cluster, manifest, tmp_path):
+    """A whole node lost mid-job (set DOWN, as slurmctld does with a node that stops answering):
+    Slurm ends the job NODE_FAIL and the launcher fails it retryably, naming that state; the task's
+    retry submits the same spec again and the new job resumes from the last committed checkpoint to
+    the uninterrupted run's weights. (With ``requeue=True`` Slurm would restart the job itself, but
+    only after its requeue delay of about two minutes; the retry's is 20 s.)"""
+    from kiln.errors import LaunchError
+
+    reference = uninterrupted[0]
+    launcher = _launcher(cluster)
+    spec = _spec(tmp_path / "run", manifest)
+    handle = launcher.submit(spec)
+    deadline = time.monotonic() + 120  # safety net, not a timing assertion
+    while not (spec.run_dir / "checkpoints" / "step-00000010" / "manifest.json").exists():
+        assert time.monotonic() < deadline and not launcher.poll(handle).done, launcher.logs(handle)[0][-2000:]
+        time.sleep(0.02)
+    nodes = subprocess.run(["squeue", "-h", "-j", handle.job_id, "-o", "%N"], capture_output=True, text=True,
+                           env=cluster.env).stdout.strip()
+    lost = subprocess.run(["scontrol", "show", "hostnames", nodes], capture_output=True, text=True,
+                          env=cluster.env).stdout.split()[-1]
+    subprocess.run(["scontrol", "update", f"NodeName={lost}", "State=DOWN", "Reason=kiln-test-node-loss"],
+                   check=True, capture_output=True, env=cluster.env)
+    try:
+        first: list[str] = []
+        status = wait(launcher, handle, log=first.append, poll_s=0.5)
+        assert status.state == "FAILED" and "NODE_FAIL" in status.reason, (status, "\n".join(first)[-2000:])
+        with pytest.raises(LaunchError, match="NODE_FAIL") as info:
+            launcher.result(handle)
+        assert info.value.retryable
+        retry = launcher.submit(spec)
+        assert retry.job_id != handle.job_id
+        lines: list[str] = []
+        status = wait(launcher, retry, log=lines.append, poll_s=0.5)
+        assert status.state == "SUCCEEDED", "\n".join(lines)[-3000:]
+        assert "resumed from" in "\n".join(lines)
+        assert launcher.result(retry).weights_sha256 == reference.weights_sha256
+    finally:
+        subprocess.run(["scontrol", "update", f"NodeName={lost}", "State=RESUME"], capture_output=True,
+                       env=cluster.env)
+
+
 def _wait_all_idle(cluster: SlurmCluster, timeout: float = 120) -> None:
     deadline = time.monotonic() + timeout  # safety net, not a timing assertion
     while True:

@@ -67,6 +67,8 @@ def render_sbatch(spec: LaunchSpec, *, partition: str | None = None, qos: str | 
         f"--chdir={spec.run_dir}",
         "--requeue" if requeue else "--no-requeue",
     ]
+    if requeue:  # a requeued job keeps its id: append, so the lost attempt's log stays readable
+        directives.append("--open-mode=append")
     if partition:
         directives.append(f"--partition={partition}")
     if qos:

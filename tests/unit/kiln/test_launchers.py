@@ -74,6 +74,8 @@ def test_render_sbatch_gangs_one_agent_per_node(tmp_path):
     for directive in ("--nodes=2", "--ntasks-per-node=1", "--partition=prod", "--qos=high", "--time=01:00:00",
                       "--exclude=node7", "--no-requeue", f"--output={tmp_path}/.launch/slurm-%j.log"):
         assert f"#SBATCH {directive}\n" in script
+    assert "--open-mode" not in script
+    assert "#SBATCH --open-mode=append\n" in render_sbatch(spec, requeue=True)  # one log across requeues
     assert "export MLFLOW_RUN_ID='abc def'" in script and "export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1" in script
     srun = script[script.index("srun "):]
     assert "--kill-on-bad-exit=1" in srun and "--ntasks=2" in srun
