@@ -56,7 +56,11 @@ def render(results: dict[str, dict]) -> str:
                 continue
             out.append(f"| {key} | {value} |")
         for key, value in r.items():
-            if isinstance(value, dict):
+            if isinstance(value, dict) and value and all(isinstance(v, dict) for v in value.values()):
+                columns = list(dict.fromkeys(c for row in value.values() for c in row))  # a table of rows
+                out += ["", f"**{key}**", "", f"| | {' | '.join(columns)} |", f"|---|{'---|' * len(columns)}"]
+                out += [f"| {k} | {' | '.join(str(row.get(c, '')) for c in columns)} |" for k, row in value.items()]
+            elif isinstance(value, dict):
                 out += ["", f"**{key}**", "", "| item | value |", "|---|---|"]
                 out += [f"| {k} | {v} |" for k, v in value.items()]
         out.append("")
