@@ -111,7 +111,7 @@ def main() -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="kiln-bench-ckpt-") as tmp:
         root = Path(tmp)
         manifest = _build_manifest(root)
-        _kiln_run(manifest, root / "warm", [*common[1:], "train.steps=5"])  # warm kernels and allocator, unmeasured
+        _kiln_run(manifest, root / "warm", [*common[1:], "train.steps=10"])  # warm kernels and allocator, unmeasured
         for rep in range(repeats):
             order = ("sync", "async") if rep % 2 == 0 else ("async", "sync")
             for mode in order:
