@@ -263,15 +263,16 @@ def cancel_live_job(key: str) -> str | None:
     in a triggerer that has picked the trigger up, so a deferred task killed in the seconds before
     that leaves nobody to end the job. The DAG's failure callback calls this."""
     from kiln.launchers import JobHandle
+    from kiln.launchers.base import LAUNCH_SUBDIR
 
-    path = run_dir(key) / "train" / ".launch" / JOB_RECORD
+    path = run_dir(key) / "train" / LAUNCH_SUBDIR / JOB_RECORD
     try:
         record = json.loads(path.read_text())
+        launcher, handle = plan_launcher(record), JobHandle.from_json(record["handle"])
     except FileNotFoundError:
         return None  # nothing was submitted (local launcher, or the run failed before training)
-    except (OSError, ValueError) as exc:
-        raise LaunchError(f"job record {path} is unreadable: {exc}") from exc
-    launcher, handle = plan_launcher(record), JobHandle.from_json(record["handle"])
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise LaunchError(f"job record {path} is unreadable: {exc!r}") from exc
     if launcher.poll(handle).done:
         return None
     launcher.cancel(handle)

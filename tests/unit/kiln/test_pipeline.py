@@ -43,9 +43,10 @@ def test_an_unreadable_job_record_is_named_and_nothing_is_cancelled(tmp_path, mo
     assert pipeline.cancel_live_job(key) is None  # nothing submitted
     record = pipeline.run_dir(key) / "train" / ".launch" / pipeline.JOB_RECORD
     record.parent.mkdir(parents=True)
-    record.write_text('{"backend": "slurm", ')
-    with pytest.raises(LaunchError, match=str(record)):
-        pipeline.cancel_live_job(key)
+    for torn in ('{"backend": "slurm", ', '{"backend": "slurm", "options": {}}', '["slurm"]'):
+        record.write_text(torn)  # cut short, a key missing, not an object
+        with pytest.raises(LaunchError, match=str(record)):
+            pipeline.cancel_live_job(key)
 
 
 def test_outcome_says_why_nothing_was_promoted(tmp_path, monkeypatch):
