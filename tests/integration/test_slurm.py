@@ -217,7 +217,7 @@ def test_resubmit_excluding_a_node_moves_the_job_and_resumes(cluster, manifest, 
     assert moved.result(new_handle).step == 60
 
 
-def test_a_lost_node_fails_the_job_and_the_retry_resumes_on_the_others_to_identical_weights(
+def test_a_lost_node_fails_the_job_retryably_and_the_retry_resumes_to_identical_weights(
         uninterrupted, cluster, manifest, tmp_path):
     """A whole node lost mid-job (set DOWN, as slurmctld does with a node that stops answering):
     Slurm ends the job NODE_FAIL and the launcher fails it retryably, naming that state; the task's
