@@ -87,18 +87,25 @@ def _job_workers(job_id: str) -> list[int]:
     return found
 
 
-def test_worker_killed_in_a_slurm_job_restarts_the_group_to_identical_weights(uninterrupted, cluster, manifest, tmp_path):
-    import os
-    import signal
-
-    reference = uninterrupted[0]
+def _submitted_past_first_checkpoint(cluster: SlurmCluster, manifest: Path, run_dir: Path):
+    """A 60-step 2-node job, submitted and followed until its step-10 checkpoint is committed (the
+    trigger of the kills below: a checkpoint on disk, never elapsed time)."""
     launcher = _launcher(cluster)
-    spec = _spec(tmp_path / "run", manifest)
+    spec = _spec(run_dir, manifest)
     handle = launcher.submit(spec)
     deadline = time.monotonic() + 120  # safety net, not a timing assertion
     while not (spec.run_dir / "checkpoints" / "step-00000010" / "manifest.json").exists():
         assert time.monotonic() < deadline and not launcher.poll(handle).done, launcher.logs(handle)[0][-2000:]
         time.sleep(0.02)
+    return launcher, spec, handle
+
+
+def test_worker_killed_in_a_slurm_job_restarts_the_group_to_identical_weights(uninterrupted, cluster, manifest, tmp_path):
+    import os
+    import signal
+
+    reference = uninterrupted[0]
+    launcher, spec, handle = _submitted_past_first_checkpoint(cluster, manifest, tmp_path / "run")
     os.kill(max(_job_workers(handle.job_id)), signal.SIGKILL)
     lines: list[str] = []
     status = wait(launcher, handle, log=lines.append, poll_s=0.5)
@@ -227,13 +234,7 @@ def test_a_lost_node_fails_the_job_retryably_and_the_retry_resumes_to_identical_
     from kiln.errors import LaunchError
 
     reference = uninterrupted[0]
-    launcher = _launcher(cluster)
-    spec = _spec(tmp_path / "run", manifest)
-    handle = launcher.submit(spec)
-    deadline = time.monotonic() + 120  # safety net, not a timing assertion
-    while not (spec.run_dir / "checkpoints" / "step-00000010" / "manifest.json").exists():
-        assert time.monotonic() < deadline and not launcher.poll(handle).done, launcher.logs(handle)[0][-2000:]
-        time.sleep(0.02)
+    launcher, spec, handle = _submitted_past_first_checkpoint(cluster, manifest, tmp_path / "run")
     nodes = subprocess.run(["squeue", "-h", "-j", handle.job_id, "-o", "%N"], capture_output=True, text=True,
                            env=cluster.env).stdout.strip()
     lost = subprocess.run(["scontrol", "show", "hostnames", nodes], capture_output=True, text=True,
