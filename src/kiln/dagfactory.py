@@ -360,6 +360,15 @@ def _default_args(policy: Policy) -> dict[str, Any]:
     }
 
 
+def _cron(expression: str) -> CronTriggerTimetable:
+    """A UTC cron schedule whose first run is the next cron time after the DAG appears, never the
+    one just past. ``run_immediately=timedelta(0)``, not the default False: Airflow 3.3 treats False
+    like None and still starts a run less than a tenth of the period late (16.8 h for a weekly
+    schedule), so a stack brought up on a Monday morning would start that week's production
+    retrain at once."""
+    return CronTriggerTimetable(expression, timezone="UTC", run_immediately=timedelta(0))
+
+
 def build_dag(policy: Policy):  # noqa: C901 - one function so the wiring reads top to bottom
     policy = _with_operator_settings(policy)
     policy = _with_launcher_settings(policy)
@@ -367,7 +376,7 @@ def build_dag(policy: Policy):  # noqa: C901 - one function so the wiring reads 
     schedule: Any = None
     allowed_run_types = ["manual"]
     if policy.schedule_cron:
-        schedule = CronTriggerTimetable(policy.schedule_cron, timezone="UTC")
+        schedule = _cron(policy.schedule_cron)
         allowed_run_types.append("scheduled")
     if policy.schedule_on_corpus_asset:
         asset = corpus_asset(policy.corpus)
@@ -379,8 +388,8 @@ def build_dag(policy: Policy):  # noqa: C901 - one function so the wiring reads 
         description=policy.description,
         schedule=schedule,
         # No start_date: with one, the cron timetable would start a run for the most recent past
-        # Monday as soon as the DAG is unpaused. Without one (and run_immediately=False, the
-        # default) the first scheduled run is the next Monday.
+        # Monday as soon as the DAG is unpaused. Without one (and run_immediately=timedelta(0),
+        # see _cron) the first scheduled run is the next Monday.
         catchup=False,
         max_active_runs=policy.max_active_runs,
         default_args=default_args,
@@ -541,7 +550,7 @@ def build_champion_watch_dag(policy: Policy):
     @dag(
         dag_id=policy.champion_watch_dag_id,
         description=f"Re-evaluates {policy.target_model}@{policy.alias} on the current held-out split; proposes a rollback on regression.",
-        schedule=CronTriggerTimetable(policy.champion_watch_cron, timezone="UTC"),
+        schedule=_cron(policy.champion_watch_cron),
         catchup=False,
         max_active_runs=1,
         default_args=default_args,

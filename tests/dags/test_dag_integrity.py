@@ -128,3 +128,27 @@ def test_linked_tasks_carry_their_extra_links(dagbag):
             names = [link.name for link in dag.get_task(task_id).operator_extra_links]
             assert names == [LINK_NAMES[k] for k in kinds], (policy.name, task_id)
         assert not dag.get_task("snapshot").operator_extra_links
+
+
+@pytest.mark.parametrize("dag_id", ["kiln_production", "kiln_champion_watch"])
+@pytest.mark.parametrize("minutes_late", [1, 17, 60 * 16])
+def test_a_dag_deployed_just_after_its_cron_time_waits_for_the_next_one(dagbag, monkeypatch, dag_id, minutes_late):
+    """A stack that comes up (or a DAG unpaused) shortly after the cron time must not start that
+    run: Airflow's CronTriggerTimetable treats ``run_immediately=False`` like None (a run that is
+    less than a tenth of the period late still starts: 16.8 h for a weekly schedule), so the DAGs
+    pass ``timedelta(0)``. Checked on the timetable the scheduler deserializes."""
+    from datetime import datetime, timedelta, timezone
+
+    import airflow.timetables.trigger as trigger
+    from airflow.serialization.decoders import decode_timetable
+    from airflow.serialization.encoders import encode_timetable
+    from airflow.timetables.base import TimeRestriction
+
+    timetable = decode_timetable(encode_timetable(dagbag.dags[dag_id].timetable))
+    cron = next(t for t in (getattr(timetable, "timetable", None), timetable) if isinstance(t, trigger.CronTriggerTimetable))
+    fire = cron._align_to_prev(trigger.coerce_datetime(datetime(2026, 11, 30, 12, tzinfo=timezone.utc)))
+    now = trigger.coerce_datetime(fire + timedelta(minutes=minutes_late))
+    monkeypatch.setattr(trigger, "utcnow", lambda: now)
+    info = timetable.next_dagrun_info(last_automated_data_interval=None,
+                                      restriction=TimeRestriction(earliest=None, latest=None, catchup=False))
+    assert info is not None and info.run_after > now, (fire, now, info)
