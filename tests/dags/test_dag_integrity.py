@@ -55,7 +55,7 @@ def test_every_task_has_owner_retries_and_its_policy_pool(dagbag, policy):
         if t.task_id != "approval":  # a human answer is not retried
             assert t.retries == policy.retries, t.task_id
     # A failed run never leaves its training job behind (a task killed before its trigger ran).
-    assert dag.on_failure_callback == end_orphaned_job or end_orphaned_job in dag.on_failure_callback
+    assert dag.on_failure_callback is end_orphaned_job
 
 
 def test_no_task_splits_its_result_into_one_xcom_per_key(dagbag):
