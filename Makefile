@@ -10,11 +10,12 @@ STAMP := $(VENV)/.kiln-installed
 FIND_LINKS := $(if $(wildcard /opt/wheels),--find-links /opt/wheels,)
 PYTEST_ARGS ?=
 
-.PHONY: venv system-deps up down status demo test test-fast bench chaos lock clean-state help
+.PHONY: venv system-deps up down status demo test test-fast lint bench chaos lock clean-state help
 
 help:
 	@echo "make demo   set everything up and run the production DAG end to end on the embedded stack"
-	@echo "make test   set everything up and run the whole test suite"
+	@echo "make test   set everything up, run make lint, then the whole test suite"
+	@echo "make lint   ruff (rules in pyproject.toml [tool.ruff]) and mypy ([tool.mypy]); both must pass"
 	@echo "make up     start Airflow + MLflow in the background (prints URLs and logins); make down stops them"
 	@echo "make bench  run benchmarks/ and write docs/benchmarks.md"
 
@@ -42,11 +43,17 @@ status: venv
 demo: venv
 	$(BIN)/kiln demo
 
-test: venv system-deps
+test: venv system-deps lint
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 test-fast: venv
 	$(BIN)/python -m pytest -m "not slow" $(PYTEST_ARGS)
+
+# The habits the code's markers promise, checked: ruff's rule sets and mypy (a few seconds with
+# mypy's cache, about 40 s without it).
+lint: venv
+	$(BIN)/ruff check .
+	$(BIN)/mypy
 
 bench: venv
 	$(BIN)/python benchmarks/run.py $(BENCH)
@@ -54,7 +61,7 @@ bench: venv
 # Seeded fault injection against the real components; writes docs/reliability.md (~45 min on 2 cores).
 # Replay one trial of a report: make chaos SEED=<seed> TRIAL=<family>:<index> (no report written then).
 chaos: venv system-deps
-	$(BIN)/python -m kiln.chaos $(if $(SEED),--seed $(SEED)) $(if $(TRIAL),--trial $(TRIAL),--report docs/reliability.md) $(CHAOS_ARGS)
+	PYTHONPATH=devtools $(BIN)/python -m kiln_devtools.chaos $(if $(SEED),--seed $(SEED)) $(if $(TRIAL),--trial $(TRIAL),--report docs/reliability.md) $(CHAOS_ARGS)
 
 # Re-resolve constraints.txt from requirements.in (needs network to the package index).
 lock:

@@ -1,8 +1,10 @@
 """The baseline of ``trainer_loop``: a bare nanoGPT-style training loop (Karpathy's ``train.py``, CPU path).
 
 Same model class, optimizer (AdamW with the decay / no-decay split), warmup + cosine schedule,
-gradient clipping and byte stream as kiln_trainer, and nothing else: no guard, no rank logic, no
-metrics files, no checkpoints, batches drawn with ``torch.randint`` as nanoGPT's ``get_batch`` does.
+gradient clipping, token stream (the recipe's tokenizer over the same documents, EOS between them)
+and batch geometry (``data.global_batch_size`` as micro-batches of ``data.micro_batch_size`` on one
+rank) as kiln_trainer, and nothing else: no guard, no rank logic, no metrics files, no checkpoints,
+no loader thread, batches drawn with ``torch.randint`` as nanoGPT's ``get_batch`` does.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from kiln_trainer.model import GPT
 def bare_train(recipe: Recipe, stream: np.ndarray, steps: int) -> dict[str, float]:
     """Train a fresh model for ``steps`` optimizer steps: the loop's wall and CPU seconds, the last loss."""
     m, d, o = recipe.model, recipe.data, recipe.optim
+    accum = d.accum_steps(1)
     torch.manual_seed(recipe.train.seed)
     model = GPT(m)
     params = [p for p in model.parameters() if p.requires_grad]
@@ -28,10 +31,10 @@ def bare_train(recipe: Recipe, stream: np.ndarray, steps: int) -> dict[str, floa
         {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
     ]
     optimizer = torch.optim.AdamW(groups, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps)
-    data = torch.from_numpy(stream)
+    data = torch.from_numpy(stream.astype(np.int64))
 
     def get_batch() -> tuple[torch.Tensor, torch.Tensor]:
-        ix = torch.randint(len(data) - m.block_size - 1, (d.batch_size,))
+        ix = torch.randint(len(data) - m.block_size - 1, (d.micro_batch_size,))
         x = torch.stack([data[i : i + m.block_size] for i in ix]).long()
         y = torch.stack([data[i + 1 : i + 1 + m.block_size] for i in ix]).long()
         return x, y
@@ -49,9 +52,9 @@ def bare_train(recipe: Recipe, stream: np.ndarray, steps: int) -> dict[str, floa
     for it in range(steps):
         for group in optimizer.param_groups:
             group["lr"] = get_lr(it)
-        for _ in range(d.grad_accum_steps):
+        for _ in range(accum):
             _, loss = model(x, y)
-            loss = loss / d.grad_accum_steps
+            loss = loss / accum
             x, y = get_batch()  # nanoGPT fetches the next batch while the device works
             loss.backward()
         if o.grad_clip > 0:
@@ -59,7 +62,7 @@ def bare_train(recipe: Recipe, stream: np.ndarray, steps: int) -> dict[str, floa
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         if it % recipe.train.log_every == 0:
-            lossf = loss.item() * d.grad_accum_steps  # nanoGPT's only host sync (a no-op on CPU)
+            lossf = loss.item() * accum  # nanoGPT's only host sync (a no-op on CPU)
             del lossf
     loop_s, cpu_s = time.perf_counter() - t0, time.thread_time() - cpu0
-    return {"loop_s": loop_s, "cpu_s": cpu_s, "last_loss": float(loss.item()) * d.grad_accum_steps}
+    return {"loop_s": loop_s, "cpu_s": cpu_s, "last_loss": float(loss.item()) * accum}

@@ -95,13 +95,14 @@ def main() -> dict[str, Any]:
     import torch
 
     sys.path.insert(0, str(HERE))
-    from trainer_loop import _build_manifest, _kiln_run
-
     from kiln_trainer.config import load_recipe
     from kiln_trainer.model import build_model
 
+    from trainer_loop import _build_manifest, _kiln_run
+
     torch.set_num_threads(threads)
-    params = sum(p.numel() for p in build_model(load_recipe(HERE.parent / "training" / "recipes" / "small.toml").model).parameters())
+    model = build_model(load_recipe(HERE.parent / "training" / "recipes" / "small.toml").model)
+    params = sum(p.numel() for p in model.parameters())
     common = [f"train.steps={steps}", "train.log_every=10", "optim.warmup_steps=10", "train.device=cpu",
               "train.dtype=float32", f"checkpoint.every_steps={every}"]
     saves = steps // every + (0 if steps % every == 0 else 1)  # periodic saves; the last step is one of them or the final save
@@ -116,7 +117,8 @@ def main() -> dict[str, Any]:
             order = ("sync", "async") if rep % 2 == 0 else ("async", "sync")
             for mode in order:
                 run_dir = root / f"{mode}-{rep}"
-                runs[mode].append(_kiln_run(manifest, run_dir, [*common, f"checkpoint.async_save={str(mode == 'async').lower()}"]))
+                async_save = f"checkpoint.async_save={str(mode == 'async').lower()}"
+                runs[mode].append(_kiln_run(manifest, run_dir, [*common, async_save]))
                 sizes.append(_checkpoint_bytes(run_dir))
                 print(".", end="", flush=True)
         print(flush=True)

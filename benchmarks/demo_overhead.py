@@ -19,14 +19,14 @@ import time
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parents[1]
+from kiln.util.net import free_port
 
-from kiln.netutil import free_port  # noqa: E402
+REPO = Path(__file__).resolve().parents[1]
 
 
 def _in_process(policy, key: str) -> dict[str, float]:
     """Every stage of one run, called directly: the baseline of pure stage work."""
-    from kiln import pipeline
+    from kiln import stages
 
     t: dict[str, float] = {}
 
@@ -36,28 +36,37 @@ def _in_process(policy, key: str) -> dict[str, float]:
         t[name] = t.get(name, 0.0) + time.perf_counter() - start
         return out
 
-    snap = timed("snapshot", pipeline.snapshot_stage, policy)
-    reports = [timed("validate_shards (all)", pipeline.validate_stage, policy, snap, batch)
-               for batch in pipeline.shard_batches(policy, snap)]
-    data = timed("data_gate", pipeline.data_gate_stage, policy, snap, reports, key)
-    train = timed("train", pipeline.train_stage, policy, snap, data, {}, key, log_line=lambda _line: None)
-    evaluation = timed("evaluate", pipeline.evaluate_stage, train, data, key)
-    candidate = timed("register_candidate", pipeline.register_stage, policy, snap, data, train, evaluation, key,
+    snap = timed("snapshot", stages.snapshot_stage, policy)
+    reports = [timed("validate_shards (all)", stages.validate_stage, policy, snap, batch, key)
+               for batch in stages.shard_batches(policy, snap)]
+    data = timed("data_gate", stages.data_gate_stage, policy, snap, reports, key)
+    train = timed("train", stages.train_stage, policy, snap, data, {}, key, log_line=lambda _line: None)
+    evaluation = timed("evaluate", stages.evaluate_stage, train, data, key)
+    candidate = timed("register_candidate", stages.register_stage, policy, snap, data, train, evaluation, key,
                       {})
-    decision = timed("model_gate", pipeline.model_gate_stage, candidate)
-    if decision["action"] == "promote":
-        timed("promote", pipeline.promote_stage, policy, candidate, decision, "benchmark", key)
+    decision = timed("model_gate", stages.model_gate_stage, candidate)
+    if decision.action == "promote":
+        import datetime as dt
+
+        from kiln.refs import ApprovalAnswer
+
+        # The approval task's part: record an (instant) answer of one of the policy's reviewers.
+        reviewer = policy.reviewers[0]
+        answer = ApprovalAnswer(chosen_options=["Approve"], responded_by_user={"id": reviewer, "name": reviewer},
+                                responded_at=dt.datetime.now(dt.UTC).isoformat())
+        timed("approval (recorded)", stages.review_stage, policy, candidate, answer, key)
+        timed("promote", stages.promote_stage, policy, candidate, decision, key)
     return t
 
 
 def _through_airflow(policy) -> tuple[float, float, dict[str, float]]:
     from kiln import settings as kiln_settings
-    from kiln import stack
-    from kiln.airflow_client import AirflowClient
-    from kiln.demo import DEMO_REVIEWER, follow_run
+    from kiln.stack import embedded
+    from kiln.stack.airflow_client import AirflowClient
+    from kiln.stack.demo import DEMO_REVIEWER, follow_run
 
     s = kiln_settings.load()
-    pw = stack.passwords(s)
+    pw = embedded.passwords(s)
     admin = AirflowClient(s.airflow_url, "admin", pw["admin"])
     reviewer = AirflowClient(s.airflow_url, DEMO_REVIEWER, pw[DEMO_REVIEWER])
     admin.wait_for_dag(policy.dag_id)
@@ -92,19 +101,19 @@ def main() -> dict[str, Any]:
     os.environ["KILN_SIGNALS_PORT"] = str(free_port())
     os.environ.pop("MLFLOW_TRACKING_URI", None)
     from kiln import settings as kiln_settings
-    from kiln import stack
-    from kiln.demo import build_demo_corpus
     from kiln.policy import PRODUCTION
+    from kiln.stack import embedded
+    from kiln.stack.demo import build_demo_corpus
 
     build_demo_corpus()
-    info = stack.up(quiet=True)
+    info = embedded.up(quiet=True)
     os.environ["MLFLOW_TRACKING_URI"] = info["mlflow"]
     try:
         direct = _in_process(PRODUCTION, f"benchmark/in-process-{int(time.time())}")
         direct_wall = sum(direct.values())
         wall, approval_wait, durations = _through_airflow(PRODUCTION)
     finally:
-        stack.down()
+        embedded.down()
     orchestrated = wall - approval_wait
     result = {
         "name": "demo: orchestration overhead vs stage work (production DAG, 8 shards, small recipe, 2 nodes)",
@@ -119,7 +128,8 @@ def main() -> dict[str, Any]:
         "state": str(kiln_settings.load().home),
     }
     print(f"in-process stage work : {result['in_process_s']:.1f} s  (baseline)")
-    print(f"through Airflow       : {result['airflow_wall_s']:.1f} s  (of which waiting for the approval answer {approval_wait:.1f} s)")
+    print(f"through Airflow       : {result['airflow_wall_s']:.1f} s"
+          f"  (of which waiting for the approval answer {approval_wait:.1f} s)")
     print(f"orchestration overhead: {result['overhead_s']:.1f} s")
     print(f"ratio (Airflow minus approval wait / in-process): {result['ratio']:.2f}x")
     return result

@@ -1,6 +1,6 @@
 """20 sandbox runs queued at once next to one production run, on the production-like stack.
 
-Stack: ``kiln.prodstack`` (PostgreSQL metadata, CeleryExecutor over Redis with one worker per
+Stack: ``kiln.stack.prodlike`` (PostgreSQL metadata, CeleryExecutor over Redis with one worker per
 policy queue, MLflow on PostgreSQL + S3 with basic-auth, FAB permissions), under its own state
 folder (``.kiln/bench-load``) and free ports; torn down at the end.
 
@@ -24,12 +24,12 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+from kiln.util.net import free_port
+
 REPO = Path(__file__).resolve().parents[1]
 N_SANDBOX = int(os.environ.get("KILN_BENCH_SANDBOX_RUNS", "20"))
 SANDBOX_CONF = {"recipe": "tiny.toml", "max_steps": 20}
 """The smallest valid sandbox run: tiny.toml refuses fewer steps than its 20 warmup steps."""
-
-from kiln.netutil import free_port  # noqa: E402
 
 
 def _pct(values: list[float], q: float) -> float | None:
@@ -79,27 +79,27 @@ def _first_task_start(client, dag_id: str, run_id: str) -> float | None:
 
 
 def main() -> dict[str, Any]:
-    from kiln import prodstack
     from kiln import settings as kiln_settings
-    from kiln.airflow_client import AirflowClient
     from kiln.cli.snapshot import announce_snapshot
-    from kiln.corpus import build_corpus
-    from kiln.demo import follow_run
+    from kiln.data.corpus import build_corpus
+    from kiln.data.snapshot import create_snapshot
     from kiln.policy import PRODUCTION, SANDBOX
-    from kiln.snapshot import create_snapshot
+    from kiln.stack import prodlike
+    from kiln.stack.airflow_client import AirflowClient
+    from kiln.stack.demo import follow_run
 
     home = REPO / ".kiln" / "bench-load"
     shutil.rmtree(home, ignore_errors=True)
     for key in ("MLFLOW_TRACKING_URI", "KILN_DVC_REMOTE", "KILN_DVC_REMOTE_ENDPOINT", "KILN_AIRFLOW_URL"):
         os.environ.pop(key, None)
     os.environ.update({"KILN_HOME": str(home), "KILN_AIRFLOW_PORT": str(free_port()),
-                       "KILN_MLFLOW_PORT": str(free_port()), "KILN_SIGNALS_PORT": str(free_port())})  # fmt: skip
+                       "KILN_MLFLOW_PORT": str(free_port()), "KILN_SIGNALS_PORT": str(free_port())})
     t0 = time.monotonic()
-    info = prodstack.up(timeout=600, quiet=True)
+    info = prodlike.up(timeout=600, quiet=True)
     started_s = time.monotonic() - t0
     try:
-        os.environ.update(prodstack.client_env())
-        pw = prodstack.passwords()
+        os.environ.update(prodlike.client_env())
+        pw = prodlike.passwords()
 
         def login(user: str) -> AirflowClient:
             return AirflowClient(info["airflow"], user, pw[user], timeout=180)
@@ -131,7 +131,7 @@ def main() -> dict[str, Any]:
         queued_at = time.time()
         with ThreadPoolExecutor(max_workers=8) as pool:
             fut_sb = [pool.submit(lambda: login("sandbox-user").trigger(SANDBOX.dag_id, conf=SANDBOX_CONF))
-                      for _ in range(N_SANDBOX)]  # fmt: skip
+                      for _ in range(N_SANDBOX)]
             sandbox_runs = [f.result()["dag_run_id"] for f in fut_sb]
         sandbox_queued_s = time.time() - queued_at
         prod = prod_runs[0]
@@ -149,7 +149,7 @@ def main() -> dict[str, Any]:
         prod_start = _first_task_start(admin, PRODUCTION.dag_id, prod)
         sb_starts = [t for t in (_first_task_start(admin, SANDBOX.dag_id, r) for r in sandbox_runs) if t]
     finally:
-        prodstack.down()
+        prodlike.down()
 
     sb, pr = lat.get(SANDBOX.dag_id, []), lat.get(PRODUCTION.dag_id, [])
     base_p99 = _pct(baseline, 99)

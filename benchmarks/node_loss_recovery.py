@@ -105,9 +105,10 @@ def recovery_trial(root: Path, manifest: Path, kills: int, *, baseline: bool) ->
     out = []
     for i in range(kills):
         target = CKPT_EVERY * (2 * i + 1)
-        _wait(lambda: len(agent_pids(run_dir)) == 2 and bool(_committed(run_dir)) and max(_committed(run_dir)) >= target)
+        _wait(lambda target=target: len(agent_pids(run_dir)) == 2 and bool(_committed(run_dir))
+              and max(_committed(run_dir)) >= target)
         t_kill = _kill_worker(run_dir, str(i % 2))
-        _wait(lambda: len(_events(run_dir, "startup")) >= i + 2)
+        _wait(lambda i=i: len(_events(run_dir, "startup")) >= i + 2)
         event = _events(run_dir, "startup")[i + 1]
         phases = {k: v for k, v in event["phases_s"].items() if v is not None}
         worker_s = event["first_step_unix"] - event["process_start_unix"]
@@ -153,7 +154,7 @@ def effective_time(root: Path, manifest: Path, steps: int, every_s: float) -> di
         # Lost to each kill, measured inside this run (immune to the host's load drifting between
         # two runs): the steps computed since the newest commit (redone) + crash -> first resumed step.
         resumed = [e["first_step_unix"] for e in _events(run_dir, "startup")[1:]]
-        lost = sum(first - committed for (_kill, committed), first in zip(commits, resumed))
+        lost = sum(first - committed for (_kill, committed), first in zip(commits, resumed, strict=False))
         print("e", end="", flush=True)
         return wall, result["weights_sha256"], kills, lost
 

@@ -36,7 +36,8 @@ def machine() -> str:
     except OSError:
         pass
     mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
-    return f"{os.cpu_count()} cores ({cpu}), {mem:.0f} GiB RAM, {platform.system()} {platform.release()}, Python {platform.python_version()}"
+    return (f"{os.cpu_count()} cores ({cpu}), {mem:.0f} GiB RAM, {platform.system()} {platform.release()}, "
+            f"Python {platform.python_version()}")
 
 
 def render(results: dict[str, dict]) -> str:
@@ -88,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
         result = importlib.import_module(name).main()
         # Other work on the machine skews both sides of a ratio differently: record how busy it was.
         result["load_avg_1m"] = f"{load_before:.1f} before, {os.getloadavg()[0]:.1f} after"
-        result["when"] = dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+        result["when"] = dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC")
         result["machine"] = machine()
         (RESULTS / f"{name}.json").write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {write_docs()}")

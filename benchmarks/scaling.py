@@ -3,7 +3,8 @@
     .venv/bin/python benchmarks/run.py scaling
 
 1. **Measured**: the ``small`` recipe on CPU (gloo, one torch thread per rank, 2 local ranks under
-   ``torchrun --standalone``), 1 rank then 2 ranks, same per-rank batch (weak scaling). Baseline =
+   ``torchrun --standalone``), 1 rank then 2 ranks, same per-rank batch (weak scaling: the global
+   batch is ``nproc x data.micro_batch_size``, one micro-batch per rank per step). Baseline =
    the 1-rank run's tokens/s, measured in the same run; ratio = scaling efficiency
    ``tokens/s(2) / (2 x tokens/s(1))``. Beside it the trainer's own in-run ``scaling_efficiency``
    (typical rank's compute per step / step wall time, median over the windows; docs/scaling.md).
@@ -146,10 +147,14 @@ def _env() -> dict[str, str]:
 
 
 def _train(nproc: int, manifest: Path, run_dir: Path, steps: int) -> dict[str, Any]:
+    from kiln_trainer.config import load_recipe
+
+    per_rank = load_recipe(SMALL).data.micro_batch_size
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
            "-m", "kiln_trainer.train", "--manifest", str(manifest), "--recipe", str(SMALL), "--run-dir", str(run_dir),
            "--set", f"train.steps={steps}", "--set", f"checkpoint.every_steps={steps + 1}", "--set", "train.log_every=10",
-           "--set", "optim.warmup_steps=10", "--set", "train.device=cpu"]
+           "--set", "optim.warmup_steps=10", "--set", "train.device=cpu",
+           "--set", f"data.global_batch_size={nproc * per_rank}"]
     subprocess.run(cmd, check=True, env=_env(), cwd=REPO, capture_output=True, timeout=1800)
     result = json.loads((run_dir / "result.json").read_text())
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
@@ -164,10 +169,10 @@ def _train(nproc: int, manifest: Path, run_dir: Path, steps: int) -> dict[str, A
 def main() -> dict[str, Any]:
     steps = int(os.environ.get("KILN_BENCH_STEPS", "80"))
     sys.path.insert(0, str(REPO / "tests" / "integration"))
-    from training_manifests import stdlib_manifest
-
     from kiln_trainer.config import load_recipe
     from kiln_trainer.model import GPT
+
+    from training_manifests import stdlib_manifest
 
     load = os.getloadavg()
     t_start = time.perf_counter()

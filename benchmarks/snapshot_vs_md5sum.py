@@ -4,7 +4,7 @@ Baseline (measured in the same run): ``md5sum`` of every shard, one process — 
 content-addressed snapshot must do. It runs once untimed first so that both sides read from a warm
 page cache (the shards were just written, so they are in it anyway; nothing is dropped from the
 cache for either side).
-Measured: ``kiln.snapshot.create_snapshot`` (what ``kiln snapshot create`` runs: check the corpus,
+Measured: ``kiln.data.snapshot.create_snapshot`` (what ``kiln snapshot create`` runs: check the corpus,
 ``dvc add`` = hash + copy into the cache, ``dvc push`` = copy to the local remote, record), a
 re-snapshot with nothing changed, and a re-snapshot after one shard was rewritten (DVC's state db
 lets it read and hash only that shard). ``sync`` runs (untimed) before each timed step so that no
@@ -70,7 +70,7 @@ def _md5sum(paths: list[Path]) -> float:
 def _fresh_corpus(state: Path, shards: int, shard_bytes: int) -> tuple[Path, list[Path]]:
     """A new KILN_HOME (empty cache, state db and remote) holding a new random corpus."""
     from kiln import settings as kiln_settings
-    from kiln.snapshot import ensure_workspace
+    from kiln.data.snapshot import ensure_workspace
 
     shutil.rmtree(state, ignore_errors=True)
     os.environ["KILN_HOME"] = str(state)
@@ -100,7 +100,7 @@ def main() -> dict[str, Any]:
         from dvc.repo import Repo
 
         from kiln import settings as kiln_settings
-        from kiln.snapshot import WORKSPACE_LINKS, create_snapshot
+        from kiln.data.snapshot import WORKSPACE_LINKS, create_snapshot
 
         md5sum_runs: list[float] = []
         create_runs: list[float] = []
@@ -137,7 +137,7 @@ def main() -> dict[str, Any]:
             one_shard_s = time.perf_counter() - start
         assert changed.id != first.id
 
-        ratios = sorted(c / m for c, m in zip(create_runs, md5sum_runs))
+        ratios = sorted(c / m for c, m in zip(create_runs, md5sum_runs, strict=True))
         mid = len(ratios) // 2
         median = sorted(range(len(ratios)), key=lambda k: create_runs[k] / md5sum_runs[k])[mid]
         md5sum_s, create_s, phases = md5sum_runs[median], create_runs[median], phase_runs[median]

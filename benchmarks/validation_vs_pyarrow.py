@@ -1,7 +1,7 @@
-"""Shard validation (kiln.validation, Great Expectations) versus a plain pyarrow read of the same shards.
+"""Shard validation (kiln.data.validation, Great Expectations) versus a plain pyarrow read of the same shards.
 
 Issue 4's Measure: validation as the DAG runs it — the sandbox policy's batches
-(``kiln.pipeline.shard_batches``), each checked by ``kiln.pipeline.validate_stage`` (contract and
+(``kiln.stages.shard_batches``), each checked by ``kiln.stages.validate_stage`` (contract and
 eval-split hashes loaded per task, one GE context per process, one stacked GE run per batch) —
 against ``pyarrow.parquet.read_table`` of every shard in the same process, same page cache.
 Reported: shards/s of both at N shards and their ratio (goal ≤ 2.0×), as wall time and as CPU
@@ -24,7 +24,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -46,7 +45,7 @@ def _write_shards(out: Path, shards: int, docs_per_shard: int) -> tuple[list[Pat
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from kiln.corpus import COMPRESSION, build_corpus
+    from kiln.data.corpus import COMPRESSION, build_corpus
 
     summary = build_corpus(out / "source", shards=1)
     source = pq.read_table(Path(summary["out"]) / summary["train"][0])
@@ -77,44 +76,52 @@ def _timed(work: Callable[[], Any]) -> tuple[float, float, Any]:
 
 
 def _fresh_process_start() -> float:
-    """Seconds a new Python process needs to import kiln.validation and build the GE context."""
+    """Seconds a new Python process needs to import kiln.data.validation and build the GE context."""
     code = (
-        "import time; t = time.perf_counter(); import kiln.validation as v; v._great_expectations(); "
+        "import time; t = time.perf_counter(); import kiln.data.validation; "
+        "from kiln.data.validation.suite import _great_expectations; _great_expectations(); "
         "print(time.perf_counter() - t)"
     )
     done = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True)
     return float(done.stdout.strip().splitlines()[-1])
 
 
-def _time_split(validation: Any, work: Callable[[], Any]) -> dict[str, float]:
-    """CPU seconds of one run split by phase, by wrapping the module's internals for that run."""
-    spent = {"_load_shard": 0.0, "_shard_frame": 0.0, "_prefiltered_columns": 0.0, "_validate_stack": 0.0}
-    real = {name: getattr(validation, name) for name in spent}
+def _time_split(work: Callable[[], Any]) -> dict[str, float]:
+    """CPU seconds of one run split by phase, by wrapping the validation internals for that run.
 
-    def wrap(name: str) -> Callable[..., Any]:
+    Each internal is wrapped in every module that calls it (the name its caller looks up)."""
+    from kiln.data.validation import one_shard, stacking, validate
+
+    callers = {"_load_shard": (validate,), "_shard_frame": (stacking, one_shard), "_prefiltered_columns": (stacking,),
+               "_validate_stack": (validate,)}
+    spent = dict.fromkeys(callers, 0.0)
+    real = {(module, name): getattr(module, name) for name, modules in callers.items() for module in modules}
+
+    def wrap(name: str, function: Callable[..., Any]) -> Callable[..., Any]:
         def timed(*args: Any, **kwargs: Any) -> Any:
             t = time.process_time()
             try:
-                return real[name](*args, **kwargs)
+                return function(*args, **kwargs)
             finally:
                 spent[name] += time.process_time() - t
 
         return timed
 
-    for name in spent:
-        setattr(validation, name, wrap(name))
+    for (module, name), function in real.items():
+        setattr(module, name, wrap(name, function))
     try:
         _, total, _ = _timed(work)
     finally:
-        for name, function in real.items():
-            setattr(validation, name, function)
+        for (module, name), function in real.items():
+            setattr(module, name, function)
     ge = spent["_validate_stack"] - spent["_shard_frame"] - spent["_prefiltered_columns"]
     return {
         "read shard bytes + sha256 + parquet decode": round(spent["_load_shard"], 3),
         "frame: Arrow-backed columns + derived columns (RE2 char share, eval hashes)": round(spent["_shard_frame"], 3),
         "secret-pattern literal prefilter (one RE2 scan)": round(spent["_prefiltered_columns"], 3),
         "Great Expectations run(s)": round(ge, 3),
-        "rest (batching, reports, contract + eval split per task)": round(total - spent["_load_shard"] - spent["_validate_stack"], 3),
+        "rest (batching, reports, contract + eval split per task)":
+            round(total - spent["_load_shard"] - spent["_validate_stack"], 3),
         "total (CPU s)": round(total, 3),
     }
 
@@ -123,20 +130,21 @@ def main() -> dict[str, Any]:
     import pyarrow.parquet as pq
 
     started = time.perf_counter()
-    import kiln.validation as validation
-    from kiln import pipeline
-    from kiln.contracts import load_contract
+    from kiln.data import validation
+    from kiln.data.contracts import load_contract
+    from kiln.data.validation.suite import _great_expectations
     from kiln.policy import PRODUCTION, SANDBOX
 
-    validation._great_expectations()  # import great_expectations + the one ephemeral context
+    _great_expectations()  # import great_expectations + the one ephemeral context
     import_s = time.perf_counter() - started
     task_start_s = _fresh_process_start()
 
     tmp = Path(tempfile.mkdtemp(prefix="kiln-bench-validation-"))
     try:
         paths, root = _write_shards(tmp, SHARDS, DOCS_PER_SHARD)
-        snapshot = {"path": str(root), "shards": [f"train/{p.name}" for p in paths]}
-        batches = pipeline.shard_batches(SANDBOX, snapshot)
+        shards = [f"train/{p.name}" for p in paths]
+        size = SANDBOX.validation_batch_shards
+        batches = [shards[i : i + size] for i in range(0, len(shards), size)]
         contract = load_contract(SANDBOX.contract)
         eval_hashes = validation.load_eval_doc_hashes(root)
         total_bytes = sum(p.stat().st_size for p in paths)
@@ -145,11 +153,12 @@ def main() -> dict[str, Any]:
             return sum(pq.read_table(p).num_rows for p in paths)
 
         def as_the_dag_does() -> list[dict[str, Any]]:
-            return [r for batch in batches for r in pipeline.validate_stage(SANDBOX, snapshot, batch)]
+            # What validate_stage runs per mapped task (it also records the verdicts in the run dir).
+            return [r for batch in batches for r in validation.validate_shards([root / s for s in batch], contract, eval_hashes)]
 
         # Warm the page cache and both code paths once, so neither side pays first-touch costs.
         rows = read()
-        pipeline.validate_stage(SANDBOX, snapshot, batches[0])
+        validation.validate_shards([root / s for s in batches[0]], contract, eval_hashes)
 
         rounds = []
         for _ in range(ROUNDS):
@@ -172,10 +181,11 @@ def main() -> dict[str, Any]:
 
             wall, cpu, _ = _timed(run)
             by_batch[f"batch of {batch}"] = (
-                f"{_rate(wall, len(subset))} shards/s, {wall / (read_s * share):.2f}× the read (CPU {cpu / (read_cpu_s * share):.2f}×)"
+                f"{_rate(wall, len(subset))} shards/s, {wall / (read_s * share):.2f}× the read"
+                f" (CPU {cpu / (read_cpu_s * share):.2f}×)"
                 + (f" (first {len(subset)} shards)" if len(subset) != len(paths) else "")
             )
-        split = _time_split(validation, as_the_dag_does)
+        split = _time_split(as_the_dag_does)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 

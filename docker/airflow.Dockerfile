@@ -41,7 +41,9 @@ COPY constraints.txt /opt/kiln/constraints.txt
 # Orchestration dependencies, each pinned by constraints.txt. This list is pyproject.toml's
 # `dependencies` WITHOUT torch, plus what the production-like stack needs on top of the embedded one
 # (celery provider for the CeleryExecutor over Redis, psycopg2 + asyncpg for the PostgreSQL metadata database,
-# the FAB provider for per-DAG permissions).
+# the FAB provider for per-DAG permissions), and the `kubernetes` launcher's client and Kubeflow Trainer's
+# API types (TrainJobs are validated strictly before they are submitted; docker/helm/ runs on it), and
+# `tokenizers` for the tokenize stage (BPE trained and applied on the orchestration side, torch-free).
 # The lock pins torch to a CPU build; torch is filtered out of the constraints here because it is
 # never installed in this image.
 RUN grep -v '^torch==' /opt/kiln/constraints.txt > /tmp/constraints.txt \
@@ -59,6 +61,9 @@ RUN grep -v '^torch==' /opt/kiln/constraints.txt > /tmp/constraints.txt \
         pyarrow \
         boto3 \
         requests \
+        "tokenizers==0.23.3" \
+        kubernetes \
+        "kubeflow-trainer-api==2.3.0" \
     && rm /tmp/constraints.txt
 
 # kiln itself. `kiln` is ONE distribution today (packages `kiln` and `kiln_trainer`), and its
@@ -81,11 +86,12 @@ RUN python -m pip install --constraint /opt/kiln/constraints.txt --no-deps -e /o
     && { python -m pip check || true; } \
         | grep -v -e '^kiln .* requires torch, which is not installed' -e '^No broken requirements found' \
         | { if grep .; then echo "pip check found broken requirements (above)" >&2; exit 1; fi; } \
-    && python -c "import kiln.pipeline, kiln.registry, kiln.signals, kiln.snapshot, kiln.validation"
+    && python -c "import kiln.stages, kiln.registry, kiln.signals, kiln.data.snapshot, kiln.data.validation"
 
 COPY docker/airflow/kiln-healthcheck.sh /usr/local/bin/kiln-healthcheck
 COPY docker/airflow/kiln-init.sh /usr/local/bin/kiln-init
 COPY docker/airflow/kiln-mlflow-init.sh /usr/local/bin/kiln-mlflow-init
+COPY docker/airflow/entrypoint.sh /entrypoint
 
 ENV AIRFLOW_HOME=/opt/airflow \
     KILN_HOME=/var/lib/kiln \
@@ -95,9 +101,9 @@ ENV AIRFLOW_HOME=/opt/airflow \
 
 RUN mkdir -p /opt/airflow/logs /var/lib/kiln /var/lib/airflow-auth \
     && chown -R airflow:airflow /opt/airflow /var/lib/kiln /var/lib/airflow-auth \
-    && chmod 0755 /usr/local/bin/kiln-healthcheck /usr/local/bin/kiln-init /usr/local/bin/kiln-mlflow-init
+    && chmod 0755 /usr/local/bin/kiln-healthcheck /usr/local/bin/kiln-init /usr/local/bin/kiln-mlflow-init /entrypoint
 
-# kiln's cluster policy (kiln.prodstack.task_policy): each policy DAG's tasks go to its own Celery
+# kiln's cluster policy (kiln.stack.prodlike.task_policy): each policy DAG's tasks go to its own Celery
 # queue, served by the worker holding only that policy's MLflow identity (compose.yaml). Airflow
 # imports `airflow_local_settings` from $AIRFLOW_HOME/config, which it puts on sys.path; the file is
 # copied after the chown above so it stays root-owned (a task cannot rewrite the routing).
@@ -113,7 +119,9 @@ EXPOSE 8080
 # triggerer have a live job heartbeat, a celery worker answers a ping.
 HEALTHCHECK --interval=30s --timeout=20s --start-period=60s --retries=5 CMD ["/usr/local/bin/kiln-healthcheck"]
 
-ENTRYPOINT ["/usr/bin/tini", "--", "airflow"]
+# /entrypoint dispatches like the official image's (docker/airflow/entrypoint.sh): `scheduler` runs
+# `airflow scheduler`, `bash -c ...` runs bash, so the official Helm chart's commands and probes work.
+ENTRYPOINT ["/usr/bin/tini", "--", "/entrypoint"]
 CMD ["api-server"]
 
 

@@ -64,47 +64,49 @@ RUN_VIEW_PREFIX = "/kiln"
 def build_run_view_app() -> Any:
     """The FastAPI app behind the "kiln run" view (see the module docstring)."""
     from html import escape
+    from urllib.parse import quote
 
     from fastapi import FastAPI, HTTPException
     from fastapi.responses import FileResponse, HTMLResponse
 
     from kiln import settings as kiln_settings
-    from kiln.errors import ConfigError
-    from kiln.signals import SignalsConfig, mlflow_run_url, run_directory, run_view
+    from kiln.errors import KilnError
+    from kiln.runs import QUARANTINE_HTML
+    from kiln.signals import SignalsConfig, mlflow_run_url, run_view
 
     app = FastAPI(title="kiln run view", docs_url=None, redoc_url=None, openapi_url=None)
 
-    def _dir(dag_id: str, run_id: str) -> Any:
+    def _view(dag_id: str, run_id: str) -> dict[str, Any]:
+        """What the run's directory holds (``kiln.signals.run_view``); 404 for ids that name no run."""
         try:
-            return run_directory(SignalsConfig.from_env(), dag_id, run_id)
-        except ConfigError as exc:
+            return run_view(SignalsConfig.from_env(), dag_id, run_id)
+        except KilnError as exc:  # ids that name no run directory, or one that records another run
             raise HTTPException(status_code=404, detail=str(exc)) from exc
 
-    @app.get("/runs/{dag_id}/{run_id}/quarantine-report.html")
+    @app.get("/runs/{dag_id}/{run_id}/" + QUARANTINE_HTML)
     def quarantine_html(dag_id: str, run_id: str) -> Any:
-        path = _dir(dag_id, run_id) / "quarantine-report.html"
-        if not path.is_file():
+        path = _view(dag_id, run_id)["quarantine"]["html"]
+        if path is None:
             raise HTTPException(status_code=404, detail="no quarantine report for this run (yet)")
         return FileResponse(path, media_type="text/html")
 
     @app.get("/runs/{dag_id}/{run_id}/metrics.jsonl")
     def metrics_jsonl(dag_id: str, run_id: str) -> Any:
-        path = _dir(dag_id, run_id) / "train" / "metrics.jsonl"
-        if not path.is_file():
+        path = _view(dag_id, run_id)["training"]["metrics_jsonl"]
+        if path is None:
             raise HTTPException(status_code=404, detail="no training metrics for this run (yet)")
         return FileResponse(path, media_type="text/plain")
 
     @app.get("/runs/{dag_id}/{run_id}", response_class=HTMLResponse)
     def page(dag_id: str, run_id: str) -> str:
-        _dir(dag_id, run_id)
-        view = run_view(SignalsConfig.from_env(), dag_id, run_id)
+        view = _view(dag_id, run_id)
         mlflow = mlflow_run_url(kiln_settings.load().mlflow_uri, dag_id, run_id)
-        here = f"{RUN_VIEW_PREFIX}/runs/{escape(dag_id)}/{escape(run_id)}"
+        here = escape(f"{RUN_VIEW_PREFIX}/runs/{quote(dag_id, safe='')}/{quote(run_id, safe='')}")
         q, t = view["quarantine"], view["training"]
         rows = [
             ("MLflow run", f"<a href='{escape(mlflow)}' target='_blank'>{escape(mlflow)}</a>" if mlflow else "not found (yet)"),
             ("Quarantine report",
-             f"<a href='{here}/quarantine-report.html'>HTML</a> · share {q.get('share')} · gate {escape(str(q.get('gate')))}"
+             f"<a href='{here}/{QUARANTINE_HTML}'>HTML</a> · share {q.get('share')} · gate {escape(str(q.get('gate')))}"
              f" · snapshot <code>{escape(str(q.get('snapshot')))}</code>" if q["html"] else "not written (yet)"),
             ("Training metrics",
              f"<a href='{here}/metrics.jsonl'>metrics.jsonl</a> · {'finished' if t['finished'] else 'running or stopped'}"

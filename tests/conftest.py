@@ -6,8 +6,11 @@ Set before anything imports airflow or kiln.settings reads the environment.
 from __future__ import annotations
 
 import os
+import sys
 import tempfile
 from pathlib import Path
+
+import pytest
 
 _STATE = Path(tempfile.mkdtemp(prefix="kiln-tests-"))
 os.environ["KILN_HOME"] = str(_STATE / "kiln")
@@ -19,11 +22,6 @@ os.environ["DVC_NO_ANALYTICS"] = "1"
 os.environ["GIT_PYTHON_REFRESH"] = "quiet"
 os.environ.pop("MLFLOW_TRACKING_URI", None)
 os.environ.pop("MLFLOW_RUN_ID", None)
-
-
-import sys
-
-import pytest
 
 
 @pytest.fixture(autouse=True)
@@ -40,3 +38,29 @@ def _isolate_mlflow_global_tracking_uri():
     utils = sys.modules.get("mlflow.tracking._tracking_service.utils")
     if utils is not None and hasattr(utils, "_tracking_uri"):
         utils._tracking_uri = before
+
+
+@pytest.fixture()
+def tmpfs():
+    """``tmpfs(size="256k", read_only=False) -> Path``: a real, small file system for the test, so a
+    full or a read-only disk is the kernel's answer rather than a faked call; unmounted afterwards."""
+    import subprocess
+
+    mounted: list[Path] = []
+
+    def mount(size: str = "256k", *, read_only: bool = False) -> Path:
+        if os.geteuid() != 0:
+            pytest.skip("mounting a tmpfs needs root (the test containers and CI run as root)")
+        where = Path(tempfile.mkdtemp(prefix="kiln-tmpfs-"))
+        options = f"size={size}" + (",ro" if read_only else "")
+        subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(where)], check=True)
+        mounted.append(where)
+        return where
+
+    try:
+        yield mount
+    finally:
+        for where in reversed(mounted):
+            if subprocess.run(["umount", str(where)], capture_output=True).returncode != 0:
+                subprocess.run(["umount", "-l", str(where)], check=True)  # a process still inside
+            where.rmdir()

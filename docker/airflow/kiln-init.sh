@@ -2,8 +2,8 @@
 # One-shot setup of the production-like stack (the `airflow-init` service in compose.yaml), safe to
 # run again and again:
 #   1. migrate the Airflow metadata database (PostgreSQL);
-#   2. create kiln's pools (same slots as the embedded stack, kiln.stack.POOL_SLOTS);
-#   3. create kiln's FAB roles and users (kiln.fab_auth) with the passwords from the environment (.env);
+#   2. create kiln's pools (same slots as the embedded stack, kiln.stack.embedded.POOL_SLOTS);
+#   3. create kiln's FAB roles and users (kiln.airflow.fab_auth) with the passwords from the environment (.env);
 #   4. create the S3 buckets for the DVC remote and MLflow artifacts if they do not exist.
 set -euo pipefail
 
@@ -31,7 +31,7 @@ fd, tmp = tempfile.mkstemp()
 try:
     with os.fdopen(fd, "w") as fh:
         json.dump(passwords, fh)
-    subprocess.run([sys.executable, "-m", "kiln.fab_auth", "provision", tmp], check=True)
+    subprocess.run([sys.executable, "-m", "kiln.airflow.fab_auth", "provision", tmp], check=True)
 finally:
     os.unlink(tmp)
 PY

@@ -4,7 +4,7 @@
 #   1. kiln.mlflow_auth.provision_identities as the admin: users kiln-production and kiln-sandbox,
 #      the registered models and experiments each policy writes, and their grants (production
 #      names: EDIT for kiln-production only; sandbox names: EDIT for kiln-sandbox) — the same call
-#      kiln.prodstack.up and kiln.stack.up make;
+#      kiln.stack.prodlike.up and kiln.stack.embedded.up make;
 #   2. kiln-reader (same call), the api-server's read-only identity: a non-admin user with an
 #      explicit READ on each policy's models and experiment (what the "kiln run" view looks up,
 #      whatever default_permission is) and no write grant on any kiln name. (MLflow's basic-auth

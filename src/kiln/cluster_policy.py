@@ -1,6 +1,6 @@
 """Airflow cluster policy of the production-like stacks: each policy's DAGs run on its own Celery queue.
 
-Installed as ``airflow_local_settings`` (``kiln.prodstack`` writes it; the Airflow image copies
+Installed as ``airflow_local_settings`` (``kiln.stack.prodlike`` writes it; the Airflow image copies
 ``docker/airflow/airflow_local_settings.py``), so every Airflow process imports this module: it
 imports nothing but ``kiln.policy``. A queue is served by a worker that holds only that policy's
 MLflow identity, so every DAG of a policy — the retraining DAG and the champion watch — must land

@@ -8,8 +8,13 @@
     │   └── DataGateError          quarantined share above the policy threshold (no retry)
     ├── ManifestError              TrainingManifest / checkpoint manifest missing, tampered, partial
     ├── LaunchError                the training job could not start or ended in failure
-    │   └── TrainingFaultError     the trainer diagnosed a fault a retry cannot fix (exit 2) — kiln.launchers
+    │   └── TrainingFaultError     the trainer diagnosed a fault a retry cannot fix (exit 2)
     ├── RegistryError              MLflow registration / alias move failed
+    ├── AirflowAPIError            the Airflow REST API refused a request (``status``: its HTTP status)
+    ├── StackError                 a service of the embedded or production-like stack did not start or answer
+    ├── DemoError                  ``kiln demo`` could not run the production DAG to its end
+    ├── RunMismatchError           a run directory or version holds another run, or a result made from
+    │                              other inputs than this run asks for (no retry)
     └── PolicyError                a policy forbids this (sandbox → production name…) (no retry)
 
 Third-party errors are translated at the boundary: ``raise SnapshotError(...) from exc``.
@@ -56,6 +61,34 @@ class LaunchError(KilnError):
 
 class RegistryError(KilnError):
     pass
+
+
+class TrainingFaultError(LaunchError):
+    """A worker exited 2: the trainer diagnosed a fault (bad recipe, tampered data or checkpoint,
+    resume mismatch, divergence) that a restart or a retry would only repeat."""
+
+    retryable = False
+
+
+class AirflowAPIError(KilnError):
+    def __init__(self, message: str, status: int | None = None):
+        super().__init__(message)
+        self.status = status
+
+
+class StackError(KilnError):
+    pass
+
+
+class DemoError(KilnError):
+    pass
+
+
+class RunMismatchError(KilnError):
+    """What a run's directory or registry holds was made by another run, or from other inputs than
+    the run asks for: reusing it would hand one run's result to another, and a retry finds the same."""
+
+    retryable = False
 
 
 class PolicyError(KilnError):

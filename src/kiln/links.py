@@ -3,7 +3,7 @@
 Airflow 3 computes an operator's extra links *in the task process* when the task ends (success or
 failure) and stores each as an XCom ``_link_kiln_<kind>``; the api-server only reads them back
 (``GET /api/v2/dags/{dag}/dagRuns/{run}/taskInstances/{task}/links``). The link classes are in the
-one Airflow adapter, ``kiln.dagfactory``; they call :func:`link_url` here. No Airflow import here.
+one Airflow adapter, ``kiln.airflow.dagfactory``; they call :func:`link_url` here. No Airflow import here.
 
 Hosts are never hard-coded: MLflow links use the configured MLflow URL (``MLFLOW_TRACKING_URI``,
 ``kiln.settings``), links into the ``kiln_signals`` plugin (quarantine report, run view) the
@@ -31,14 +31,16 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import quote
 
+from kiln import runs
 from kiln import settings as kiln_settings
+from kiln.errors import ConfigError
 
 log = logging.getLogger("kiln.links")
 
 RUN_VIEW_PREFIX = "/kiln"
 """Where ``plugins/kiln_signals.py`` mounts its run view app on the api-server."""
-QUARANTINE_ARTIFACT = "quarantine/quarantine-report.html"
-"""== ``kiln.validation.QUARANTINE_ARTIFACT_DIR`` + the report's name (not imported: pyarrow)."""
+QUARANTINE_ARTIFACT = f"{runs.QUARANTINE_ARTIFACT_DIR}/{runs.QUARANTINE_HTML}"
+"""Where the data gate logs the HTML quarantine report in the run's MLflow run."""
 EVALUATION_ARTIFACT = "evaluation/report.html"
 """== ``kiln.registry.REPORT_DIR`` + ``report.html``."""
 
@@ -77,7 +79,7 @@ def run_view_url(dag_id: str, run_id: str, airflow_url: str | None = None) -> st
 def quarantine_report_url(dag_id: str, run_id: str, airflow_url: str | None = None) -> str:
     """The run's quarantine report (HTML) as the plugin serves it from the run directory. It exists
     once the data gate has run (404 "no quarantine report for this run (yet)" before)."""
-    return run_view_url(dag_id, run_id, airflow_url) + "/quarantine-report.html"
+    return f"{run_view_url(dag_id, run_id, airflow_url)}/{runs.QUARANTINE_HTML}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,7 +110,6 @@ def find_mlflow_run(
     the experiment of the DAG's policy. Plain REST (no mlflow import); None on any failure."""
     import requests
 
-    from kiln.pipeline import run_key
     from kiln.policy import POLICIES
 
     base = _mlflow_base(mlflow_uri)
@@ -118,7 +119,7 @@ def find_mlflow_run(
     try:
         if mlflow_run_id:
             resp = requests.get(f"{base}/api/2.0/mlflow/runs/get", params={"run_id": mlflow_run_id}, timeout=timeout,
-                                auth=auth)  # fmt: skip
+                                auth=auth)
             if resp.status_code != 200:
                 return None
             info = resp.json()["run"]["info"]
@@ -127,17 +128,17 @@ def find_mlflow_run(
         if policy is None:
             return None
         exp = requests.get(f"{base}/api/2.0/mlflow/experiments/get-by-name",
-                           params={"experiment_name": f"kiln-{policy.name}"}, timeout=timeout, auth=auth)  # fmt: skip
+                           params={"experiment_name": runs.experiment_name(policy)}, timeout=timeout, auth=auth)
         if exp.status_code != 200:
             return None
         exp_id = str(exp.json()["experiment"]["experiment_id"])
-        key = run_key(dag_id, run_id).replace("'", "")
+        # Never an altered key (a quote dropped): that would name another run's MLflow run.
         found = requests.post(f"{base}/api/2.0/mlflow/runs/search", timeout=timeout, auth=auth, json={
-            "experiment_ids": [exp_id], "filter": f"tags.`kiln.run_key` = '{key}'", "max_results": 1})  # fmt: skip
-        runs = found.json().get("runs", []) if found.status_code == 200 else []
-    except (requests.RequestException, ValueError, KeyError, TypeError):
+            "experiment_ids": [exp_id], "filter": runs.run_key_filter(runs.run_key(dag_id, run_id)), "max_results": 1})
+        hits = found.json().get("runs", []) if found.status_code == 200 else []
+    except (requests.RequestException, ValueError, KeyError, TypeError, ConfigError):
         return None
-    return MlflowRun(base, exp_id, str(runs[0]["info"]["run_id"])) if runs else None
+    return MlflowRun(base, exp_id, str(hits[0]["info"]["run_id"])) if hits else None
 
 
 def _dict(value: Any) -> dict[str, Any]:
@@ -161,7 +162,7 @@ def _mlflow_run_id_from_xcom(task_id: str, xcom: XComPull) -> str | None:
 def link_url(
     kind: str, *, dag_id: str, run_id: str, task_id: str, xcom: XComPull,
     mlflow_uri: str | None = None, airflow_url: str | None = None,
-) -> str:  # fmt: skip
+) -> str:
     """The URL of one extra link of a task instance, or ``""`` when it cannot be resolved (yet)."""
     if kind not in LINK_NAMES:
         raise ValueError(f"unknown link kind {kind!r}; known: {', '.join(LINK_NAMES)}")

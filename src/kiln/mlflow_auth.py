@@ -25,7 +25,7 @@ Clients authenticate with ``MLFLOW_TRACKING_USERNAME`` / ``MLFLOW_TRACKING_PASSW
 
 Per-policy client identity (``MlflowIdentity``): every task of a DAG talks to MLflow as its
 policy's identity, taken from the Airflow connection ``Policy.mlflow_conn_id`` (resolved by the
-Airflow adapter, ``kiln.dagfactory``) or from ``KILN_MLFLOW_<POLICY>_USERNAME`` / ``_PASSWORD``;
+Airflow adapter, ``kiln.airflow.dagfactory``) or from ``KILN_MLFLOW_<POLICY>_USERNAME`` / ``_PASSWORD``;
 ``use_identity`` puts it into ``MLFLOW_TRACKING_USERNAME`` / ``_PASSWORD`` for the duration of one
 task (the task's own process and the trainer it launches), and removes any other identity the
 worker's environment carried, so a sandbox task can never act with production credentials that
@@ -47,9 +47,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from kiln.errors import ConfigError, RegistryError
-from kiln.fsutil import write_private
 from kiln.policy import POLICIES, Policy
 from kiln.settings import restore_environ
+from kiln.util.fs import write_private
 
 if TYPE_CHECKING:
     from mlflow.server.auth.client import AuthServiceClient
@@ -77,14 +77,14 @@ WRITE_PERMISSIONS = ("EDIT", "MANAGE")
 def _check_password(what: str, password: str | None) -> str:
     if not password or len(password) < MIN_PASSWORD_LEN:
         raise ConfigError(f"{what} must be at least {MIN_PASSWORD_LEN} characters (take it from the environment "
-                          "or a secrets backend)")  # fmt: skip
-    if password == "password":  # noqa: S105 (the legacy default mlflow refuses; named for the error)
+                          "or a secrets backend)")
+    if password == "password":  # the legacy default mlflow refuses; named for the error
         raise ConfigError(f"{what} is mlflow's old default password")
     return password
 
 
 def write_auth_config(home: Path, admin_password: str, *, admin_username: str = "admin",
-                      database_uri: str | None = None, auth_cache_ttl_seconds: int = AUTH_CACHE_TTL_S) -> Path:  # fmt: skip
+                      database_uri: str | None = None, auth_cache_ttl_seconds: int = AUTH_CACHE_TTL_S) -> Path:
     """Write ``HOME/auth/basic_auth.ini`` (and the per-install secret key) and return its path.
 
     ``default_permission = READ``; the user store is ``database_uri`` (default
@@ -110,7 +110,7 @@ def write_auth_config(home: Path, admin_password: str, *, admin_username: str = 
     }
     path = auth_dir / CONFIG_NAME
     lines = ["# Written by kiln.mlflow_auth.write_auth_config. No admin password here: it",
-             "# comes from MLFLOW_AUTH_ADMIN_PASSWORD (server_env), the secret key from flask_secret_key."]  # fmt: skip
+             "# comes from MLFLOW_AUTH_ADMIN_PASSWORD (server_env), the secret key from flask_secret_key."]
     body = "\n".join(f"{k} = {v}" for k, v in config["mlflow"].items())
     write_private(path, "\n".join(lines) + "\n[mlflow]\n" + body + "\n")
     return path
@@ -167,10 +167,10 @@ def _admin_client(tracking_uri: str, username: str, password: str) -> AuthServic
 
     def request(endpoint: str, method: str, *, expected_status: int = 200, **kwargs: Any) -> dict[str, Any]:
         resp = verify_rest_response(http_request(creds, endpoint, method, **kwargs), endpoint,
-                                    expected_status=expected_status)  # fmt: skip
+                                    expected_status=expected_status)
         return {} if resp.status_code == 204 or not resp.content else resp.json()
 
-    client._request = request  # type: ignore[method-assign]
+    client._request = request
     return client
 
 
@@ -197,7 +197,7 @@ def planned_grants(policies: Iterable[Policy], owners: dict[str, str], readers: 
     Each of ``readers`` (e.g. the Airflow api-server's run view) gets an explicit READ on every
     policy's names and nothing else.
     """
-    from kiln.registry import experiment_name  # the experiment the registry and trainer log into
+    from kiln.runs import experiment_name  # the experiment every stage of a run logs into
 
     grants: list[Grant] = []
     for policy in policies:
@@ -273,7 +273,7 @@ def provision_identities(
         for grant in grants:
             step = f"granting {grant}"
             _set_permission(auth, grant.username, grant.resource_type, ids[grant.resource_type, grant.resource],
-                            grant.permission)  # fmt: skip
+                            grant.permission)
     except MlflowException as exc:
         raise RegistryError(f"MLflow auth provisioning failed while {step}: {exc}") from exc
     return grants
@@ -286,7 +286,7 @@ def _ensure_resources(auth: AuthServiceClient, policies: list[Policy]) -> dict[t
     """
     from mlflow.exceptions import MlflowException
 
-    from kiln.registry import experiment_name
+    from kiln.runs import experiment_name
 
     ids: dict[tuple[str, str], str] = {}
     request = auth._request
@@ -313,7 +313,7 @@ def _ensure_resources(auth: AuthServiceClient, policies: list[Policy]) -> dict[t
 
 
 def _set_permission(auth: AuthServiceClient, username: str, resource_type: str, resource_id: str,
-                    permission: str) -> None:  # fmt: skip
+                    permission: str) -> None:
     """Grant ``permission`` exactly (insert, or replace a different existing grant)."""
     from mlflow.exceptions import MlflowException
 
@@ -330,7 +330,7 @@ def _set_permission(auth: AuthServiceClient, username: str, resource_type: str, 
 
 
 def effective_permission(tracking_uri: str, admin_user: str, admin_password: str, username: str,
-                         model: str) -> str:  # fmt: skip
+                         model: str) -> str:
     """What the server resolves for ``username`` on registered model ``model`` (e.g. ``READ``)."""
     auth = _admin_client(tracking_uri, admin_user, admin_password)
     return str(auth.get_user_permission(username, REGISTERED_MODEL, model).permission)
@@ -339,7 +339,7 @@ def effective_permission(tracking_uri: str, admin_user: str, admin_password: str
 # ------------------------------------------------------------------------- client identities
 
 USERNAME_ENV = "MLFLOW_TRACKING_USERNAME"
-PASSWORD_ENV = "MLFLOW_TRACKING_PASSWORD"  # noqa: S105 (a variable name, not a password)
+PASSWORD_ENV = "MLFLOW_TRACKING_PASSWORD"  # a variable name, not a password
 
 
 @dataclass(frozen=True, slots=True)

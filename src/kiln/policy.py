@@ -7,14 +7,14 @@ never retried).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
 
 from kiln.errors import PolicyError
+from kiln.shipped import RECIPES_DIR
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
-RECIPES_DIR = REPO_ROOT / "training" / "recipes"
 PRODUCTION_RECIPES_DIR = RECIPES_DIR / "production"
 
 PRODUCTION_MODEL = "kiln-stdlib-lm"
@@ -102,7 +102,7 @@ class Policy:
     k8s_priority_class: str | None = None
     k8s_checkpoint_claim: str = "kiln-shared"
     k8s_image: str = "kiln-trainer:cpu"
-    k8s_runtime: str = "torch-distributed"
+    k8s_runtime: str = "kiln-torch"
     candidate_model: str
     """Registered model the candidate version is created in."""
     target_model: str
@@ -117,7 +117,7 @@ class Policy:
     """Also run whenever a new snapshot of the corpus is announced (Airflow Asset event)."""
     champion_watch_dag_id: str | None = None
     """DAG that re-evaluates the serving ``alias`` on a schedule and proposes a rollback through a
-    review (``kiln.champion_watch``); None: no watch."""
+    review (``kiln.stages.champion_watch``); None: no watch."""
     champion_watch_cron: str | None = None
     """Cron (UTC) of the champion watch."""
     max_active_runs: int = 8
@@ -159,7 +159,8 @@ class Policy:
         """This policy with the review timeout an operator set in ``source`` (None/"" keeps it).
 
         ``PolicyError`` naming ``source`` for a value that is not a whole number of seconds within
-        the bounds, so a typo shows as a DAG import error instead of a review that never times out.
+        the bounds, so a typo fails the review task that reads it instead of asking a review that
+        never times out.
         """
         if raw is None or str(raw).strip() == "":
             return self
@@ -173,7 +174,7 @@ class Policy:
             )
         return replace(self, approval_timeout_s=seconds)
 
-    def with_launcher(self, raw: str | None, source: str) -> Policy:
+    def with_launcher(self, raw: str | dict[str, Any] | None, source: str) -> Policy:
         """This policy with the launcher settings a deployment gave in ``source`` (JSON object of
         ``LAUNCHER_FIELDS``, e.g. ``{"launcher": "slurm", "slurm_partition": "gpu"}``; None/"" keeps
         it). Where training runs is the deployment's business; gates, models and pools are not, so
@@ -228,12 +229,26 @@ class Policy:
 
     def summary(self) -> dict[str, Any]:
         data = asdict(self)
-        data["recipes_dir"] = str(self.recipes_dir.relative_to(REPO_ROOT))
+        data["recipes_dir"] = str(Path("training", "recipes", self.recipes_dir.relative_to(RECIPES_DIR)))
         return data
 
-    def doc_md(self) -> str:
+    def doc_md(self, run_time_settings: Sequence[tuple[str, str, str]] = ()) -> str:
+        """The DAG's doc: the policy's settings as coded, then the deployment settings read at run
+        time (``run_time_settings``: Variable, what it sets, which task reads it). The DAG file is
+        parsed without reading them, so the doc cannot show their values: the task log does."""
         rows = "\n".join(f"| `{k}` | `{v}` |" for k, v in self.summary().items() if k not in ("description",))
-        return f"{self.description}\n\n**Policy `{self.name}`**\n\n| setting | value |\n|---|---|\n{rows}\n"
+        doc = f"{self.description}\n\n**Policy `{self.name}`** (as coded)\n\n| setting | value |\n|---|---|\n{rows}\n"
+        if run_time_settings:
+            settings = "\n".join(f"| `{name}` (or `AIRFLOW_VAR_{name.upper()}`) | {sets} | {read_by} |"
+                                  for name, sets, read_by in run_time_settings)
+            doc += (
+                "\n**Set by this deployment, read at run time.** Each Airflow Variable below overrides the coded "
+                "value when the task that needs it starts (never when this file is parsed), so a change applies "
+                "to the next task that starts; that task's log says the value in force and where it came from. "
+                "A bad value fails that task, without retry, naming the Variable.\n\n"
+                f"| Airflow Variable | sets | read by |\n|---|---|---|\n{settings}\n"
+            )
+        return doc
 
 
 SANDBOX = Policy(

@@ -3,17 +3,39 @@
 They carry ids, paths and hashes, never data. Each has ``to_json()`` (a JSON-safe dict) and
 ``from_json(d)``; the trainer reads the TrainingManifest JSON on its own (it never imports kiln),
 so the wire format of each ref is documented on the class and must not change silently.
+
+What each stage of a run hands on (``kiln.stages``; the Airflow adapter turns them into XComs and
+back)::
+
+    snapshot         PinnedSnapshot          (a SnapshotRef and the shards to validate)
+    validate_shards  [ShardReport, ...]
+    data_gate        DataGateResult          (the TrainingManifest written, the quarantine report)
+    train            TrainResult             (planned as a kiln.launchers.LaunchPlan, followed by its
+                                              JobHandle and StragglerWatchPlan, ended as JobEnded)
+    evaluate         EvalReport
+    register         RegisteredCandidate     (with the gate's Decision)
+    model_gate       Decision
+    approval         ApprovalAnswer in, Review recorded
+    promote          PromotionRecord
+    outcome          RunOutcome
+    champion watch   ChampionEvaluation (of VersionEvaluations) → WatchDecision → Review, RollbackRecord
+                     → WatchOutcome
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
-from dataclasses import asdict, dataclass, field, fields
+from collections.abc import Mapping
+from dataclasses import Field, dataclass, field, fields
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, ClassVar, Literal, Self
 
 from kiln.errors import ManifestError
+
+if TYPE_CHECKING:
+    from kiln.launchers.base import State
 
 
 def canonical_json(obj: Any) -> bytes:
@@ -29,30 +51,63 @@ def sha256_file(path: str | Path, chunk: int = 1 << 20) -> str:
     return digest.hexdigest()
 
 
-class _Ref:
-    """JSON round-trip shared by every ref.
+class Ref:
+    """JSON round-trip shared by every ref (each one a frozen dataclass).
 
     ``from_json`` ignores keys it does not know: the trainer (a separate package and process) may
     add facts to its results before this side learns to use them. Integrity never rests on that:
-    manifests are verified by their content hash, checkpoints by their per-file sha256.
+    manifests are verified by their content hash, checkpoints by their per-file sha256. A value
+    that is not a JSON object, or lacks a required key, is a ``ManifestError`` naming the ref.
     """
 
+    if TYPE_CHECKING:  # every ref is a dataclass: what asdict() and fields() ask for
+        __dataclass_fields__: ClassVar[dict[str, Field[Any]]]
+
+    _nested: ClassVar[Mapping[str, type[Ref]]] = {}
+    """Fields that hold refs (one, a list of them, or None): ``from_json`` rebuilds them."""
+    _absent_when_none: ClassVar[frozenset[str]] = frozenset()
+    """Fields whose key is left off the wire while they are None (facts a ref has only sometimes)."""
+
     def to_json(self) -> dict[str, Any]:
-        return asdict(self)  # type: ignore[call-overload]
+        return {f.name: _json_value(getattr(self, f.name)) for f in fields(self)
+                if not (f.name in self._absent_when_none and getattr(self, f.name) is None)}
 
     @classmethod
-    def from_json(cls, data: dict[str, Any]):  # type: ignore[no-untyped-def]
+    def from_json(cls, data: dict[str, Any]) -> Self:
         if not isinstance(data, dict):
             raise ManifestError(f"{cls.__name__}: expected a JSON object, got {type(data).__name__}")
-        names = {f.name for f in fields(cls)}  # type: ignore[arg-type]
+        names = {f.name for f in fields(cls)}
+        known = {k: v for k, v in data.items() if k in names}
+        for name, ref in cls._nested.items():
+            if known.get(name) is not None:
+                known[name] = _nested_from_json(ref, known[name], f"{cls.__name__}.{name}")
         try:
-            return cls(**{k: v for k, v in data.items() if k in names})
+            return cls(**known)
         except TypeError as exc:  # a required field is missing
             raise ManifestError(f"{cls.__name__}: {exc}") from exc
 
 
+def _json_value(value: Any) -> Any:
+    """A field's value on the wire: a ref as its own ``to_json``, containers copied, the rest as is."""
+    if isinstance(value, Ref):
+        return value.to_json()
+    if isinstance(value, list | tuple):
+        return type(value)(_json_value(v) for v in value)
+    if isinstance(value, dict):
+        return {k: _json_value(v) for k, v in value.items()}
+    return value
+
+
+def _nested_from_json(ref: type[Ref], value: Any, where: str) -> Any:
+    if isinstance(value, list):
+        return [ref.from_json(v) for v in value]
+    if isinstance(value, dict):
+        return ref.from_json(value)
+    raise ManifestError(f"{where}: expected a {ref.__name__} or a list of them, got {type(value).__name__}")
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
-class SnapshotRef(_Ref):
+class SnapshotRef(Ref):
     """An immutable DVC snapshot of a corpus directory.
 
     Wire format: ``{"id": "<md5>.dir", "corpus", "files", "bytes", "dvc", "remote", "path"}``.
@@ -73,7 +128,21 @@ class SnapshotRef(_Ref):
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
-class ShardEntry(_Ref):
+class PinnedSnapshot(SnapshotRef):
+    """The snapshot a run is pinned to (the verified copy kiln keeps of it), with the shards its
+    validation covers: what the snapshot stage hands on.
+
+    Wire format: ``SnapshotRef``'s keys (``path`` is the pinned copy), ``"shards"`` and ``"skipped"``.
+    """
+
+    shards: list[str]
+    """The shards to validate (``train/*.parquet``), relative to ``path``, sorted."""
+    skipped: list[dict[str, str]] = field(default_factory=list)
+    """``{"path", "reason"}`` of each other entry of ``train/``: never validated, never trained on."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ShardEntry(Ref):
     """One shard a manifest lists: ``{"path", "sha256", "rows"}`` (path absolute)."""
 
     path: str
@@ -82,7 +151,7 @@ class ShardEntry(_Ref):
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
-class ShardReport(_Ref):
+class ShardReport(Ref):
     """The verdict on one shard. Quarantine is a value, not an exception.
 
     Wire format: ``{"path", "sha256", "rows", "verdict", "reasons", "contract"}``; each reason is
@@ -100,17 +169,21 @@ class ShardReport(_Ref):
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
-class TrainingManifest(_Ref):
-    """What the trainer may read: a snapshot's healthy shards under one contract version.
+class TrainingManifest(Ref):
+    """What the trainer may read: a snapshot's healthy shards under one contract version, and once
+    the tokenize stage has packed them, those shards as packed tokens.
 
-    Wire format (the trainer parses this itself)::
+    Wire format (the trainer parses this itself, ``kiln_trainer.training_manifest``)::
 
         {"kind": "kiln.TrainingManifest", "snapshot_id": "<md5>.dir", "corpus": "...",
          "contract": "name@version", "shards": [{"path", "sha256", "rows"}, ...],
          "eval_shards": [{"path", "sha256", "rows"}, ...], "quarantined": ["path", ...],
+         "tokens": {"manifest": "<token_manifest.json path or s3:// URL>", "sha256": "<hex>"},
          "sha256": "<hex>"}
 
-    ``sha256`` is the sha256 of ``canonical_json`` of every other key except ``kind``.
+    ``tokens`` is absent until the shards are packed (the trainer then packs them itself).
+    ``sha256`` is the sha256 of ``canonical_json`` of every other key except ``kind``; an absent
+    ``tokens`` is not in it, so a manifest without tokens keeps the hash it always had.
     """
 
     snapshot_id: str
@@ -119,33 +192,42 @@ class TrainingManifest(_Ref):
     shards: list[dict[str, Any]]
     eval_shards: list[dict[str, Any]]
     quarantined: list[str] = field(default_factory=list)
+    tokens: dict[str, str] | None = None
     sha256: str = ""
 
+    _absent_when_none = frozenset({"tokens"})
+
     def content_hash(self) -> str:
-        body = asdict(self)
+        body = Ref.to_json(self)
         body.pop("sha256")
         return hashlib.sha256(canonical_json(body)).hexdigest()
 
     @classmethod
-    def build(cls, **kwargs: Any) -> "TrainingManifest":
+    def build(cls, **kwargs: Any) -> TrainingManifest:
         unsigned = cls(**kwargs)
-        return cls(**{**asdict(unsigned), "sha256": unsigned.content_hash()})
+        return dataclasses.replace(unsigned, sha256=unsigned.content_hash())
 
-    def verify(self) -> "TrainingManifest":
+    def with_tokens(self, token_manifest: str, token_manifest_sha256: str | None) -> TrainingManifest:
+        """This manifest naming its packed tokens (``None``: naming none), under its new hash."""
+        tokens = None if token_manifest_sha256 is None else {"manifest": token_manifest, "sha256": token_manifest_sha256}
+        unsigned = dataclasses.replace(self, tokens=tokens, sha256="")
+        return dataclasses.replace(unsigned, sha256=unsigned.content_hash())
+
+    def verify(self) -> TrainingManifest:
         if self.sha256 != self.content_hash():
             raise ManifestError("TrainingManifest content hash does not match its sha256 field")
         return self
 
     def to_json(self) -> dict[str, Any]:
-        return {"kind": "kiln.TrainingManifest", **asdict(self)}
+        return {"kind": "kiln.TrainingManifest", **Ref.to_json(self)}  # not super(): slots=True makes a new class
 
     def write(self, path: str | Path) -> Path:
-        from kiln.fsutil import atomic_write_text
+        from kiln.util.fs import atomic_write_text
 
         return atomic_write_text(path, json.dumps(self.to_json(), indent=2, sort_keys=True) + "\n")
 
     @classmethod
-    def read(cls, path: str | Path) -> "TrainingManifest":
+    def read(cls, path: str | Path) -> TrainingManifest:
         try:
             data = json.loads(Path(path).read_text())
         except (OSError, ValueError) as exc:
@@ -154,7 +236,101 @@ class TrainingManifest(_Ref):
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
-class TrainResult(_Ref):
+class QuarantinedShard(Ref):
+    """A shard the data gate kept out of training, as its answer names it: ``{"path", "reasons"}``."""
+
+    path: str
+    """The shard's file name (the quarantine report has the full path)."""
+    reasons: list[str]
+    """Each failed expectation with its row count, or the read error, in words."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class TokenizerRef(Ref):
+    """The tokenizer a run's recipe asks for, as an artifact in kiln's store.
+
+    Wire format: ``{"kind", "sha256", "vocab_size", "eos_id", "path"}``; ``path`` is the artifact
+    (``KILN_HOME/tokenizers/<sha256>.json``), whose bytes hash to ``sha256``."""
+
+    kind: str
+    """``byte``, ``bpe`` (trained on the run's healthy training shards) or ``file``."""
+    sha256: str
+    vocab_size: int
+    eos_id: int
+    path: str
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class PackedPart(Ref):
+    """One shard of a training manifest packed into token shards (one mapped tokenize task packs a
+    batch of them). Wire format: ``{"part", "samples", "tokens", "documents", "dropped_tokens"}``."""
+
+    part: int
+    """The shard's index in the training manifest, which is the part's number."""
+    samples: int
+    tokens: int
+    documents: int
+    dropped_tokens: int
+    """The tail shorter than one sample, left out."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class PackedTokensRef(Ref):
+    """A training manifest's shards as packed token shards (the tokenize stage's join).
+
+    Wire format: ``{"token_manifest", "token_manifest_sha256", "tokenizer_kind", "tokenizer_sha256",
+    "vocab_size", "block_size", "samples", "tokens", "documents"}``."""
+
+    token_manifest: str
+    """The token manifest (``token_manifest.json``): a path, or an ``s3://`` URL once published."""
+    token_manifest_sha256: str
+    tokenizer_kind: str
+    tokenizer_sha256: str
+    vocab_size: int
+    block_size: int
+    samples: int
+    """Training samples of ``block_size + 1`` tokens."""
+    tokens: int
+    documents: int
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class DataGateResult(Ref):
+    """What the data gate hands on: the run's TrainingManifest (healthy shards only) and its
+    quarantine report, both written into the run directory.
+
+    Wire format: ``{"manifest", "manifest_sha256", "healthy", "quarantined": [{"path", "reasons"}],
+    "quarantine_rate", "report", "report_html", "report_html_uri", "mlflow_run_id", "contract"}``.
+    """
+
+    manifest: str
+    """Path of the run's training manifest; later stages read the run's own, and refuse this
+    reference if it names another."""
+    manifest_sha256: str
+    healthy: int
+    """How many shards the manifest lists."""
+    quarantined: list[QuarantinedShard]
+    quarantine_rate: float
+    """Quarantined shards over validated shards, rounded to 4 places."""
+    report: str
+    """Path of the quarantine report (JSON)."""
+    report_html: str
+    report_html_uri: str = ""
+    """The HTML report as an artifact of the run's MLflow run ("" when not logged)."""
+    mlflow_run_id: str = ""
+    """The run's MLflow run (the one training logs into)."""
+    contract: str = ""
+    """``name@version`` of the contract the shards were checked against."""
+    tokens: PackedTokensRef | None = None
+    """The manifest's shards as packed tokens, once the tokenize stage made them (then ``manifest``
+    and ``manifest_sha256`` are of the training manifest that names them); absent before."""
+
+    _nested = {"quarantined": QuarantinedShard, "tokens": PackedTokensRef}
+    _absent_when_none = frozenset({"tokens"})
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class TrainResult(Ref):
     """What the train stage hands on. Mirrors the trainer's ``result.json``."""
 
     run_dir: str
@@ -176,7 +352,31 @@ class TrainResult(_Ref):
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
-class EvalReport(_Ref):
+class StragglerWatchPlan(Ref):
+    """How the trigger a train task defers on follows the job's straggler flags (its ``stragglers``
+    kwarg): ``{"action", "offset", "excluded"}``."""
+
+    action: Literal["alert", "exclude_node"]
+    """The policy's straggler action."""
+    offset: int = 0
+    """Where in the run's ``metrics.jsonl`` to start reading: flags before it were acted on already."""
+    excluded: list[str] = field(default_factory=list)
+    """Nodes already excluded from this run's job (Slurm)."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class JobEnded(Ref):
+    """How a submitted training job ended: a deferrable trigger's event (whose other keys, the
+    handle and straggler state, it leaves aside) or what the in-task wait saw."""
+
+    state: State
+    reason: str = ""
+    log_tail: str = ""
+    """The last lines of the job's log (on failure)."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class EvalReport(Ref):
     """Held-out evaluation of one committed checkpoint."""
 
     checkpoint: str
@@ -193,7 +393,7 @@ class EvalReport(_Ref):
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
-class Decision(_Ref):
+class Decision(Ref):
     """The promotion gate's answer: ``promote`` or ``hold``, always with reasons."""
 
     action: Literal["promote", "hold"]
@@ -203,10 +403,198 @@ class Decision(_Ref):
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
-class PromotionRecord(_Ref):
+class RegisteredCandidate(Ref):
+    """The model version a run's registration made (or found again on a retry), with the decision
+    recorded on it: what the register stage hands on.
+
+    Wire format: ``{"model_name", "version", "run_id", "model_uri", "source", "decision": Decision,
+    "created", "report_uri", "ui_url"}``.
+    """
+
+    model_name: str
+    version: str
+    run_id: str = ""
+    """The MLflow run the model was logged into."""
+    model_uri: str = ""
+    source: str = ""
+    decision: Decision
+    """The gate's decision as registration recorded it on the version (promotion reads it there)."""
+    created: bool = False
+    """False on a retry that found the version."""
+    report_uri: str = ""
+    """The reviewer's report (evaluation, loss curve, metrics against the champion)."""
+    ui_url: str = ""
+    """The version's page in the MLflow UI."""
+
+    _nested = {"decision": Decision}
+
+
+ReviewOutcome = Literal["approved", "rejected", "timed out"]
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Review(Ref):
+    """A person's answer to an approval task, as that task recorded it on the model version reviewed.
+
+    Only the approval task writes one (from the answer Airflow handed it); a promotion or rollback
+    that needs an approval reads it back from the registry, never from an XCom or a task state,
+    which any Airflow user with the role "user" may set.
+    """
+
+    subject: str
+    """What was asked, exactly: ``kiln.registry.promotion_subject`` / ``rollback_subject``."""
+    outcome: ReviewOutcome
+    reviewer: str
+    """Who answered (an Airflow user name); for a timeout, who was asked."""
+    at: str
+    """When the answer was given (ISO 8601)."""
+    run_key: str
+    """The Airflow run (``<dag_id>/<run_id>``) whose approval task asked."""
+    comment: str = ""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ApprovalAnswer(Ref):
+    """The answer Airflow handed an approval task (its HITL record), which that task records as a
+    ``Review``. Wire format (the task's ``review`` XCom, for its log and the UI only)::
+
+        {"chosen_options": [...], "responded_by_user": {"id", "name"}, "timed_out", "responded_at"}
+    """
+
+    chosen_options: list[str] = field(default_factory=list)
+    responded_by_user: dict[str, str] = field(default_factory=dict)
+    """Who answered, as Airflow names them (``id``, ``name``); empty when nobody did."""
+    timed_out: bool = False
+    """Nobody answered within the timeout: the default (Reject) applied."""
+    responded_at: str = ""
+    """ISO 8601."""
+    comment: str | None = None
+
+    _absent_when_none = frozenset({"comment"})
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class PromotionRecord(Ref):
+    """An alias moved to a version: by promotion (``approver``: who approved) or by rollback."""
+
     registered_model: str
     version: str
     alias: str
     approver: str
     at: str
     previous_version: str | None = None
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class RunOutcome(Ref):
+    """How a run ended for its model, in words: what the outcome stage hands on, and the run's
+    ``summary.json``.
+
+    Wire format: ``{"candidate_model", "candidate_version", "decision", "decision_reasons",
+    "promoted", "message"}``; with ``"review", "reviewer", "reviewed_at", "review_comment"`` when a
+    review was recorded, and ``"model", "version", "alias", "approver"`` when promoted.
+    """
+
+    candidate_model: str
+    candidate_version: str
+    decision: Literal["promote", "hold"]
+    decision_reasons: list[str]
+    promoted: bool
+    message: str
+    review: ReviewOutcome | None = None
+    reviewer: str | None = None
+    reviewed_at: str | None = None
+    review_comment: str | None = None
+    model: str | None = None
+    """Where the candidate was promoted to (the target model)."""
+    version: str | None = None
+    alias: str | None = None
+    approver: str | None = None
+
+    _absent_when_none = frozenset({"review", "reviewer", "reviewed_at", "review_comment", "model", "version", "alias",
+                                   "approver"})
+
+
+# ---------------------------------------------------------------------------------- champion watch
+@dataclass(frozen=True, kw_only=True, slots=True)
+class VersionEvaluation(Ref):
+    """Today's held-out evaluation of one registered version, next to the one recorded in its tags."""
+
+    version: str
+    recorded_bits_per_byte: float
+    recorded_snapshot_id: str
+    current_bits_per_byte: float
+    current_tokens: int
+    checkpoint: str
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ChampionEvaluation(Ref):
+    """What the champion watch's re-evaluation hands on: the ``champion`` and ``previous`` versions
+    on the held-out split of the registered corpus as it is today (None: nobody holds the alias).
+
+    Wire format: ``{"model", "alias", "champion", "previous", "snapshot_id"}``, each version a
+    ``VersionEvaluation``; ``snapshot_id`` (the corpus as pinned today) only when there is a champion.
+    """
+
+    model: str
+    alias: str
+    champion: VersionEvaluation | None = None
+    previous: VersionEvaluation | None = None
+    snapshot_id: str | None = None
+
+    _nested = {"champion": VersionEvaluation, "previous": VersionEvaluation}
+    _absent_when_none = frozenset({"snapshot_id"})
+
+
+WatchAction = Literal["propose_rollback", "ok", "regressed_no_fallback", "no_champion"]
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class WatchDecision(Ref):
+    """The champion watch's decision, with every number that decided: a proposed rollback is this.
+
+    Wire format: ``{"model", "alias", "tolerance", "snapshot_id", "champion_version",
+    "previous_version", "action", "reasons"}``, and with a champion ``"champion_current_bits_per_byte",
+    "champion_recorded_bits_per_byte", "previous_current_bits_per_byte"`` (None without a previous).
+    """
+
+    model: str
+    alias: str
+    tolerance: float
+    """Bits per byte (absolute) the champion may lose before it counts as regressed."""
+    snapshot_id: str | None
+    champion_version: str | None
+    previous_version: str | None
+    action: WatchAction
+    reasons: list[str]
+    champion_current_bits_per_byte: float | None = None
+    champion_recorded_bits_per_byte: float | None = None
+    previous_current_bits_per_byte: float | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        body = Ref.to_json(self)  # (no zero-argument super() in a slots dataclass)
+        if self.champion_version is None:  # nothing was measured
+            for name in ("champion_current_bits_per_byte", "champion_recorded_bits_per_byte",
+                         "previous_current_bits_per_byte"):
+                del body[name]
+        return body
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class RollbackRecord(PromotionRecord):
+    """A rollback of the champion alias, with the watch's reason (also in the version's audit tags)."""
+
+    reason: str
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class WatchOutcome(Ref):
+    """How a champion watch ended, in words (and its run's ``summary.json``):
+    ``{"decision", "reasons", "model", "rolled_back", "message"}``."""
+
+    decision: WatchAction
+    reasons: list[str]
+    model: str | None
+    rolled_back: bool
+    message: str

@@ -2,7 +2,7 @@
 
 Everything is read from the environment at call time (never cached at import) so that tests can
 point a process at their own stack. All state lives under ``KILN_HOME`` (default ``.kiln/`` in the
-repository); ``rm -rf .kiln`` resets the embedded stack.
+checkout, ``~/.kiln`` for an installed kiln); ``rm -rf .kiln`` resets the embedded stack.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kiln.errors import ConfigError
-from kiln.policy import REPO_ROOT
+from kiln.shipped import CHECKOUT, in_checkout
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -53,8 +53,13 @@ class Settings:
         return self.home / "dvc-site-cache"
 
 
+def default_home() -> Path:
+    """``.kiln/`` in the checkout kiln runs from; ``~/.kiln`` for an installed kiln (``KILN_HOME`` overrides both)."""
+    return CHECKOUT / ".kiln" if in_checkout() else Path.home() / ".kiln"
+
+
 def load() -> Settings:
-    home = Path(os.environ.get("KILN_HOME", REPO_ROOT / ".kiln")).resolve()
+    home = Path(os.environ.get("KILN_HOME") or default_home()).resolve()
     mlflow_port = os.environ.get("KILN_MLFLOW_PORT", "5000")
     airflow_port = os.environ.get("KILN_AIRFLOW_PORT", "8080")
     return Settings(

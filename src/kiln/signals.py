@@ -4,10 +4,13 @@ The exporter reads files under ``KILN_HOME`` on every scrape and talks to nothin
 no MLflow), so it cannot slow a training run or the scheduler down, and a scrape shows exactly what
 is on disk::
 
-    RUNS/<dag>/<run>/train/metrics.prom         trainer rank 0, each log interval  -> kiln_train_*{dag,run}
-    RUNS/<dag>/<run>/quarantine-report.json     data gate                          -> kiln_quarantine_*{dag,run,snapshot}
+    RUN/train/metrics.prom                      trainer rank 0, each log interval  -> kiln_train_*{dag,run}
+    RUN/quarantine-report.json                  data gate                          -> kiln_quarantine_*{dag,run,snapshot}
     KILN_HOME/signals/queue-events.jsonl        Airflow listener (plugins/)        -> kiln_airflow_queue_latency_seconds
     kiln.policy                                                                    -> kiln_policy_max_quarantine_share
+
+``RUN`` is a run directory of ``kiln.runs``; ``dag``/``run`` are the exact ids its ``run.json``
+records (never read back from the directory's name).
 
 Thresholds do not live here: they are Prometheus alert rules (``docker/prometheus/rules/``), each
 with an entry in ``docs/runbook.md``. Only the quarantine threshold is exported as a series, because
@@ -35,22 +38,22 @@ import re
 import threading
 import time
 from collections import defaultdict
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
+from kiln import runs
 from kiln import settings as kiln_settings
-from kiln.errors import ConfigError
-from kiln.fsutil import atomic_write_text
+from kiln.errors import ConfigError, RunMismatchError
 from kiln.policy import POLICIES
+from kiln.runs import METRICS_JSONL, METRICS_PROM, QUARANTINE_HTML, QUARANTINE_JSON, RESULT_FILE, TRAIN_SUBDIR
+from kiln.util.fs import atomic_write_text
 
 log = logging.getLogger("kiln.signals")
 
 DEFAULT_PORT = 9469
-METRICS_PROM = "metrics.prom"
-QUARANTINE_JSON = "quarantine-report.json"  # == kiln.validation.QUARANTINE_JSON (not imported: pyarrow)
 QUEUE_EVENTS = "queue-events.jsonl"
 LATENCY_BUCKETS_S = (1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 45.0, 60.0, 120.0, 300.0, 900.0, 3600.0)
 """Histogram bounds of queue latency; 45 s is a bound so that P99 > 45 s is read without interpolation error."""
@@ -192,22 +195,21 @@ def render_samples(samples: Iterable[Sample], help_text: Mapping[str, tuple[str,
 
 
 # -------------------------------------------------------------------------------------- training
-def _train_dirs(runs_dir: Path) -> Iterator[Path]:
-    """Every ``.../train/`` directory under ``runs_dir``, without walking into checkpoints."""
-    if not runs_dir.is_dir():
-        return
-    for root, dirs, _files in os.walk(runs_dir):
-        if "train" in dirs:
-            yield Path(root) / "train"
-        dirs[:] = sorted(d for d in dirs if d != "train" and not d.startswith("."))
+def _labelled_runs(runs_dir: Path) -> tuple[list[tuple[Path, dict[str, str]]], int]:
+    """Every run directory with its ``dag``/``run`` labels (from its identity record), and the
+    number of directories whose record could not be read."""
+    found, bad = [], 0
+    for path, identity in runs.iter_run_dirs(runs_dir):
+        if isinstance(identity, RunMismatchError):
+            bad += 1
+            continue
+        found.append((path, run_labels(identity)))
+    return found, bad
 
 
-def run_labels(runs_dir: Path, run_path: Path) -> dict[str, str]:
-    """``dag``/``run`` of a run directory ``RUNS/<dag>/<run>`` (deeper layouts join the rest)."""
-    parts = run_path.relative_to(runs_dir).parts
-    if not parts:
-        return {"dag": "", "run": ""}
-    return {"dag": parts[0], "run": "/".join(parts[1:]) or parts[0]}
+def run_labels(identity: runs.RunIdentity) -> dict[str, str]:
+    """``dag``/``run`` labels of a run: Airflow's exact ids."""
+    return {"dag": identity.dag_id, "run": identity.run_id}
 
 
 def utilisation(metrics: Mapping[str, float]) -> float | None:
@@ -225,12 +227,13 @@ def utilisation(metrics: Mapping[str, float]) -> float | None:
 def training_samples(config: SignalsConfig, now: float) -> tuple[list[Sample], int]:
     """The trainer's textfile of every active run, relabelled ``dag``/``run``, plus derived series."""
     samples: list[Sample] = []
-    bad = 0
-    for train_dir in _train_dirs(config.runs_dir):
+    labelled, bad = _labelled_runs(config.runs_dir)
+    for run_path, base in labelled:
+        train_dir = run_path / TRAIN_SUBDIR
         prom = train_dir / METRICS_PROM
         try:
             st = prom.stat()
-            if (train_dir / "result.json").exists():
+            if (train_dir / RESULT_FILE).exists():
                 continue  # finished: its last interval is history, not a live signal
             age = now - st.st_mtime
             if age > config.stale_after_s:
@@ -238,7 +241,6 @@ def training_samples(config: SignalsConfig, now: float) -> tuple[list[Sample], i
             text = prom.read_text(encoding="utf-8", errors="replace")
         except FileNotFoundError:
             continue
-        base = run_labels(config.runs_dir, train_dir.parent)
         parsed, file_bad = parse_textfile(text)
         bad += file_bad
         latest: dict[str, float] = {}
@@ -255,23 +257,15 @@ def training_samples(config: SignalsConfig, now: float) -> tuple[list[Sample], i
 
 
 # ------------------------------------------------------------------------------------ validation
-def _report_files(runs_dir: Path) -> Iterator[Path]:
-    if not runs_dir.is_dir():
-        return
-    for root, dirs, files in os.walk(runs_dir):
-        if QUARANTINE_JSON in files:
-            yield Path(root) / QUARANTINE_JSON
-        dirs[:] = sorted(d for d in dirs if d != "train" and not d.startswith("."))
-
-
 def quarantine_samples(config: SignalsConfig, now: float) -> tuple[list[Sample], int]:
     """Quarantine rate per snapshot (and run) from recent quarantine reports, and the policy ceilings."""
     samples = [
         Sample("kiln_policy_max_quarantine_share", _labels(policy=p.name, dag=p.dag_id), p.max_quarantine_share)
         for p in POLICIES.values()
     ]
-    bad = 0
-    for path in _report_files(config.runs_dir):
+    labelled, bad = _labelled_runs(config.runs_dir)
+    for run_path, base in labelled:
+        path = run_path / QUARANTINE_JSON
         try:
             if now - path.stat().st_mtime > config.report_window_s:
                 continue
@@ -283,7 +277,7 @@ def quarantine_samples(config: SignalsConfig, now: float) -> tuple[list[Sample],
         except (OSError, ValueError, KeyError, TypeError):
             bad += 1
             continue
-        labels = _labels(**run_labels(config.runs_dir, path.parent), snapshot=body.get("snapshot_id", ""))
+        labels = _labels(**base, snapshot=body.get("snapshot_id", ""))
         samples.append(Sample("kiln_quarantine_share", labels, share))
         samples.append(Sample("kiln_quarantine_shards", labels, shards))
         samples.append(Sample("kiln_quarantine_quarantined_shards", labels, len(body.get("quarantined", []))))
@@ -398,8 +392,8 @@ def queue_latencies(events: Iterable[Mapping[str, Any]]) -> QueueLatencies:
         group = (dag_id, e.get("pool") or "default_pool", e.get("run_type") or "")
         upstream = e.get("upstream") or []
         if upstream:
-            upstream_ends = [ends.get((dag_id, run_id, u)) for u in upstream]
-            ready = None if any(t is None for t in upstream_ends) else max(upstream_ends)
+            keys = [(dag_id, run_id, u) for u in upstream]
+            ready = max(ends[k] for k in keys) if all(k in ends for k in keys) else None
         else:
             ready = e.get("run_after")
         if ready is None:
@@ -407,7 +401,7 @@ def queue_latencies(events: Iterable[Mapping[str, Any]]) -> QueueLatencies:
             continue
         seconds = max(0.0, float(e["start"]) - float(ready))
         result.known.append(QueueLatency(dag_id=dag_id, pool=group[1], run_type=group[2], task_id=task_id, seconds=seconds,
-                                         mapped=map_index >= 0))  # fmt: skip
+                                         mapped=map_index >= 0))
     return result
 
 
@@ -491,7 +485,7 @@ def make_server(config: SignalsConfig, host: str = "127.0.0.1", port: int = DEFA
     """An HTTP server with ``/metrics`` and ``/healthz``; ``port=0`` picks a free port."""
 
     class Handler(BaseHTTPRequestHandler):
-        def do_GET(self) -> None:  # noqa: N802 (http.server API)
+        def do_GET(self) -> None:  # the name is http.server's API
             path = self.path.split("?", 1)[0]
             if path == "/metrics":
                 try:
@@ -511,7 +505,7 @@ def make_server(config: SignalsConfig, host: str = "127.0.0.1", port: int = DEFA
             self.wfile.write(body)
 
         def log_message(self, fmt: str, *args: Any) -> None:
-            log.debug("%s " + fmt, self.address_string(), *args)
+            log.debug("%s " + fmt, self.address_string(), *args)  # noqa: G003 - http.server's format and args, formatted lazily
 
     server = ThreadingHTTPServer((host, port), Handler)
     server.daemon_threads = True
@@ -532,14 +526,10 @@ def write_snapshot(config: SignalsConfig, path: Path) -> Path:
 
 # -------------------------------------------------------------------------------------- run view
 def run_directory(config: SignalsConfig, dag_id: str, run_id: str) -> Path:
-    """``RUNS/<dag>/<run>`` as ``kiln.pipeline.run_dir`` names it; never a path outside ``RUNS``."""
-    from kiln.pipeline import RUN_KEY_SAFE
-
-    runs = config.runs_dir.resolve()
-    path = (runs / RUN_KEY_SAFE.sub("_", dag_id) / RUN_KEY_SAFE.sub("_", run_id)).resolve()
-    if runs not in path.parents:
-        raise ConfigError(f"dag {dag_id!r} / run {run_id!r} does not name a run directory under {runs}")
-    return path
+    """The run directory of ``dag_id``/``run_id`` (``kiln.runs``); a ``ConfigError`` for ids that name
+    none, a ``RunMismatchError`` when the directory there records another run. Writes nothing."""
+    identity = runs.RunIdentity(dag_id, run_id)
+    return runs.existing_run_dir(identity, config.runs_dir) or runs.run_dir_path(identity, config.runs_dir)
 
 
 def mlflow_run_url(mlflow_uri: str, dag_id: str, run_id: str, timeout: float = 3.0) -> str | None:
@@ -578,7 +568,7 @@ def run_view(config: SignalsConfig, dag_id: str, run_id: str) -> dict[str, Any]:
     root = run_directory(config, dag_id, run_id)
     report = root / QUARANTINE_JSON
     quarantine: dict[str, Any] = {"json": str(report) if report.is_file() else None}
-    html = root / "quarantine-report.html"
+    html = root / QUARANTINE_HTML
     quarantine["html"] = str(html) if html.is_file() else None
     if report.is_file():
         try:
@@ -587,12 +577,12 @@ def run_view(config: SignalsConfig, dag_id: str, run_id: str) -> dict[str, Any]:
                               gate=body.get("gate"), shards=body.get("shards"))
         except ValueError:
             quarantine["error"] = "unreadable report"
-    train = root / "train"
-    jsonl = train / "metrics.jsonl"
+    train = root / TRAIN_SUBDIR
+    jsonl = train / METRICS_JSONL
     training = {
         "run_dir": str(train) if train.is_dir() else None,
         "metrics_jsonl": str(jsonl) if jsonl.is_file() else None,
-        "finished": (train / "result.json").is_file(),
+        "finished": (train / RESULT_FILE).is_file(),
         "last": _last_jsonl_record(jsonl),
     }
     return {"dag_id": dag_id, "run_id": run_id, "run_dir": str(root), "quarantine": quarantine, "training": training}

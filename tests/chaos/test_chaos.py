@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from kiln.chaos.core import Context, TrialResult, parse_only, parse_trial, trial_rng
 from kiln.errors import ConfigError
+from kiln_devtools.chaos.core import Context, TrialResult, parse_only, parse_trial, trial_rng
 
 SEED = 11
 
@@ -33,7 +33,7 @@ def _explain(result: TrialResult) -> str:
 
 
 def test_trial_choices_depend_on_seed_family_and_index_only() -> None:
-    from kiln.chaos.training import plan_kill
+    from kiln_devtools.chaos.training import plan_kill
 
     assert plan_kill(SEED, 5) == plan_kill(SEED, 5)
     assert len({str(plan_kill(s, 5)) for s in range(20)}) > 1, "the seed must change the draw"
@@ -52,7 +52,7 @@ def test_bad_family_or_trial_names_what_is_wrong() -> None:
 
 
 def test_runner_refuses_bad_arguments_with_a_usage_error(capsys) -> None:
-    from kiln.chaos.runner import main
+    from kiln_devtools.chaos.runner import main
 
     with pytest.raises(SystemExit) as info:
         main(["--trial", "nosuch:1"])
@@ -60,14 +60,14 @@ def test_runner_refuses_bad_arguments_with_a_usage_error(capsys) -> None:
 
 
 def test_report_names_the_seed_the_machine_and_how_to_replay_a_loss() -> None:
-    from kiln.chaos.core import machine_facts
-    from kiln.chaos.runner import render_report
+    from kiln_devtools.chaos.core import machine_facts
+    from kiln_devtools.chaos.runner import render_report
 
     results = [
         TrialResult(family="corrupt", index=0, seed=42, outcome="recovered", fault="bitflip a", facts={"resume_refused": True,
-                    "register_refused": True, "verify_refused": True, "kind": "bitflip", "file": "model.pt"}),  # fmt: skip
+                    "register_refused": True, "verify_refused": True, "kind": "bitflip", "file": "model.pt"}),
         TrialResult(family="corrupt", index=1, seed=42, outcome="lost", fault="truncate b", losses=["resume loaded it"],
-                    facts={"kind": "truncate", "file": "optimizer.pt"}),  # fmt: skip
+                    facts={"kind": "truncate", "file": "optimizer.pt"}),
     ]
     machine = {**machine_facts(), "load_end": [1.0, 1.0, 1.0]}
     text = render_report(results, seed=42, machine=machine, seconds=60, plan={"corrupt": [0, 1]}, command="x")
@@ -76,8 +76,19 @@ def test_report_names_the_seed_the_machine_and_how_to_replay_a_loss() -> None:
     assert "by resume: 1/2 (50%, goal 100%)" in text
 
 
+def test_a_rewritten_report_keeps_the_sections_the_chaos_suite_does_not_write(tmp_path: Path) -> None:
+    from kiln_devtools.chaos.runner import keep_other_sections
+
+    report = tmp_path / "reliability.md"
+    assert keep_other_sections(report, "# new run\n") == "# new run\n"  # no old report
+    report.write_text("# old run\n\nold figures\n\n## Generated bad input\n\n400 confs, 1 found\n")
+    assert keep_other_sections(report, "# new run\n\n") == "# new run\n\n## Generated bad input\n\n400 confs, 1 found\n"
+    report.write_text("# old run, nothing kept\n")
+    assert keep_other_sections(report, "# new run\n") == "# new run\n"
+
+
 def test_remote_proxy_goes_down_and_comes_back_on_the_same_port() -> None:
-    from kiln.chaos.data_faults import RemoteProxy
+    from kiln_devtools.chaos.data_faults import RemoteProxy
 
     upstream = socket.socket()
     upstream.bind(("127.0.0.1", 0))
@@ -102,7 +113,7 @@ def test_remote_proxy_goes_down_and_comes_back_on_the_same_port() -> None:
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_worker_killed_during_an_async_checkpoint_write_resumes_to_identical_weights(tmp_path, monkeypatch) -> None:
-    from kiln.chaos.training import KILL, plan_kill
+    from kiln_devtools.chaos.training import KILL, plan_kill
 
     assert plan_kill(SEED, 2)["mode"] == "worker_mid_save"
     (result,) = KILL.run(_ctx(tmp_path, monkeypatch), [2])
@@ -117,7 +128,7 @@ def test_worker_killed_during_an_async_checkpoint_write_resumes_to_identical_wei
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_a_bit_flip_in_a_committed_checkpoint_is_refused_by_resume_and_registration(tmp_path, monkeypatch) -> None:
-    from kiln.chaos.training import CORRUPT
+    from kiln_devtools.chaos.training import CORRUPT
 
     (result,) = CORRUPT.run(_ctx(tmp_path, monkeypatch), [1])
     assert result.facts["kind"] == "bitflip"
@@ -129,7 +140,7 @@ def test_a_bit_flip_in_a_committed_checkpoint_is_refused_by_resume_and_registrat
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_a_push_cut_mid_way_records_nothing_and_succeeds_once_the_remote_is_back(tmp_path, monkeypatch) -> None:
-    from kiln.chaos.data_faults import SNAPSHOT
+    from kiln_devtools.chaos.data_faults import SNAPSHOT
 
     (result,) = SNAPSHOT.run(_ctx(tmp_path, monkeypatch), [1])
     assert result.facts["mode"] == "cut_mid_push"

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import os
 import re
 import subprocess
 import sys
@@ -9,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from kiln.dagfactory import end_orphaned_job
+from kiln.airflow.dagfactory import end_orphaned_job
 from kiln.policy import POLICIES
 
 REPO = Path(__file__).resolve().parents[2]
@@ -74,7 +76,47 @@ def test_production_is_pinned_gated_and_one_at_a_time(dagbag):
     assert "approval" in prod.task_ids
     assert prod.get_task("promote").upstream_task_ids >= {"approval"}
     assert set(prod.params.keys()) == {"reason"}, "production must not accept recipe/corpus/step overrides"
-    assert {str(t.value if hasattr(t, "value") else t) for t in prod.allowed_run_types} == {"manual", "scheduled", "asset_triggered"}
+    run_types = {str(t.value if hasattr(t, "value") else t) for t in prod.allowed_run_types}
+    assert run_types == {"manual", "scheduled", "asset_triggered"}
+
+
+def test_no_task_takes_an_approval_from_an_xcom_or_a_task_state(dagbag):
+    """Any Airflow user with the role "user" may mark a task success or write an XCom in any DAG:
+    promote and rollback depend on their review task for ordering only, and read the approval from
+    the registry, where only the review task itself records it (issue 16)."""
+    from kiln.airflow.dagfactory import ReviewOperator
+    from kiln.policy import PRODUCTION
+
+    for dag_id, review_id, acting_id in (("kiln_production", "approval", "promote"),
+                                         (PRODUCTION.champion_watch_dag_id, "rollback_approval", "rollback")):
+        dag = dagbag.dags[dag_id]
+        review, acting = dag.get_task(review_id), dag.get_task(acting_id)
+        assert isinstance(review, ReviewOperator) and review.policy.name == PRODUCTION.name
+        assert review_id in acting.upstream_task_ids
+        inputs = repr((acting.op_args, acting.op_kwargs))
+        assert review_id not in inputs, f"{dag_id}.{acting_id} takes {review_id}'s output as an input: {inputs}"
+    assert dagbag.dags["kiln_production"].get_task("approval").review_of == "promotion"
+    assert dagbag.dags[PRODUCTION.champion_watch_dag_id].get_task("rollback_approval").review_of == "rollback"
+
+
+def test_a_task_reads_its_upstream_xcoms_as_refs_and_a_malformed_one_fails_it_without_retry(dagbag):
+    """The DAG factory is where an XCom becomes a typed ref (``kiln.refs``) and a stage's ref an XCom."""
+    from airflow.sdk.exceptions import AirflowFailException
+
+    from kiln.refs import Decision, RegisteredCandidate
+
+    gate = dagbag.dags["kiln_sandbox"].get_task("model_gate").python_callable
+    decision = Decision(action="promote", reasons=["threshold: ok"], candidate_bits_per_byte=3.1)
+    candidate = RegisteredCandidate(model_name="sandbox.kiln-stdlib-lm", version="3", decision=decision)
+    assert gate(candidate.to_json()) == decision.to_json()
+    held = RegisteredCandidate(model_name="sandbox.kiln-stdlib-lm", version="3",
+                               decision=Decision(action="hold", reasons=["FAILED"], candidate_bits_per_byte=9.1))
+    assert gate(held.to_json()) is False
+    with pytest.raises(AirflowFailException, match="ManifestError: RegisteredCandidate: .*'decision'"):
+        gate({"model_name": "sandbox.kiln-stdlib-lm", "version": "3"})
+    evaluate = dagbag.dags["kiln_sandbox"].get_task("evaluate").python_callable
+    with pytest.raises(AirflowFailException, match="ManifestError: TrainResult: expected a JSON object, got str"):
+        evaluate("/elsewhere/step-00000020", {})
 
 
 def test_sandbox_is_manual_with_a_bounded_form(dagbag):
@@ -137,7 +179,7 @@ def test_a_dag_deployed_just_after_its_cron_time_waits_for_the_next_one(dagbag, 
     run: Airflow's CronTriggerTimetable treats ``run_immediately=False`` like None (a run that is
     less than a tenth of the period late still starts: 16.8 h for a weekly schedule), so the DAGs
     pass ``timedelta(0)``. Checked on the timetable the scheduler deserializes."""
-    from datetime import datetime, timedelta, timezone
+    from datetime import UTC, datetime, timedelta
 
     import airflow.timetables.trigger as trigger
     from airflow.serialization.decoders import decode_timetable
@@ -146,9 +188,67 @@ def test_a_dag_deployed_just_after_its_cron_time_waits_for_the_next_one(dagbag, 
 
     timetable = decode_timetable(encode_timetable(dagbag.dags[dag_id].timetable))
     cron = next(t for t in (getattr(timetable, "timetable", None), timetable) if isinstance(t, trigger.CronTriggerTimetable))
-    fire = cron._align_to_prev(trigger.coerce_datetime(datetime(2026, 11, 30, 12, tzinfo=timezone.utc)))
+    fire = cron._align_to_prev(trigger.coerce_datetime(datetime(2026, 11, 30, 12, tzinfo=UTC)))
     now = trigger.coerce_datetime(fire + timedelta(minutes=minutes_late))
     monkeypatch.setattr(trigger, "utcnow", lambda: now)
     info = timetable.next_dagrun_info(last_automated_data_interval=None,
                                       restriction=TimeRestriction(earliest=None, latest=None, catchup=False))
     assert info is not None and info.run_after > now, (fire, now, info)
+
+
+def test_parsing_the_dag_files_reads_no_variable_or_connection():
+    """No metadata call on a parse (issue 21): the secrets backends the Task SDK would ask are
+    replaced by one that records what it is asked; bad deployment settings (in the environment
+    form, which it answers) break nothing at parse time either: the task that reads them fails."""
+    code = (
+        "import json, os\n"
+        "from airflow.sdk.execution_time import supervisor\n"
+        "asked = []\n"
+        "class Recording:  # and answers variables from the environment form, as Airflow's first backend does\n"
+        "    def get_variable(self, key): asked.append(('variable', key)); return os.environ.get('AIRFLOW_VAR_' + key.upper())\n"
+        "    def get_connection(self, conn_id): asked.append(('connection', conn_id))\n"
+        "    def get_config(self, key): asked.append(('config', key))\n"
+        "supervisor.ensure_secrets_backend_loaded = lambda: [Recording()]\n"
+        "from airflow.dag_processing.dagbag import DagBag\n"
+        f"bag = DagBag(dag_folder={str(DAGS)!r},"
+        f" known_pools={sorted({p.pool for p in POLICIES.values()} | {'default_pool'})!r})\n"
+        "print(json.dumps({'asked': asked, 'errors': {k: v[-300:] for k, v in bag.import_errors.items()},\n"
+        "                  'dags': sorted(bag.dag_ids)}))\n"
+    )
+    env = {**os.environ, "AIRFLOW_VAR_KILN_SANDBOX_LAUNCHER": '{"launcher": "k8s"}',
+           "AIRFLOW_VAR_KILN_PRODUCTION_LAUNCHER": "slurm", "AIRFLOW_VAR_KILN_PRODUCTION_APPROVAL_TIMEOUT_S": "0"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, env=env)
+    parsed = json.loads(out.stdout.strip().splitlines()[-1])
+    assert parsed["asked"] == [], f"parsing the DAG files asked for {parsed['asked']}"
+    assert parsed["errors"] == {}
+    assert len(parsed["dags"]) == 3
+
+
+def test_the_dag_doc_says_which_variables_are_read_at_run_time_and_where_to_see_them(dagbag):
+    from kiln.policy import PRODUCTION, SANDBOX
+
+    for dag_id, variables in ((SANDBOX.dag_id, ["kiln_sandbox_launcher"]),
+                              (PRODUCTION.dag_id, ["kiln_production_launcher", "kiln_production_approval_timeout_s"]),
+                              (PRODUCTION.champion_watch_dag_id, ["kiln_production_approval_timeout_s"])):
+        doc = dagbag.dags[dag_id].doc_md
+        assert "read at run time" in doc, dag_id
+        rows = [line for line in doc.splitlines() if line.startswith("| `kiln_")]
+        assert [row.split("`")[1] for row in rows] == variables, (dag_id, rows)
+        for row in rows:
+            assert f"AIRFLOW_VAR_{row.split('`')[1].upper()}" in row and "log line" in row, row
+    assert "`train`" in dagbag.dags[SANDBOX.dag_id].doc_md and "`approval`" in dagbag.dags[PRODUCTION.dag_id].doc_md
+
+
+def test_dag_code_passes_ruffs_airflow_rules():
+    """ruff's AIR rules (with preview's AIR003: ``Variable.get`` outside a task) over everything the
+    dag-processor imports; the configuration is pyproject.toml's ``[tool.ruff]``, whose
+    ``explicit-preview-rules`` enables a preview rule only where it is named: hence ``AIR003``."""
+    ruff = [sys.executable, "-m", "ruff", "check", "--select", "AIR,AIR003"]
+    out = subprocess.run([*ruff, "--output-format", "concise", "src/kiln", "dags", "plugins"], cwd=REPO,
+                         capture_output=True, text=True)
+    assert out.returncode == 0, out.stdout + out.stderr
+    # ...and AIR003 is really checked: a DAG file that reads a Variable at parse time fails.
+    probe = "from airflow.sdk import DAG, Variable\n\nfoo = Variable.get('foo')\nprint(foo, DAG)\n"
+    out = subprocess.run([*ruff, "--output-format", "json", "--stdin-filename", "dags/probe.py", "-"], input=probe,
+                         cwd=REPO, capture_output=True, text=True)
+    assert out.returncode == 1 and [d["code"] for d in json.loads(out.stdout)] == ["AIR003"], out.stdout + out.stderr

@@ -110,10 +110,14 @@ def run_view_client(tmp_path, monkeypatch):
 
 
 def test_run_view_links_quarantine_report_and_training_metrics(run_view_client):
+    from kiln.runs import run_dir
+
     client, runs = run_view_client
-    run = runs / "kiln_sandbox" / "manual__2026-11-29T12_00_00_00_00"
+    run = run_dir("kiln_sandbox/manual__2026-11-29T12:00:00+00:00", runs)  # as the data gate makes it
     (run / "train").mkdir(parents=True)
-    (run / "quarantine-report.json").write_text(json.dumps({"quarantined_share": 0.125, "snapshot_id": "abc.dir", "gate": "pass"}))
+    (run / "quarantine-report.json").write_text(
+        json.dumps({"quarantined_share": 0.125, "snapshot_id": "abc.dir", "gate": "pass"})
+    )
     (run / "quarantine-report.html").write_text("<html>report</html>")
     (run / "train" / "metrics.jsonl").write_text(
         '{"step": 20, "loss": 2.5, "checkpoint_lag_steps": 20}\n{"step": 20, "event": "rollback"}\n{"step": 40, "lo'
@@ -126,6 +130,20 @@ def test_run_view_links_quarantine_report_and_training_metrics(run_view_client):
     report = client.get("/runs/kiln_sandbox/manual__2026-11-29T12:00:00+00:00/quarantine-report.html")
     assert report.text == "<html>report</html>"
     assert client.get("/runs/kiln_sandbox/manual__2026-11-29T12:00:00+00:00/metrics.jsonl").status_code == 200
+
+
+def test_run_view_of_one_run_never_shows_another_runs_report(run_view_client):
+    from kiln.runs import run_dir
+
+    client, _ = run_view_client
+    for run_id in ("probe:col", "probe_col"):  # the directory the pipeline writes each run's report into
+        home = run_dir(f"kiln_sandbox/{run_id}")
+        home.mkdir(parents=True, exist_ok=True)
+        (home / "quarantine-report.html").write_text(f"<html>{run_id}</html>")
+    assert client.get("/runs/kiln_sandbox/probe:col/quarantine-report.html").text == "<html>probe:col</html>"
+    assert client.get("/runs/kiln_sandbox/probe_col/quarantine-report.html").text == "<html>probe_col</html>"
+    missing = client.get("/runs/kiln_sandbox/probe+col/quarantine-report.html")
+    assert missing.status_code == 404 and "no quarantine report" in missing.text
 
 
 def test_run_view_refuses_paths_outside_the_runs_directory(run_view_client):

@@ -13,6 +13,7 @@ what it waited for and the URL it was on.
 
 from __future__ import annotations
 
+import contextlib
 import re
 import shutil
 from collections.abc import Callable
@@ -20,9 +21,9 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
-from kiln.policy import REPO_ROOT
+from kiln.shipped import CHECKOUT
 
-ARTIFACTS_ROOT = REPO_ROOT / "test-artifacts" / "browser"
+ARTIFACTS_ROOT = CHECKOUT / "test-artifacts" / "browser"
 CHROMIUM_CANDIDATES = ("chromium", "chromium-browser", "google-chrome")
 
 
@@ -114,10 +115,8 @@ class Browser:
                 "\n".join(f"{e.get('level')} {e.get('message')}" for e in driver.get_log("browser"))
             ),
         ):
-            try:  # a dead browser must not hide the test's own error
+            with contextlib.suppress(Exception):  # a dead browser must not hide the test's own error
                 write()
-            except Exception:  # noqa: BLE001
-                pass
 
     # ------------------------------------------------------------------ navigation and waits
     def get(self, url: str) -> None:

@@ -10,16 +10,17 @@ from pathlib import Path
 
 import pytest
 
-from kiln.netutil import free_port
 from kiln.settings import restore_environ
+from kiln.util.net import free_port
 
 
 @pytest.fixture(scope="package")
 def stack(tmp_path_factory) -> Iterator[dict[str, str]]:
-    from kiln import stack as kiln_stack
+    from kiln.stack import embedded as kiln_stack
 
     home: Path = tmp_path_factory.mktemp("e2e") / "kiln"
-    saved = {k: os.environ.get(k) for k in ("KILN_HOME", "KILN_AIRFLOW_PORT", "KILN_MLFLOW_PORT", "KILN_SIGNALS_PORT", "MLFLOW_TRACKING_URI")}
+    saved = {k: os.environ.get(k)
+             for k in ("KILN_HOME", "KILN_AIRFLOW_PORT", "KILN_MLFLOW_PORT", "KILN_SIGNALS_PORT", "MLFLOW_TRACKING_URI")}
     os.environ["KILN_HOME"] = str(home)
     os.environ["KILN_AIRFLOW_PORT"] = str(free_port())
     os.environ["KILN_MLFLOW_PORT"] = str(free_port())
@@ -38,8 +39,8 @@ def stack(tmp_path_factory) -> Iterator[dict[str, str]]:
 
 @pytest.fixture(scope="package")
 def admin(stack):
-    from kiln import stack as kiln_stack
-    from kiln.airflow_client import AirflowClient
+    from kiln.stack import embedded as kiln_stack
+    from kiln.stack.airflow_client import AirflowClient
 
     return AirflowClient(stack["airflow"], "admin", kiln_stack.passwords()["admin"])
 
@@ -47,7 +48,7 @@ def admin(stack):
 @pytest.fixture(scope="package")
 def login(stack):
     """``login(user)`` -> an AirflowClient for one of the stack's users (reviewer, sandbox-user, …)."""
-    from kiln import stack as kiln_stack
-    from kiln.airflow_client import AirflowClient
+    from kiln.stack import embedded as kiln_stack
+    from kiln.stack.airflow_client import AirflowClient
 
     return lambda user: AirflowClient(stack["airflow"], user, kiln_stack.passwords()[user])

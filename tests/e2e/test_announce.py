@@ -55,7 +55,7 @@ def _end_run(admin, dag_id: str, run_id: str) -> None:
 
 def test_announced_snapshot_starts_production_on_those_bytes(stack, admin):
     from kiln import settings as kiln_settings
-    from kiln.corpus import build_corpus
+    from kiln.data.corpus import build_corpus
     from kiln.policy import PRODUCTION
 
     s = kiln_settings.load()
@@ -84,9 +84,9 @@ def test_announced_snapshot_starts_production_on_those_bytes(stack, admin):
 
 
 def test_announcement_of_other_bytes_fails_the_run_once_before_training(stack, admin):
-    from kiln.cli.snapshot import announce_snapshot
-    from kiln.corpus import build_corpus
     from kiln import settings as kiln_settings
+    from kiln.cli.snapshot import announce_snapshot
+    from kiln.data.corpus import build_corpus
     from kiln.policy import PRODUCTION
 
     s = kiln_settings.load()

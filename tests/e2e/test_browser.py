@@ -20,7 +20,13 @@ import uuid
 import pytest
 
 from .browser import (
-    Browser, airflow_login, artifact_dir, chromium_unavailable, fill, mlflow_open_artifact, mlflow_show_lineage,
+    Browser,
+    airflow_login,
+    artifact_dir,
+    chromium_unavailable,
+    fill,
+    mlflow_open_artifact,
+    mlflow_show_lineage,
 )
 
 pytestmark = [
@@ -35,7 +41,7 @@ RUN_DONE = ("success", "failed")
 
 def _end_if_running(admin, dag_id: str, run_id: str) -> None:
     """A run a failed test left behind must not hold the DAG's slots for the tests after it."""
-    from kiln.airflow_client import AirflowAPIError
+    from kiln.errors import AirflowAPIError
 
     try:
         if admin.get_run(dag_id, run_id)["state"] not in RUN_DONE:
@@ -62,9 +68,9 @@ def _task_row_state(b: Browser, task_id: str) -> str:
 
 def test_sandbox_trigger_form(stack, admin, login):
     from kiln import settings as kiln_settings
-    from kiln import stack as kiln_stack
-    from kiln.corpus import build_corpus
+    from kiln.data.corpus import build_corpus
     from kiln.policy import SANDBOX
+    from kiln.stack import embedded as kiln_stack
 
     corpus = "browser-corpus"  # its own corpus, so this test shares no data with the other e2e tests
     build_corpus(kiln_settings.load().corpus_root / corpus, shards=4, seed=7, poison=("garbage_bytes",))
@@ -145,9 +151,9 @@ def test_production_approval_and_mlflow_lineage(stack, admin, login):
     from selenium.webdriver.common.by import By
 
     from kiln import settings as kiln_settings
-    from kiln import stack as kiln_stack
-    from kiln.corpus import build_corpus
+    from kiln.data.corpus import build_corpus
     from kiln.policy import PRODUCTION
+    from kiln.stack import embedded as kiln_stack
 
     # The registered corpus, built exactly as test_production_dag builds it (same bytes, same snapshot).
     build_corpus(kiln_settings.load().corpus_root / PRODUCTION.corpus, shards=8, seed=11, poison=("null_text", "zero_bytes"))

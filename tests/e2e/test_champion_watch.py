@@ -25,29 +25,34 @@ pytestmark = [pytest.mark.slow, pytest.mark.e2e, pytest.mark.timeout(1800)]
 
 def _trained_and_promoted(policy, corpus: str, key: str, steps: int) -> dict:
     """One version, the way a production run makes it (stages called in-process, no Airflow)."""
-    from kiln import pipeline
+    from kiln import registry, stages
+    from kiln.refs import ApprovalAnswer
 
-    snap = pipeline.snapshot_stage(policy, corpus)
-    reports = [pipeline.validate_stage(policy, snap, batch) for batch in pipeline.shard_batches(policy, snap)]
-    data = pipeline.data_gate_stage(policy, snap, reports, key)
-    train = pipeline.train_stage(policy, snap, data, {"max_steps": steps, "seed": 3}, key, log_line=lambda _: None)
-    evaluation = pipeline.evaluate_stage(train, data, key)
-    candidate = pipeline.register_stage(policy, snap, data, train, evaluation, key, {})
-    decision = pipeline.model_gate_stage(candidate)
-    assert decision["action"] == "promote", decision
-    promoted = pipeline.promote_stage(policy, candidate, decision, "e2e-setup", key)
-    return {**promoted, "bits_per_byte": evaluation["bits_per_byte"]}
+    snap = stages.snapshot_stage(policy, corpus)
+    reports = [stages.validate_stage(policy, snap, batch, key) for batch in stages.shard_batches(policy, snap)]
+    data = stages.data_gate_stage(policy, snap, reports, key)
+    train = stages.train_stage(policy, snap, data, {"max_steps": steps, "seed": 3}, key, log_line=lambda _: None)
+    evaluation = stages.evaluate_stage(train, data, key)
+    candidate = stages.register_stage(policy, snap, data, train, evaluation, key, {})
+    decision = stages.model_gate_stage(candidate)
+    assert decision.action == "promote", decision
+    # The approval task's part, in-process: one of the policy's reviewers approves, then promote.
+    answer = ApprovalAnswer(chosen_options=["Approve"], responded_by_user={"id": "reviewer", "name": "reviewer"},
+                            responded_at=registry.utc_now())
+    stages.review_stage(policy, candidate, answer, key)
+    promoted = stages.promote_stage(policy, candidate, decision, key)
+    return {**promoted.to_json(), "bits_per_byte": evaluation.bits_per_byte}
 
 
 def test_stale_champion_is_rolled_back_after_approval(stack, login, tmp_path):
     import mlflow
 
     from kiln import settings as kiln_settings
-    from kiln import stack as kiln_stack
-    from kiln.airflow_client import AirflowClient
-    from kiln.corpus import build_corpus
-    from kiln.demo import follow_run
+    from kiln.data.corpus import build_corpus
     from kiln.policy import PRODUCTION, RECIPES_DIR, GatePolicy
+    from kiln.stack import embedded as kiln_stack
+    from kiln.stack.airflow_client import AirflowClient
+    from kiln.stack.demo import follow_run
 
     s = kiln_settings.load()
     registered = s.corpus_root / PRODUCTION.corpus
@@ -58,7 +63,7 @@ def test_stale_champion_is_rolled_back_after_approval(stack, login, tmp_path):
     # production champion on this shared stack, and the setup must install its own two versions.
     setup = dataclasses.replace(PRODUCTION, recipes_dir=RECIPES_DIR, default_recipe="tiny.toml", nodes=1,
                                 max_restarts=0, pinned_inputs=False,
-                                gate=GatePolicy(max_bits_per_byte=PRODUCTION.gate.max_bits_per_byte, max_regression=100.0))  # fmt: skip
+                                gate=GatePolicy(max_bits_per_byte=PRODUCTION.gate.max_bits_per_byte, max_regression=100.0))
     previous = _trained_and_promoted(setup, PRODUCTION.corpus, "e2e_watch_setup/previous", steps=30)
     bits = tmp_path / "bits"  # the bad build: .py files of random bits, built by the same corpus builder
     bits.mkdir()
@@ -94,7 +99,8 @@ def test_stale_champion_is_rolled_back_after_approval(stack, login, tmp_path):
     assert (decision["champion_version"], decision["previous_version"]) == (champion["version"], previous["version"])
     # The regression is real: the champion's record was made on the data of the time...
     assert decision["champion_recorded_bits_per_byte"] == pytest.approx(champion["bits_per_byte"])
-    assert decision["champion_current_bits_per_byte"] > decision["champion_recorded_bits_per_byte"] + PRODUCTION.gate.max_regression
+    assert (decision["champion_current_bits_per_byte"]
+            > decision["champion_recorded_bits_per_byte"] + PRODUCTION.gate.max_regression)
     # ...while previous, evaluated the same way on the very split it was recorded on, scores as recorded.
     assert decision["previous_current_bits_per_byte"] == pytest.approx(previous["bits_per_byte"], abs=1e-6)
     assert decision["previous_current_bits_per_byte"] < decision["champion_current_bits_per_byte"]

@@ -36,9 +36,9 @@ def _artifact(mlflow: str, run_id: str, path: str) -> str:
 
 def test_task_links_lead_to_the_quarantine_report_mlflow_run_and_metrics(stack, admin):
     from kiln import settings as kiln_settings
-    from kiln.corpus import build_corpus
-    from kiln.demo import follow_run
+    from kiln.data.corpus import build_corpus
     from kiln.policy import SANDBOX
+    from kiln.stack.demo import follow_run
 
     s = kiln_settings.load()
     built = build_corpus(s.corpus_root / SANDBOX.corpus, shards=4, seed=21, poison=("null_text",))
@@ -51,7 +51,8 @@ def test_task_links_lead_to_the_quarantine_report_mlflow_run_and_metrics(stack, 
     assert final["state"] == "success", {ti["task_id"]: ti["state"] for ti in admin.task_instances(dag, run_id)}
 
     def links(task_id: str, map_index: int = -1) -> dict[str, str | None]:
-        body = admin.request("GET", f"/dags/{dag}/dagRuns/{run_id}/taskInstances/{task_id}/links", params={"map_index": map_index})
+        body = admin.request("GET", f"/dags/{dag}/dagRuns/{run_id}/taskInstances/{task_id}/links",
+                             params={"map_index": map_index})
         return body["extra_links"]
 
     airflow, mlflow = stack["airflow"], stack["mlflow"]
@@ -89,7 +90,7 @@ def test_task_links_lead_to_the_quarantine_report_mlflow_run_and_metrics(stack, 
     reg_links = links("register_candidate")
     assert reg_links["Model version"] == f"{mlflow}/#/models/{candidate['model_name']}/versions/{candidate['version']}"
     version = requests.get(f"{mlflow}/api/2.0/mlflow/model-versions/get",
-                           params={"name": candidate["model_name"], "version": candidate["version"]}, timeout=10)  # fmt: skip
+                           params={"name": candidate["model_name"], "version": candidate["version"]}, timeout=10)
     assert version.status_code == 200 and version.json()["model_version"]["run_id"] == mlflow_run
     _, same, tab = _mlflow_run_of(reg_links["Evaluation report"], mlflow)
     assert (same, tab) == (mlflow_run, "artifacts/evaluation/report.html")

@@ -39,7 +39,7 @@ def _first_task(admin, dag_id: str, run_id: str) -> dict | None:
 
 def test_queued_production_run_starts_before_queued_sandbox_runs(stack, admin):
     from kiln.policy import PRODUCTION, SANDBOX
-    from kiln.stack import POOL_SLOTS
+    from kiln.stack.embedded import POOL_SLOTS
 
     # The premise: sandbox can run fewer tasks at once than there are queued sandbox runs.
     assert POOL_SLOTS[SANDBOX.pool] < SANDBOX_RUNS - 1

@@ -2,7 +2,7 @@
 REST endpoint (only assigned reviewers may answer), the champion alias moved with full lineage —
 a rejected review that ends the run without promotion, saying so, champion untouched — and a
 review nobody answers: with the operator's timeout setting (an Airflow Variable, read when the
-DAG file is parsed) the scheduler applies the default (Reject) and the run says so in its outcome,
+review task starts) the scheduler applies the default (Reject) and the run says so in its outcome,
 its log and the candidate's MLflow tags. ``kiln audit`` then shows all three reviews.
 
 Runs against either stack mode: with ``KILN_MLFLOW_AUTH=basic`` the tasks act as the production
@@ -16,9 +16,9 @@ pytestmark = [pytest.mark.slow, pytest.mark.e2e, pytest.mark.timeout(900)]
 
 
 def _run_production(admin, login, answer: str, conf: dict) -> tuple[str, dict]:
-    from kiln.airflow_client import AirflowAPIError
-    from kiln.demo import follow_run
+    from kiln.errors import AirflowAPIError
     from kiln.policy import PRODUCTION
+    from kiln.stack.demo import follow_run
 
     run_id = admin.trigger(PRODUCTION.dag_id, conf=conf)["dag_run_id"]
     refused: dict[str, int] = {}
@@ -43,30 +43,18 @@ def _run_production(admin, login, answer: str, conf: dict) -> tuple[str, dict]:
 def _read_mlflow_as_admin(monkeypatch) -> None:
     """Under basic-auth the test reads MLflow as the admin (after the stack started, so no Airflow
     process inherits it); without auth there is nothing to do."""
-    from kiln import stack as kiln_stack
+    from kiln.stack import embedded as kiln_stack
 
     if kiln_stack.mlflow_auth_enabled():
         monkeypatch.setenv("MLFLOW_TRACKING_USERNAME", kiln_stack.MLFLOW_ADMIN)
         monkeypatch.setenv("MLFLOW_TRACKING_PASSWORD", kiln_stack.mlflow_passwords()[kiln_stack.MLFLOW_ADMIN])
 
 
-def _wait_for_doc(admin, dag_id: str, text: str, timeout: float = 240.0) -> None:
-    """Until the dag-processor has re-parsed the DAG file and its doc shows ``text``."""
-    import time
-
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if text in (admin.request("GET", f"/dags/{dag_id}/details").get("doc_md") or ""):
-            return
-        time.sleep(3)
-    raise AssertionError(f"{dag_id} was not re-parsed with {text!r} within {timeout:.0f}s")
-
-
 def _patient(stack):
     """``login(user)`` with a long HTTP timeout: on a loaded 2-core machine the api-server has
     taken more than 30 s to answer a poll."""
-    from kiln import stack as kiln_stack
-    from kiln.airflow_client import AirflowClient
+    from kiln.stack import embedded as kiln_stack
+    from kiln.stack.airflow_client import AirflowClient
 
     return lambda user: AirflowClient(stack["airflow"], user, kiln_stack.passwords()[user], timeout=180)
 
@@ -79,9 +67,9 @@ def test_production_approve_reject_and_timeout(stack, monkeypatch):
 
     from kiln import registry
     from kiln import settings as kiln_settings
-    from kiln.corpus import build_corpus
-    from kiln.demo import follow_run
+    from kiln.data.corpus import build_corpus
     from kiln.policy import PRODUCTION
+    from kiln.stack.demo import follow_run
 
     _read_mlflow_as_admin(monkeypatch)
     import datetime as dt
@@ -117,19 +105,18 @@ def test_production_approve_reject_and_timeout(stack, monkeypatch):
     candidate2 = admin.xcom(PRODUCTION.dag_id, run2, "register_candidate")
     assert client.get_model_version(PRODUCTION.candidate_model, str(candidate2["version"])).tags["kiln.review"] == "rejected"
     approval1 = admin.hitl_detail(PRODUCTION.dag_id, run_id, "approval")
-    assert registry._parse_time(tags["kiln.promotion.approved_at"]) == registry._parse_time(approval1["responded_at"])
+    assert registry.tags._parse_time(tags["kiln.promotion.approved_at"]) == registry.tags._parse_time(approval1["responded_at"])
 
-    # 3. nobody answers: the operator shortens the timeout (Variable, bounded, read at parse time),
-    # the review of run 2 is asked again (cleared in Airflow) and left alone until it times out.
+    # 3. nobody answers: the operator shortens the timeout (Variable, bounded, read when the review
+    # task starts), the review of run 2 is asked again (cleared in Airflow) and left alone until it times out.
     variable = f"kiln_{PRODUCTION.name}_approval_timeout_s"
     admin.request("POST", "/variables", json={"key": variable, "value": "60"}, ok=(200, 201))
     try:
-        _wait_for_doc(admin, PRODUCTION.dag_id, "| `approval_timeout_s` | `60` |")
         admin.request("POST", f"/dags/{PRODUCTION.dag_id}/clearTaskInstances", json={
             "dry_run": False, "dag_run_id": run2, "task_ids": ["approval"], "include_downstream": True,
             "only_failed": False, "reset_dag_runs": True, "run_on_latest_version": True,
             "note": "e2e: the review is asked again and left unanswered",
-        })  # fmt: skip
+        })
         final = follow_run(admin, PRODUCTION.dag_id, run2, timeout=600, progress=print)  # nobody answers
     finally:
         admin.request("DELETE", f"/variables/{variable}", ok=(200, 204, 404))
@@ -138,19 +125,22 @@ def test_production_approve_reject_and_timeout(stack, monkeypatch):
     assert states3["approval"] == "success" and states3["promote"] == "skipped" and states3["outcome"] == "success"
     detail = admin.hitl_detail(PRODUCTION.dag_id, run2, "approval")
     assert detail["chosen_options"] == ["Reject"] and not detail.get("responded_by_user"), detail
+    approval_try = next(ti for ti in admin.task_instances(PRODUCTION.dag_id, run2) if ti["task_id"] == "approval")
+    approval_log = admin.task_log(PRODUCTION.dag_id, run2, "approval", try_number=approval_try["try_number"])
+    assert f"review timeout in force: 60 s (from Airflow Variable {variable})" in approval_log, approval_log[-3000:]
     outcome3 = admin.xcom(PRODUCTION.dag_id, run2, "outcome")
     assert outcome3["promoted"] is False and outcome3["review"] == "timed out"
     assert "the review timed out" in outcome3["message"] and "within 60 s" in outcome3["message"]
     outcome_try = next(ti for ti in admin.task_instances(PRODUCTION.dag_id, run2) if ti["task_id"] == "outcome")
     assert "NOT promoted: the review timed out" in admin.task_log(PRODUCTION.dag_id, run2, "outcome",
-                                                                 try_number=outcome_try["try_number"])  # fmt: skip
+                                                                 try_number=outcome_try["try_number"])
     tags2 = client.get_model_version(PRODUCTION.candidate_model, str(candidate2["version"])).tags
     assert tags2["kiln.review"] == "timed out" and tags2["kiln.review.by"].startswith("nobody")
     assert client.get_model_version_by_alias(PRODUCTION.target_model, "champion").version == champion.version
 
     # The audit trail tells it all: one promotion, and the three reviews in order.
     events = [e for e in registry.audit_history(PRODUCTION.target_model, PRODUCTION)
-              if (registry._parse_time(e.get("at")) or started) >= started]
+              if (registry.tags._parse_time(e.get("at")) or started) >= started]
     assert [(e["event"], e.get("decision")) for e in events] == [
         ("promotion", "promote"), ("review", "approved"), ("review", "rejected"), ("review", "timed out"),
     ], events
@@ -158,8 +148,8 @@ def test_production_approve_reject_and_timeout(stack, monkeypatch):
 
 
 def test_production_refuses_overrides_of_pinned_inputs(stack, admin):
-    from kiln.demo import follow_run
     from kiln.policy import PRODUCTION
+    from kiln.stack.demo import follow_run
 
     admin.wait_for_dag(PRODUCTION.dag_id)
     admin.unpause(PRODUCTION.dag_id)

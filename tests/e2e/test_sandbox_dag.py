@@ -16,9 +16,9 @@ def test_sandbox_run_end_to_end(stack, admin):
     import mlflow
 
     from kiln import settings as kiln_settings
-    from kiln.corpus import build_corpus
-    from kiln.demo import follow_run
+    from kiln.data.corpus import build_corpus
     from kiln.policy import PRODUCTION_MODEL, SANDBOX
+    from kiln.stack.demo import follow_run
 
     s = kiln_settings.load()
     built = build_corpus(s.corpus_root / SANDBOX.corpus, shards=6, seed=3, poison=("garbage_bytes", "eval_contamination"))
@@ -47,7 +47,13 @@ def test_sandbox_run_end_to_end(stack, admin):
     client = mlflow.MlflowClient(tracking_uri=stack["mlflow"])
     version = client.get_model_version_by_alias(SANDBOX.target_model, SANDBOX.alias)
     assert version.tags["kiln.snapshot_id"] == snap["id"]
-    assert version.tags["kiln.training_manifest_sha256"] == gate["manifest_sha256"]
+    # The manifest it trained on is the gate's, naming the shards packed by the tokenize stage.
+    tokens = admin.xcom(SANDBOX.dag_id, run["dag_run_id"], "tokens")
+    assert tokens["manifest"] == gate["manifest"] and tokens["tokens"]["tokenizer_kind"] == "byte"
+    assert json.loads(Path(tokens["manifest"]).read_text())["tokens"]["sha256"] == tokens["tokens"]["token_manifest_sha256"]
+    assert version.tags["kiln.training_manifest_sha256"] == tokens["manifest_sha256"]
+    assert version.tags["kiln.token_manifest_sha256"] == tokens["tokens"]["token_manifest_sha256"]
+    assert version.tags["kiln.tokenizer_sha256"] == tokens["tokens"]["tokenizer_sha256"]
     assert version.tags["kiln.airflow.run_id"] == run["dag_run_id"]
     train = admin.xcom(SANDBOX.dag_id, run["dag_run_id"], "train")
     assert version.tags["kiln.weights_sha256"] == train["weights_sha256"]

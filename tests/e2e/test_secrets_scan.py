@@ -37,7 +37,7 @@ KILN_DAGS = ("kiln_production", "kiln_sandbox")
 def credentials() -> dict[str, str]:
     """name → value of every credential the stack and its runs used (values never printed)."""
     from kiln import settings as kiln_settings
-    from kiln import stack as kiln_stack
+    from kiln.stack import embedded as kiln_stack
 
     s = kiln_settings.load()
     found = {f"airflow password of {user}": pw for user, pw in kiln_stack.passwords(s).items()}
@@ -47,7 +47,7 @@ def credentials() -> dict[str, str]:
         found |= {f"MLflow password of {user}": pw for user, pw in kiln_stack.mlflow_passwords(s).items()}
         found["MLflow flask secret key"] = (s.home / "mlflow" / "auth" / "flask_secret_key").read_text().strip()
     for var in ("AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "KILN_MLFLOW_PRODUCTION_PASSWORD",
-                "KILN_MLFLOW_SANDBOX_PASSWORD", "MLFLOW_TRACKING_PASSWORD"):  # fmt: skip
+                "KILN_MLFLOW_SANDBOX_PASSWORD", "MLFLOW_TRACKING_PASSWORD"):
         if os.environ.get(var):
             found[f"${var}"] = os.environ[var]
     short = [name for name, value in found.items() if len(value) < 12]
@@ -86,10 +86,10 @@ def scan_airflow(admin, secrets: dict[str, str]) -> tuple[list[str], int]:
                 hits += _hits(json.dumps(ti.get("rendered_fields") or {}), secrets, f"{where} rendered fields")
                 base = f"/dags/{dag_id}/dagRuns/{run_id}/taskInstances/{ti['task_id']}"
                 entries = admin.request("GET", f"{base}/xcomEntries", params={"map_index": ti.get("map_index", -1)},
-                                        ok=(200, 404))  # fmt: skip
+                                        ok=(200, 404))
                 for entry in (entries or {}).get("xcom_entries", []):
                     value = admin.request("GET", f"{base}/xcomEntries/{entry['key']}",
-                                          params={"map_index": ti.get("map_index", -1)}, ok=(200, 404))  # fmt: skip
+                                          params={"map_index": ti.get("map_index", -1)}, ok=(200, 404))
                     hits += _hits(json.dumps(value, default=str), secrets, f"{where} XCom {entry['key']}")
                 if ti["task_id"] == "approval":
                     detail = admin.request("GET", f"{base}/{ti.get('map_index', -1)}/hitlDetails", ok=(200, 404))
@@ -106,7 +106,7 @@ def scan_mlflow(secrets: dict[str, str]) -> tuple[list[str], int]:
         for run in client.search_runs([exp.experiment_id], max_results=1000):
             items += 1
             hits += _hits(json.dumps({"tags": run.data.tags, "params": run.data.params}), secrets,
-                          f"MLflow run {run.info.run_id} of {exp.name}")  # fmt: skip
+                          f"MLflow run {run.info.run_id} of {exp.name}")
     for mv in client.search_model_versions():
         items += 1
         hits += _hits(json.dumps(mv.tags), secrets, f"MLflow {mv.name} version {mv.version}")
@@ -116,9 +116,9 @@ def scan_mlflow(secrets: dict[str, str]) -> tuple[list[str], int]:
 def _ensure_a_finished_run(admin) -> None:
     """Run alone, the package's other tests have left no run behind: make a short one."""
     from kiln import settings as kiln_settings
-    from kiln.corpus import build_corpus
-    from kiln.demo import follow_run
+    from kiln.data.corpus import build_corpus
     from kiln.policy import SANDBOX
+    from kiln.stack.demo import follow_run
 
     for dag_id in KILN_DAGS:
         admin.wait_for_dag(dag_id)
@@ -136,8 +136,8 @@ def _ensure_a_finished_run(admin) -> None:
 
 def test_no_credential_in_logs_xcom_templates_or_mlflow(stack, monkeypatch):
     from kiln import settings as kiln_settings
-    from kiln import stack as kiln_stack
-    from kiln.airflow_client import AirflowClient
+    from kiln.stack import embedded as kiln_stack
+    from kiln.stack.airflow_client import AirflowClient
 
     # A long HTTP timeout: on a loaded 2-core machine the api-server has taken more than 30 s.
     admin = AirflowClient(stack["airflow"], "admin", kiln_stack.passwords()["admin"], timeout=180)

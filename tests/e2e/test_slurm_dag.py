@@ -1,14 +1,14 @@
 """The sandbox DAG training on a real 2-node Slurm cluster, under the real scheduler and triggerer.
 
-The deployment setting ``kiln_sandbox_launcher`` (an Airflow Variable, read when the DAG file is
-parsed: ``kiln.dagfactory.LAUNCHER_VARIABLE``) points the sandbox policy's training at the test's
+The deployment setting ``kiln_sandbox_launcher`` (an Airflow Variable, read when the train task
+starts: ``kiln.airflow.dagfactory.LAUNCHER_VARIABLE``) points the sandbox policy's training at the test's
 Slurm cluster; no test-only code path exists in kiln. The train task submits with ``sbatch``, defers
 (the triggerer polls squeue/scontrol), resumes with the TrainResult; evaluation and registration
 follow as usual. A second run's deferred train task is killed (marked failed through the REST API,
 as a user would in the UI): the trigger's ``on_kill`` cancels its Slurm job. The Variable is removed
-afterwards and the DAG is back on the local launcher.
+afterwards, so the next train task runs on the local launcher again.
 
-Needs Debian's slurm-wlm + munge and root (``kiln.slurm_cluster.slurm_unavailable``).
+Needs Debian's slurm-wlm + munge and root (``kiln_devtools.slurm_cluster.slurm_unavailable``).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from kiln.slurm_cluster import PARTITION, SlurmCluster, slurm_unavailable, start_cluster, stop_cluster
+from kiln_devtools.slurm_cluster import PARTITION, SlurmCluster, slurm_unavailable, start_cluster, stop_cluster
 
 pytestmark = [
     pytest.mark.slow,
@@ -41,22 +41,6 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SlurmCluster]:
         stop_cluster(handle)
 
 
-def _launcher_in_force(admin, dag_id: str) -> str:
-    doc = admin.request("GET", f"/dags/{dag_id}/details").get("doc_md") or ""
-    for line in doc.splitlines():
-        if line.startswith("| `launcher` |"):
-            return line.split("`")[3]
-    return ""
-
-
-def _wait_for_launcher(admin, dag_id: str, launcher: str, timeout: float = 180) -> None:
-    """Until the dag-processor has re-parsed the DAG file with the Variable's setting."""
-    deadline = time.monotonic() + timeout
-    while (seen := _launcher_in_force(admin, dag_id)) != launcher:
-        assert time.monotonic() < deadline, f"{dag_id} still parsed with launcher {seen!r}, not {launcher!r}"
-        time.sleep(2)
-
-
 @pytest.fixture(scope="module")
 def slurm_sandbox(stack, admin, cluster) -> Iterator[str]:
     from kiln.policy import SANDBOX
@@ -65,11 +49,9 @@ def slurm_sandbox(stack, admin, cluster) -> Iterator[str]:
     setting = {"launcher": "slurm", "slurm_partition": PARTITION, "slurm_conf": str(cluster.conf)}
     admin.request("POST", "/variables", json={"key": VARIABLE, "value": json.dumps(setting)}, ok=(200, 201))
     try:
-        _wait_for_launcher(admin, SANDBOX.dag_id, "slurm")
-        yield SANDBOX.dag_id
+        yield SANDBOX.dag_id  # read by each train task when it starts: no re-parse to wait for
     finally:
-        admin.request("DELETE", f"/variables/{VARIABLE}", ok=(200, 204, 404))
-        _wait_for_launcher(admin, SANDBOX.dag_id, "local")  # later tests get the stock sandbox DAG
+        admin.request("DELETE", f"/variables/{VARIABLE}", ok=(200, 204, 404))  # later tests train locally
 
 
 def _task(admin, dag_id: str, run_id: str, task_id: str) -> dict:
@@ -96,7 +78,7 @@ def runs(stack, admin, slurm_sandbox, cluster) -> dict[str, str]:
     neither can finish before the kill test has cancelled one: one run whose deferred train task is
     killed, one followed to the end once the partition is UP again."""
     from kiln import settings as kiln_settings
-    from kiln.corpus import build_corpus
+    from kiln.data.corpus import build_corpus
     from kiln.policy import SANDBOX
 
     corpus = kiln_settings.load().corpus_root / SANDBOX.corpus
@@ -113,7 +95,7 @@ def test_killing_the_deferred_train_task_cancels_its_slurm_job(stack, admin, slu
     """Marking the deferred task failed (a user's kill) runs the trigger's on_kill: scancel."""
     import subprocess
 
-    from kiln.pipeline import run_dir
+    from kiln.runs import run_dir
 
     run_id = runs["kill"]
     try:
@@ -149,8 +131,8 @@ def test_killing_the_deferred_train_task_cancels_its_slurm_job(stack, admin, slu
 
 
 def test_sandbox_dag_trains_on_two_slurm_nodes_through_a_deferred_task(stack, admin, slurm_sandbox, cluster, runs):
-    from kiln.demo import follow_run
-    from kiln.pipeline import run_dir
+    from kiln.runs import run_dir
+    from kiln.stack.demo import follow_run
 
     run_id = runs["follow"]
     _partition(cluster, "UP")  # already UP when the kill test ran first
@@ -168,6 +150,8 @@ def test_sandbox_dag_trains_on_two_slurm_nodes_through_a_deferred_task(stack, ad
     job_log = (launch_dir / f"slurm-{job_id}.log").read_text()
     assert "on node[1-2]" in job_log, job_log[-2000:]  # one torchrun agent on each Slurm node
     log = admin.task_log(slurm_sandbox, run_id, "train", try_number=1)
+    assert f"launcher in force: slurm {{'slurm_partition': '{PARTITION}'" in log, log[-3000:]
+    assert f"from Airflow Variable {VARIABLE}" in log, log[-3000:]
     assert f"submitted slurm job {job_id}" in log and "deferring until it ends" in log, log[-3000:]
     # Written by execute_complete, which only runs when the trigger's event resumes the task: the
     # triggerer, not a worker slot, waited for the Slurm job.

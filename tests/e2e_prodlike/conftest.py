@@ -1,4 +1,4 @@
-"""The production-like stack (``kiln.prodstack``) for this package: PostgreSQL metadata, Celery
+"""The production-like stack (``kiln.stack.prodlike``) for this package: PostgreSQL metadata, Celery
 over Redis with two real workers, MLflow on PostgreSQL + S3 (moto) with basic-auth, the FAB auth
 manager — started once under a throwaway KILN_HOME on free ports, and torn down after the package
 (processes stopped, databases and role dropped, Redis keys deleted)."""
@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from kiln.netutil import free_port
 from kiln.settings import restore_environ
+from kiln.util.net import free_port
 
 ENV_KEYS = ("KILN_HOME", "KILN_AIRFLOW_PORT", "KILN_AIRFLOW_URL", "KILN_MLFLOW_PORT", "KILN_SIGNALS_PORT",
             "MLFLOW_TRACKING_URI", "MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD", "KILN_DVC_REMOTE",
@@ -23,19 +23,19 @@ def _services_reachable() -> str | None:
     import psycopg2
     import redis
 
-    from kiln import prodstack
+    from kiln.stack import prodlike as prodlike_stack
 
     try:
-        psycopg2.connect(os.environ.get(prodstack.PG_ADMIN_ENV, prodstack.PG_ADMIN_DEFAULT), connect_timeout=3).close()
-        redis.Redis.from_url(os.environ.get(prodstack.REDIS_ENV, prodstack.REDIS_DEFAULT), socket_timeout=3).ping()
-    except Exception as exc:  # noqa: BLE001 - any failure means: this machine lacks the shared services
+        psycopg2.connect(os.environ.get(prodlike_stack.PG_ADMIN_ENV, prodlike_stack.PG_ADMIN_DEFAULT), connect_timeout=3).close()
+        redis.Redis.from_url(os.environ.get(prodlike_stack.REDIS_ENV, prodlike_stack.REDIS_DEFAULT), socket_timeout=3).ping()
+    except Exception as exc:  # any failure means: this machine lacks the shared services
         return f"PostgreSQL/Redis for the production-like stack not reachable: {exc}"
     return None
 
 
 @pytest.fixture(scope="package")
 def prodlike(tmp_path_factory) -> Iterator[dict[str, str]]:
-    from kiln import prodstack
+    from kiln.stack import prodlike as prodlike_stack
 
     missing = _services_reachable()
     if missing:
@@ -49,12 +49,12 @@ def prodlike(tmp_path_factory) -> Iterator[dict[str, str]]:
     os.environ["KILN_MLFLOW_PORT"] = str(free_port())
     os.environ["KILN_SIGNALS_PORT"] = str(free_port())
     try:
-        info = prodstack.up(timeout=420, quiet=True)
-        os.environ.update(prodstack.client_env())  # this process snapshots to the S3 remote too
+        info = prodlike_stack.up(timeout=420, quiet=True)
+        os.environ.update(prodlike_stack.client_env())  # this process snapshots to the S3 remote too
         yield info
     finally:
         try:
-            prodstack.down()
+            prodlike_stack.down()
         finally:
             restore_environ(saved)
 
@@ -62,9 +62,9 @@ def prodlike(tmp_path_factory) -> Iterator[dict[str, str]]:
 @pytest.fixture(scope="package")
 def login(prodlike):
     """``login(user)`` -> an AirflowClient for one of the stack's FAB users."""
-    from kiln import prodstack
-    from kiln.airflow_client import AirflowClient
+    from kiln.stack import prodlike as prodlike_stack
+    from kiln.stack.airflow_client import AirflowClient
 
-    pw = prodstack.passwords()
+    pw = prodlike_stack.passwords()
     # A generous read timeout: one api-server worker on a loaded 2-core machine answers slowly.
     return lambda user: AirflowClient(prodlike["airflow"], user, pw[user], timeout=120)

@@ -12,7 +12,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.e2e, pytest.mark.timeout(900)]
 
 
 def _status(call) -> int:
-    from kiln.airflow_client import AirflowAPIError
+    from kiln.errors import AirflowAPIError
 
     try:
         call()
@@ -22,8 +22,8 @@ def _status(call) -> int:
 
 
 def test_per_dag_permissions(prodlike, login):
+    from kiln.airflow.dagfactory import corpus_asset
     from kiln.cli.snapshot import find_asset_id
-    from kiln.dagfactory import corpus_asset
     from kiln.policy import PRODUCTION, SANDBOX
 
     admin, sandbox_user, reviewer = login("admin"), login("sandbox-user"), login("reviewer")
@@ -51,6 +51,6 @@ def test_per_dag_permissions(prodlike, login):
     run = sandbox_user.trigger(SANDBOX.dag_id, conf={"max_steps": 5})
     assert run["state"] == "queued" and run["dag_id"] == SANDBOX.dag_id
     admin.request("DELETE", f"/dags/{SANDBOX.dag_id}/dagRuns/{run['dag_run_id']}", ok=(204,))
-    assert not [r for r in admin.request("GET", f"/dags/{PRODUCTION.dag_id}/dagRuns")["dag_runs"]], \
+    assert not admin.request("GET", f"/dags/{PRODUCTION.dag_id}/dagRuns")["dag_runs"], \
         "a refused call started a production run"
     admin.request("PATCH", f"/dags/{SANDBOX.dag_id}", json={"is_paused": False})

@@ -31,9 +31,9 @@ def _asset_triggered_run(admin, dag_id: str, timeout: float = 300.0) -> dict:
 def test_asset_triggered_production_run_approved_by_reviewer(prodlike, login):
     from kiln import settings as kiln_settings
     from kiln.cli.snapshot import announce_snapshot
-    from kiln.corpus import build_corpus
+    from kiln.data.corpus import build_corpus
+    from kiln.data.snapshot import create_snapshot
     from kiln.policy import PRODUCTION
-    from kiln.snapshot import create_snapshot
 
     s = kiln_settings.load()
     admin, publisher = login("admin"), login("corpus-publisher")
@@ -52,14 +52,14 @@ def test_asset_triggered_production_run_approved_by_reviewer(prodlike, login):
 def _approve_and_check(prodlike, login, run_id: str, ref: dict) -> None:
     import boto3
 
-    from kiln import prodstack
     from kiln import settings as kiln_settings
-    from kiln.airflow_client import AirflowAPIError
-    from kiln.demo import follow_run
+    from kiln.errors import AirflowAPIError
     from kiln.policy import PRODUCTION
+    from kiln.stack import prodlike as prodlike_stack
+    from kiln.stack.demo import follow_run
 
     s = kiln_settings.load()
-    st = prodstack.state(s)
+    st = prodlike_stack.state(s)
     admin = login("admin")
     refused: dict[str, int] = {}
 
@@ -80,14 +80,14 @@ def _approve_and_check(prodlike, login, run_id: str, ref: dict) -> None:
     assert refused.get("status") == 403, "a sandbox user was able to answer a production approval"
     # every task went through Celery to the production queue (and so the production identity's worker)
     assert {ti["queue"] for ti in tis if ti["state"] == "success"} == {"kiln-production"}
-    worker_log = (prodstack.root(s) / "logs" / "worker-production.log").read_text(errors="replace")
+    worker_log = (prodlike_stack.root(s) / "logs" / "worker-production.log").read_text(errors="replace")
     assert run_id in worker_log, "the production worker did not run this run's tasks"
 
     # 2. MLflow through its REST API, with basic-auth: no credentials -> 401
     api = f"{prodlike['mlflow']}/api/2.0/mlflow"
     query = {"name": PRODUCTION.target_model, "alias": "champion"}
     assert requests.get(f"{api}/registered-models/alias", params=query, timeout=30).status_code == 401
-    reader = (prodstack.MLFLOW_IDENTITIES["sandbox"], st["mlflow_passwords"][prodstack.MLFLOW_IDENTITIES["sandbox"]])
+    reader = (prodlike_stack.MLFLOW_IDENTITIES["sandbox"], st["mlflow_passwords"][prodlike_stack.MLFLOW_IDENTITIES["sandbox"]])
     resp = requests.get(f"{api}/registered-models/alias", params=query, auth=reader, timeout=30)
     assert resp.status_code == 200, resp.text
     version = resp.json()["model_version"]

@@ -1,4 +1,5 @@
-"""Integration fixtures: a real ``mlflow server`` (SQLite + local artifacts) on a free port.
+"""Integration fixtures: a real ``mlflow server`` (SQLite + local artifacts) on a free port, and a
+local moto_server standing in for S3 (``moto_endpoint``).
 
 ``mlflow_server`` starts one server per test session under a tmp dir (≈5 s on 2 cores);
 ``mlflow_uri`` points this process at it (``MLFLOW_TRACKING_URI`` + mlflow's global URI) for one
@@ -19,7 +20,8 @@ import pytest
 
 from kiln import registry
 from kiln.errors import ConfigError
-from kiln.mlflow_server import MlflowServer, free_port, start_server, stop_server
+from kiln.stack.mlflow_server import MlflowServer, free_port, start_server, stop_server
+from kiln_devtools.moto import MotoServer
 
 
 @pytest.fixture(scope="session")
@@ -79,10 +81,10 @@ def logged_models(monkeypatch) -> list[str]:
     def log_tiny_model(step_dir: str) -> str:
         calls.append(step_dir)
         info = mlflow.pyfunc.log_model(name=registry.MODEL_ARTIFACT_NAME, python_model=ByteEcho(),
-                                       pip_requirements=[])  # fmt: skip
+                                       pip_requirements=[])
         return info.model_uri
 
-    monkeypatch.setattr(registry, "_log_checkpoint_model", log_tiny_model)
+    monkeypatch.setattr(registry.register, "_log_checkpoint_model", log_tiny_model)
     return calls
 
 
@@ -97,7 +99,7 @@ class RecordingClient:
 
     WRITES = ("set_model_version_tag", "set_registered_model_alias", "copy_model_version",
               "create_model_version", "delete_registered_model_alias", "delete_model_version",
-              "update_model_version")  # fmt: skip
+              "update_model_version")
 
     def __init__(self, inner: Any, log: list[tuple], *, before: Hook | None = None, after: Hook | None = None) -> None:
         self._inner, self._log, self._before, self._after = inner, log, before, after
@@ -123,8 +125,8 @@ class RecordingClient:
 @pytest.fixture
 def writes(monkeypatch) -> list[tuple]:
     log: list[tuple] = []
-    real_client = registry._client
-    monkeypatch.setattr(registry, "_client", lambda: RecordingClient(real_client(), log))
+    real_client = registry.mlflow_io._client
+    monkeypatch.setattr(registry.mlflow_io, "_client", lambda: RecordingClient(real_client(), log))
     return log
 
 
@@ -132,3 +134,13 @@ def writes(monkeypatch) -> list[tuple]:
 def recording_client() -> type[RecordingClient]:
     """The ``RecordingClient`` class, for tests that wrap the client with hooks of their own."""
     return RecordingClient
+
+
+@pytest.fixture(scope="module")
+def moto_endpoint(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A local moto_server standing in for S3, one per test module: its endpoint URL."""
+    moto = MotoServer(tmp_path_factory.mktemp("moto") / "moto.log")
+    try:
+        yield moto.url
+    finally:
+        moto.stop()

@@ -22,9 +22,10 @@ import pytest
 
 from kiln import mlflow_auth, registry
 from kiln.errors import ConfigError, PolicyError
-from kiln.mlflow_server import MlflowServer, free_port, start_server, stop_server
 from kiln.policy import PRODUCTION, PRODUCTION_MODEL, SANDBOX
 from kiln.refs import Decision
+from kiln.runs import RUN_KEY_TAG, experiment_name
+from kiln.stack.mlflow_server import MlflowServer, free_port, start_server, stop_server
 
 pytestmark = pytest.mark.slow
 
@@ -50,7 +51,7 @@ def auth_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[AuthServer
     passwords = {ADMIN: _password(), PROD_USER: _password(), SANDBOX_USER: _password(), READER: _password()}
     mlflow_auth.write_auth_config(home, passwords[ADMIN], admin_username=ADMIN)
     handle = start_server(home, free_port(), timeout_s=300, extra_args=mlflow_auth.SERVER_ARGS,
-                          extra_env=mlflow_auth.server_env(home, passwords[ADMIN]))  # fmt: skip
+                          extra_env=mlflow_auth.server_env(home, passwords[ADMIN]))
     assert passwords[ADMIN] not in repr(handle), "the handle's repr must not show the server's secrets"
     try:
         yield AuthServer(handle=handle, url=handle.url, passwords=passwords)
@@ -67,9 +68,9 @@ def auth_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[AuthServer
 @pytest.fixture(scope="module")
 def provisioned(auth_server: AuthServer) -> AuthServer:
     pw = auth_server.passwords
-    kwargs = dict(production_user=PROD_USER, production_password=pw[PROD_USER],
-                  sandbox_user=SANDBOX_USER, sandbox_password=pw[SANDBOX_USER],
-                  reader_user=READER, reader_password=pw[READER])  # fmt: skip
+    kwargs = {"production_user": PROD_USER, "production_password": pw[PROD_USER],
+              "sandbox_user": SANDBOX_USER, "sandbox_password": pw[SANDBOX_USER],
+              "reader_user": READER, "reader_password": pw[READER]}
     first = mlflow_auth.provision_identities(auth_server.url, ADMIN, pw[ADMIN], **kwargs)
     second = mlflow_auth.provision_identities(auth_server.url, ADMIN, pw[ADMIN], **kwargs)  # idempotent
     assert first == second
@@ -122,7 +123,7 @@ def test_auth_config_holds_no_credential(tmp_path: Path) -> None:
     with pytest.raises(ConfigError):
         mlflow_auth.provision_identities("http://127.0.0.1:9", "admin", password, production_user="same",
                                          production_password=password, sandbox_user="same",
-                                         sandbox_password=password)  # fmt: skip
+                                         sandbox_password=password)
 
 
 def test_provisioned_permissions(provisioned: AuthServer) -> None:
@@ -175,10 +176,11 @@ def test_reader_identity_reads_every_policy_and_writes_nothing_of_kiln(provision
     for model in (*PRODUCTION.writable_models, *SANDBOX.writable_models):
         assert mlflow_auth.effective_permission(url, ADMIN, admin_pw, READER, model) == "READ"
     with as_user(PROD_USER) as prod:
-        experiment = prod.get_experiment_by_name(registry.experiment_name(PRODUCTION))
-        run = prod.create_run(experiment.experiment_id, tags={registry.RUN_KEY_TAG: "kiln_production/r"})
+        experiment = prod.get_experiment_by_name(experiment_name(PRODUCTION))
+        run = prod.create_run(experiment.experiment_id, tags={RUN_KEY_TAG: "kiln_production/r"})
     with as_user(READER) as reader:
-        found = reader.search_runs([experiment.experiment_id], filter_string=f"tags.`{registry.RUN_KEY_TAG}` = 'kiln_production/r'")
+        found = reader.search_runs([experiment.experiment_id],
+                                   filter_string=f"tags.`{RUN_KEY_TAG}` = 'kiln_production/r'")
         assert [r.info.run_id for r in found] == [run.info.run_id]
         assert reader.get_registered_model(PRODUCTION_MODEL).name == PRODUCTION_MODEL
         _denied(lambda: reader.create_run(experiment.experiment_id))
@@ -189,7 +191,7 @@ def test_reader_identity_reads_every_policy_and_writes_nothing_of_kiln(provision
         mlflow_auth.provision_identities(url, ADMIN, admin_pw, production_user=PROD_USER,
                                          production_password=provisioned.passwords[PROD_USER],
                                          sandbox_user=SANDBOX_USER, sandbox_password=provisioned.passwords[SANDBOX_USER],
-                                         reader_user=SANDBOX_USER, reader_password=provisioned.passwords[SANDBOX_USER])  # fmt: skip
+                                         reader_user=SANDBOX_USER, reader_password=provisioned.passwords[SANDBOX_USER])
 
 
 def test_sandbox_identity_cannot_squat_or_regain_production(provisioned: AuthServer, as_user: Callable) -> None:
@@ -204,7 +206,7 @@ def test_sandbox_identity_cannot_squat_or_regain_production(provisioned: AuthSer
         from mlflow.server.auth.client import AuthServiceClient
 
         _denied(lambda: AuthServiceClient(provisioned.url).grant_user_permission(
-            SANDBOX_USER, "registered_model", PRODUCTION_MODEL, "MANAGE"))  # fmt: skip
+            SANDBOX_USER, "registered_model", PRODUCTION_MODEL, "MANAGE"))
     # A wrong password gets nothing.
     with as_user(SANDBOX_USER) as sandbox, pytest.MonkeyPatch.context() as m:
         m.setenv("MLFLOW_TRACKING_PASSWORD", "not-the-password")
@@ -224,7 +226,7 @@ def test_provisioning_repairs_drift(provisioned: AuthServer) -> None:
     assert mlflow_auth.effective_permission(url, ADMIN, pw[ADMIN], SANDBOX_USER, PRODUCTION_MODEL) == "MANAGE"
     mlflow_auth.provision_identities(url, ADMIN, pw[ADMIN], production_user=PROD_USER,
                                      production_password=pw[PROD_USER], sandbox_user=SANDBOX_USER,
-                                     sandbox_password=pw[SANDBOX_USER])  # fmt: skip
+                                     sandbox_password=pw[SANDBOX_USER])
     assert mlflow_auth.effective_permission(url, ADMIN, pw[ADMIN], SANDBOX_USER, PRODUCTION_MODEL) == "READ"
 
 
@@ -234,7 +236,8 @@ def test_library_refuses_before_any_request(monkeypatch: pytest.MonkeyPatch) -> 
 
     sent: list[str] = []
     monkeypatch.setattr(requests.Session, "request", lambda self, method, url, *a, **k: sent.append(url))
-    monkeypatch.setattr(registry, "_client", lambda: sent.append("registry._client") or pytest.fail("client made"))
+    monkeypatch.setattr(registry.mlflow_io, "_client",
+                        lambda: sent.append("registry.mlflow_io._client") or pytest.fail("client made"))
     monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://127.0.0.1:9")  # a request would not reach a server anyway
 
     # The policy object itself cannot name a production model...
@@ -247,8 +250,8 @@ def test_library_refuses_before_any_request(monkeypatch: pytest.MonkeyPatch) -> 
     object.__setattr__(forged, "target_model", PRODUCTION_MODEL)
     decision = Decision(action="promote", reasons=["forged"], candidate_bits_per_byte=1.0)
     with pytest.raises(PolicyError, match="may not write registered model 'kiln-stdlib-lm'"):
-        registry.promote(policy=forged, candidate_version="1", decision=decision, approver="mallory",
-                         run_key="kiln_sandbox/forged")  # fmt: skip
+        registry.promote(policy=forged, candidate_version="1", decision=decision, run_key="kiln_sandbox/forged",
+                         manual_approver="mallory")
     for model in PRODUCTION.writable_models:
         with pytest.raises(PolicyError):
             registry.rollback(model, SANDBOX, actor="mallory", reason="forged")
@@ -257,15 +260,17 @@ def test_library_refuses_before_any_request(monkeypatch: pytest.MonkeyPatch) -> 
     forged_candidate = copy.copy(SANDBOX)
     object.__setattr__(forged_candidate, "candidate_model", PRODUCTION.candidate_model)
     with pytest.raises(PolicyError):
-        registry.record_review(policy=forged_candidate, candidate_version="1", outcome="approved",
-                               reviewer="mallory", at="2026-01-01T00:00:00Z")  # fmt: skip
+        registry.record_review(policy=forged_candidate, candidate_version="1", run_key="kiln_sandbox/forged",
+                               outcome="rejected", reviewer="mallory", at="2026-01-01T00:00:00Z")
     assert PolicyError.retryable is False
     assert sent == []
 
 
-def _kiln_version(client, model: str, bits_per_byte: float, run_key: str):
-    """A version with the tags kiln's registry reads (run key, evaluation), made by ``client``."""
-    tags = {registry.RUN_KEY_TAG: run_key, **registry._eval_tags(_report(bits_per_byte))}
+def _kiln_version(client, model: str, bits_per_byte: float, run_key: str, decision=None):
+    """A version with the tags kiln's registry reads (run key, evaluation; the gate's decision, as
+    registration records it on a candidate), made by ``client``."""
+    tags = {RUN_KEY_TAG: run_key, **registry.tags._eval_tags(_report(bits_per_byte)),
+            **(registry.tags._decision_tags(decision) if decision is not None else {})}
     return client.create_model_version(model, SOURCE, tags=tags)
 
 
@@ -273,7 +278,7 @@ def _report(bits_per_byte: float):
     from kiln.refs import EvalReport
 
     return EvalReport(checkpoint="/ckpt", weights_sha256="0" * 64, split="eval", bits_per_byte=bits_per_byte,
-                      loss=bits_per_byte * 0.69, tokens=4096)  # fmt: skip
+                      loss=bits_per_byte * 0.69, tokens=4096)
 
 
 def test_library_acting_as_each_policys_identity(provisioned: AuthServer, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -289,7 +294,7 @@ def test_library_acting_as_each_policys_identity(provisioned: AuthServer, monkey
     monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
     monkeypatch.setenv("KILN_REGISTRY_RETRIES", "3")
     waits: list[float] = []
-    monkeypatch.setattr(registry, "_sleep", waits.append)
+    monkeypatch.setattr(registry.mlflow_io, "_sleep", waits.append)
     production = MlflowIdentity(PROD_USER, pw[PROD_USER], source="test")
     sandbox = MlflowIdentity(SANDBOX_USER, pw[SANDBOX_USER], source="test")
     assert pw[SANDBOX_USER] not in repr(sandbox)
@@ -301,10 +306,10 @@ def test_library_acting_as_each_policys_identity(provisioned: AuthServer, monkey
         current = _kiln_version(client, PRODUCTION_MODEL, 2.9, f"{key}-current")
         client.set_registered_model_alias(PRODUCTION_MODEL, registry.PREVIOUS_ALIAS, old.version)
         client.set_registered_model_alias(PRODUCTION_MODEL, PRODUCTION.alias, current.version)
-        candidate = _kiln_version(client, PRODUCTION.candidate_model, 2.8, key)
+        decision = registry.decide(_report(2.8), _report(2.9), PRODUCTION.gate)
+        assert decision.action == "promote"
+        candidate = _kiln_version(client, PRODUCTION.candidate_model, 2.8, key, decision)
         count_before = len(client.search_model_versions(f"name = '{PRODUCTION_MODEL}'"))
-    decision = registry.decide(_report(2.8), _report(2.9), PRODUCTION.gate)
-    assert decision.action == "promote"
 
     forged = copy.copy(SANDBOX)  # the code guard bypassed: only the server stands in the way
     for name in ("writable_models", "candidate_model", "target_model", "alias"):
@@ -312,12 +317,12 @@ def test_library_acting_as_each_policys_identity(provisioned: AuthServer, monkey
     with use_identity(sandbox):
         with pytest.raises(PolicyError, match=f"{SANDBOX_USER}.*403"):
             registry.promote(policy=forged, candidate_version=candidate.version, decision=decision,
-                             approver="mallory", run_key="kiln_sandbox/forged")  # fmt: skip
+                             run_key="kiln_sandbox/forged", manual_approver="mallory")
         with pytest.raises(PolicyError, match="403"):
             registry.rollback(PRODUCTION_MODEL, forged, "mallory", reason="forged")
         with pytest.raises(PolicyError, match="403"):
-            registry.record_review(policy=forged, candidate_version=candidate.version, outcome="approved",
-                                   reviewer="mallory", at="2026-01-01T00:00:00+00:00")  # fmt: skip
+            registry.record_review(policy=forged, candidate_version=candidate.version, run_key=key,
+                                   outcome="rejected", reviewer="mallory", at="2026-01-01T00:00:00+00:00")
     assert waits == [], "a refusal by the server is not retried"
 
     with use_identity(production):
@@ -326,13 +331,15 @@ def test_library_acting_as_each_policys_identity(provisioned: AuthServer, monkey
         assert client.get_model_version_by_alias(PRODUCTION_MODEL, registry.PREVIOUS_ALIAS).version == old.version
         assert len(client.search_model_versions(f"name = '{PRODUCTION_MODEL}'")) == count_before
         assert "kiln.review" not in client.get_model_version(PRODUCTION.candidate_model, candidate.version).tags
-        # The same calls as the production identity go through.
+        # The same calls as the production identity go through (the review as the approval task records it).
+        registry.record_review(policy=PRODUCTION, candidate_version=candidate.version, run_key=key,
+                               outcome="approved", reviewer="reviewer", at=registry.utc_now())
         record = registry.promote(policy=PRODUCTION, candidate_version=candidate.version, decision=decision,
-                                  approver="reviewer", run_key=key, approved_at=registry.utc_now())  # fmt: skip
+                                  run_key=key)
         assert client.get_model_version_by_alias(PRODUCTION_MODEL, PRODUCTION.alias).version == record.version
         assert record.previous_version == current.version
     # Outside the block the process is anonymous again: a write is refused as unauthenticated.
     assert "MLFLOW_TRACKING_USERNAME" not in os.environ
     with pytest.raises(ConfigError, match="401"):
-        registry.record_review(policy=PRODUCTION, candidate_version=candidate.version, outcome="approved",
-                               reviewer="nobody", at="2026-01-01T00:00:00+00:00")  # fmt: skip
+        registry.record_review(policy=PRODUCTION, candidate_version=candidate.version, run_key=key,
+                               outcome="rejected", reviewer="nobody", at="2026-01-01T00:00:00+00:00")

@@ -11,17 +11,19 @@ Kills are triggered by state (a committed checkpoint on disk), never by elapsed 
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import time
 from pathlib import Path
 
 import pytest
-from training_manifests import stdlib_manifest
 
-from kiln.errors import LaunchError
-from kiln.launchers import JobHandle, LaunchSpec, LocalLauncher, TrainingFaultError, launch_local, wait
+from kiln.errors import ConfigError, LaunchError, TrainingFaultError
+from kiln.launchers import JobHandle, LaunchSpec, LocalLauncher, launch_local, wait
 from kiln.launchers.local import agent_pids, worker_pid
+
+from training_manifests import stdlib_manifest
 
 pytestmark = pytest.mark.slow
 
@@ -144,16 +146,28 @@ def test_restarts_exhausted_fails_clearly_and_keeps_the_last_checkpoint(manifest
     assert not (spec.run_dir / "result.json").exists()
 
 
-def test_trainer_fault_exit_2_is_fatal_and_not_retried(manifest, tmp_path):
-    # A recipe override that does not exist: the trainer diagnoses it and exits 2 on every rank.
-    spec = LaunchSpec(run_dir=tmp_path / "run", manifest=manifest, recipe=TINY, run_key="nodeloss-fatal", nodes=2,
-                      max_restarts=3, overrides=("train.no_such_field=1",),
-                      env={"KILN_TORCH_THREADS": "1"})
+def test_trainer_fault_exit_2_is_fatal_and_not_retried(tmp_path):
+    # A shard whose bytes no longer match the manifest: the trainer diagnoses it and exits 2 on
+    # every rank. (A bad recipe never gets this far: the launcher refuses it before any worker.)
+    tampered = stdlib_manifest(tmp_path, max_chars=50_000)
+    shard = Path(json.loads(tampered.read_text())["shards"][0]["path"])
+    shard.write_bytes(shard.read_bytes() + b"\0")
+    spec = LaunchSpec(run_dir=tmp_path / "run", manifest=tampered, recipe=TINY, run_key="nodeloss-fatal", nodes=2,
+                      max_restarts=3, overrides=OVERRIDES, env={"KILN_TORCH_THREADS": "1"})
     lines: list[str] = []
-    with pytest.raises(TrainingFaultError, match="exited 2") as info:
+    with pytest.raises(TrainingFaultError, match="exited 2.*ShardIntegrityError") as info:
         launch_local(spec, log=lines.append)
     assert info.value.retryable is False
     assert list((spec.run_dir / ".launch" / "fatal").glob("rank-*.json"))
+
+
+def test_a_bad_recipe_is_refused_before_any_agent_starts(manifest, tmp_path):
+    spec = LaunchSpec(run_dir=tmp_path / "run", manifest=manifest, recipe=TINY, run_key="nodeloss-recipe", nodes=2,
+                      overrides=("train.no_such_field=1",))
+    with pytest.raises(ConfigError, match=r"tiny\.toml: unknown key\(s\) \['train\.no_such_field'\]") as info:
+        launch_local(spec, log=lambda _line: None)
+    assert info.value.retryable is False
+    assert not spec.run_dir.exists() and _tagged_processes(spec.rdzv_id) == []
 
 
 def _tagged_processes(rdzv_id: str) -> list[int]:

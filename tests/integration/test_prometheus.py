@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -28,8 +27,9 @@ import pytest
 import requests
 import yaml
 
-from kiln import signals
+from kiln import runs, signals
 from kiln.policy import PRODUCTION
+from kiln.util.net import free_port as _free_port
 
 REPO = Path(__file__).resolve().parents[2]
 PROM_DIR = REPO / "docker" / "prometheus"
@@ -71,7 +71,6 @@ def test_promtool_rule_tests_can_fail(tmp_path):
 
 
 # ------------------------------------------------------------------------------------ end to end
-from kiln.netutil import free_port as _free_port  # noqa: E402
 
 
 def _fast_rules(dest: Path) -> Path:
@@ -103,12 +102,12 @@ def prometheus(tmp_path: Path) -> Iterator[tuple[str, signals.SignalsConfig]]:
             }
         )
     )
-    log = open(tmp_path / "prometheus.log", "wb")
-    proc = subprocess.Popen(
-        ["prometheus", f"--config.file={tmp_path / 'prometheus.yml'}", f"--storage.tsdb.path={tmp_path / 'tsdb'}",
-         f"--web.listen-address=127.0.0.1:{port}"],
-        stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-    )
+    with open(tmp_path / "prometheus.log", "wb") as log:  # Prometheus writes to its own copy of the descriptor
+        proc = subprocess.Popen(
+            ["prometheus", f"--config.file={tmp_path / 'prometheus.yml'}", f"--storage.tsdb.path={tmp_path / 'tsdb'}",
+             f"--web.listen-address=127.0.0.1:{port}"],
+            stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+        )
     url = f"http://127.0.0.1:{port}"
     try:
         _wait(lambda: _get(url, "/-/ready", raw=True), "Prometheus ready", tmp_path / "prometheus.log")
@@ -120,7 +119,6 @@ def prometheus(tmp_path: Path) -> Iterator[tuple[str, signals.SignalsConfig]]:
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
-        log.close()
         exporter.shutdown()
         exporter.server_close()
 
@@ -172,19 +170,19 @@ def test_checkpoint_lag_alert_fires_while_checkpoints_are_held_off_and_clears_af
     shards = [tf.write_shard(tmp_path / "train-00000.parquet", docs[:-2])]
     eval_shards = [tf.write_shard(tmp_path / "eval-00000.parquet", docs[-2:])]
     manifest = tf.write_training_manifest(tmp_path / "manifest.json", shards, eval_shards)
-    run_dir = config.runs_dir / "kiln_sandbox" / "e2e-lag" / "train"
-    run_dir.mkdir(parents=True)
+    run_dir = runs.run_dir("kiln_sandbox/e2e-lag", config.runs_dir) / runs.TRAIN_SUBDIR  # as the pipeline makes it
+    run_dir.mkdir()
     # The fault: no checkpoint for 500 steps (budget 200). 680 steps: after the commit at 500 the
     # run keeps going with a small lag, and its last record (lag 180) stays under the budget.
     overrides = ("train.steps=680", "checkpoint.every_steps=500", "train.log_every=20")
     cmd = [sys.executable, *tf.train_cmd(manifest, run_dir, *overrides)]
     log = tmp_path / "trainer.log"
-    trainer_log = open(log, "wb")
-    trainer = subprocess.Popen(cmd, env=tf.trainer_env(**tf.THREADS), cwd=REPO, stdout=trainer_log, stderr=subprocess.STDOUT)
+    with open(log, "wb") as trainer_log:  # the trainer writes to its own copy of the descriptor
+        trainer = subprocess.Popen(cmd, env=tf.trainer_env(**tf.THREADS), cwd=REPO, stdout=trainer_log,
+                                   stderr=subprocess.STDOUT)
     try:
         # A data-gate fault in the same Prometheus: 3 of 8 shards quarantined, above production's 25%.
-        report = config.runs_dir / PRODUCTION.dag_id / "e2e-gate" / signals.QUARANTINE_JSON
-        report.parent.mkdir(parents=True)
+        report = runs.run_dir(f"{PRODUCTION.dag_id}/e2e-gate", config.runs_dir) / runs.QUARANTINE_JSON
         report.write_text(
             json.dumps({"shards": 8, "quarantined": ["a", "b", "c"], "quarantined_share": 0.375, "snapshot_id": "e2e.dir"})
         )
@@ -203,7 +201,6 @@ def test_checkpoint_lag_alert_fires_while_checkpoints_are_held_off_and_clears_af
         if trainer.poll() is None:
             trainer.kill()
             trainer.wait()
-        trainer_log.close()
 
     # What Prometheus scraped: the lag passed the budget, then the committed checkpoint brought it down.
     series = _get(url, "/api/v1/query", query='kiln_train_checkpoint_lag_steps{run="e2e-lag"}[5m]')

@@ -3,7 +3,7 @@
 The server here is this module's own (``fault_server``), not the session's: tests SIGKILL it at an
 exact point of a promotion or a registration (a hook on the client's writes) and start it again on
 the same port with the same SQLite backend store and artifact folder, as an operator would after
-a crash. Backoff waits are recorded instead of slept (``registry._sleep``), so nothing here
+a crash. Backoff waits are recorded instead of slept (``registry.mlflow_io._sleep``), so nothing here
 depends on timing; mlflow's own per-request retries are switched off so that kiln's retry loop is
 the one under test.
 
@@ -19,18 +19,20 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
-from test_registry_mlflow import make_candidate, production_policy, versions  # tests/integration is on sys.path
 
 from kiln import registry
 from kiln.errors import ConfigError, PolicyError, RegistryError
-from kiln.mlflow_server import MlflowServer, free_port, kill_server, restart_server, start_server, stop_server
+from kiln.runs import RUN_KEY_TAG
+from kiln.stack.mlflow_server import MlflowServer, free_port, kill_server, restart_server, start_server, stop_server
+
+from test_registry_mlflow import approve, make_candidate, production_policy, versions  # tests/integration is on sys.path
 
 pytestmark = pytest.mark.slow
 
 RETRIES = 2
 BACKOFF_S = 0.5
 PROMOTION_TAGS = ("promotion_run_key", "approver", "approved_at", "previous_version", "source_version",
-                  "decision", "decision_reasons", "decision_champion_bits_per_byte")  # fmt: skip
+                  "decision", "decision_reasons", "decision_champion_bits_per_byte")
 
 
 class FaultServer:
@@ -92,7 +94,7 @@ def fault(fault_server: FaultServer, monkeypatch: pytest.MonkeyPatch) -> Iterato
         if fault_server.on_sleep is not None:
             fault_server.on_sleep()
 
-    monkeypatch.setattr(registry, "_sleep", record_sleep)
+    monkeypatch.setattr(registry.mlflow_io, "_sleep", record_sleep)
     previous = mlflow.get_tracking_uri()
     mlflow.set_tracking_uri(fault_server.url)
     try:
@@ -119,9 +121,10 @@ def _register(policy, cand, key: str) -> dict[str, Any]:
 
 
 def _promote(policy, ref: dict[str, Any], cand, key: str, approver: str = "alice"):
+    """The run's review (``approver`` answered Approve) and its promote task."""
     decision = registry.decide(cand.eval_report, registry.champion_report(policy), policy.gate)
-    return registry.promote(policy=policy, candidate_version=ref["version"], decision=decision,
-                            approver=approver, run_key=key)  # fmt: skip
+    approve(policy, ref, key, approver)
+    return registry.promote(policy=policy, candidate_version=ref["version"], decision=decision, run_key=key)
 
 
 def _with_champion(tmp_path, policy, unique_name: str):
@@ -144,6 +147,7 @@ def test_server_down_mid_promotion_retries_then_a_rerun_completes_once(
     key_b = f"kiln_production/b-{unique_name}"
     ref_b = _register(policy, b, key_b)
     decision_b = registry.decide(b.eval_report, registry.champion_report(policy), policy.gate)
+    approve(policy, ref_b, key_b, "bob")
 
     # Crash the server right after the copy and the second promotion tag reached it.
     log: list[tuple] = []
@@ -155,12 +159,11 @@ def test_server_down_mid_promotion_retries_then_a_rerun_completes_once(
             if len(tags_written) == 2:
                 fault.kill()
 
-    real_client = registry._client
-    monkeypatch.setattr(registry, "_client", lambda: recording_client(real_client(), log, after=crash_after_second_tag))
+    real_client = registry.mlflow_io._client
+    monkeypatch.setattr(registry.mlflow_io, "_client", lambda: recording_client(real_client(), log, after=crash_after_second_tag))
 
     with pytest.raises(RegistryError) as err:
-        registry.promote(policy=policy, candidate_version=ref_b["version"], decision=decision_b, approver="bob",
-                         run_key=key_b)  # fmt: skip
+        registry.promote(policy=policy, candidate_version=ref_b["version"], decision=decision_b, run_key=key_b)
 
     assert err.value.retryable and f"after {RETRIES + 1} attempt(s)" in str(err.value)
     assert registry.is_transient(err.value.__cause__)
@@ -182,9 +185,8 @@ def test_server_down_mid_promotion_retries_then_a_rerun_completes_once(
         if name == "set_registered_model_alias":
             tags_at_alias_move[args[1]] = dict(real_client().get_model_version(target, args[2]).tags)
 
-    monkeypatch.setattr(registry, "_client", lambda: recording_client(real_client(), log, before=snapshot_tags))
-    record = registry.promote(policy=policy, candidate_version=ref_b["version"], decision=decision_b, approver="bob",
-                              run_key=key_b)  # fmt: skip
+    monkeypatch.setattr(registry.mlflow_io, "_client", lambda: recording_client(real_client(), log, before=snapshot_tags))
+    record = registry.promote(policy=policy, candidate_version=ref_b["version"], decision=decision_b, run_key=key_b)
 
     assert (record.version, record.previous_version, record.approver) == ("2", "1", "bob")
     assert len(versions(client, target)) == 2, "the re-run reused the copy: no duplicate version"
@@ -192,7 +194,7 @@ def test_server_down_mid_promotion_retries_then_a_rerun_completes_once(
     assert log[-1] == ("set_registered_model_alias", target, "champion", "2")
     at_move = tags_at_alias_move["champion"]
     assert all(registry.TAGS[t] in at_move for t in PROMOTION_TAGS)
-    assert at_move[registry.TAGS["approver"]] == "bob" and at_move[registry.RUN_KEY_TAG] == key_b
+    assert at_move[registry.TAGS["approver"]] == "bob" and at_move[RUN_KEY_TAG] == key_b
     assert _aliases(client, target) == {"champion": "2", "previous": "1"}
 
 
@@ -240,7 +242,7 @@ def test_server_killed_during_registration_then_a_rerun_makes_exactly_one_versio
     assert ref["version"] == again["version"] == "1" and ref["created"] is again["created"] is False
     assert len(logged_models) == 1, "the model logged before the crash is reused"
     mv = client.get_model_version(policy.candidate_model, "1")
-    assert mv.tags[registry.RUN_KEY_TAG] == key and "Gate: **promote**" in mv.description
+    assert mv.tags[RUN_KEY_TAG] == key and "Gate: **promote**" in mv.description
     assert client.get_run(ref["run_id"]).info.status == "FINISHED"
 
 
@@ -300,8 +302,10 @@ def test_a_review_that_does_not_approve_tags_the_candidate_and_moves_no_alias(
         reviewer = ",".join(policy.reviewers)
         at = (requested + dt.timedelta(seconds=policy.approval_timeout_s)).isoformat()
     writes.clear()
+    key = f"kiln_production/b-{unique_name}"
 
-    registry.record_review(policy=policy, candidate_version=ref["version"], outcome=outcome, reviewer=reviewer, at=at)
+    registry.record_review(policy=policy, candidate_version=ref["version"], run_key=key, outcome=outcome,
+                           reviewer=reviewer, at=at)
 
     assert writes and {(w[0], w[1]) for w in writes} == {("set_model_version_tag", policy.candidate_model)}
     tags = client.get_model_version(policy.candidate_model, ref["version"]).tags
@@ -309,18 +313,23 @@ def test_a_review_that_does_not_approve_tags_the_candidate_and_moves_no_alias(
     assert _aliases(client, policy.target_model) == {"champion": "1"}
     assert len(versions(client, policy.target_model)) == 1, "nothing copied into the production model"
     writes.clear()
-    registry.record_review(policy=policy, candidate_version=ref["version"], outcome=outcome, reviewer=reviewer, at=at)
+    registry.record_review(policy=policy, candidate_version=ref["version"], run_key=key, outcome=outcome,
+                           reviewer=reviewer, at=at)
     assert writes == [], "recording the same review again writes nothing"
+    with pytest.raises(PolicyError, match=f"the review recorded in this run says '{outcome}'"):
+        registry.promote(policy=policy, candidate_version=ref["version"], run_key=key,
+                         decision=registry.decide(b.eval_report, registry.champion_report(policy), policy.gate))
+    assert writes == [] and len(versions(client, policy.target_model)) == 1
 
 
 def test_unknown_review_outcome_is_refused_before_any_request(monkeypatch, unique_name):
     def no_client():
         raise AssertionError("a request was about to be sent")
 
-    monkeypatch.setattr(registry, "_client", no_client)
+    monkeypatch.setattr(registry.mlflow_io, "_client", no_client)
     with pytest.raises(ConfigError, match="outcome"):
-        registry.record_review(policy=production_policy(unique_name), candidate_version="1", outcome="maybe",
-                               reviewer="x", at="")  # fmt: skip
+        registry.record_review(policy=production_policy(unique_name), candidate_version="1", run_key="d/r",
+                               outcome="maybe", reviewer="x", at="")
 
 
 # ----------------------------------------------------------------------------------- gate outcomes
@@ -341,8 +350,8 @@ def test_first_model_is_promoted_because_there_is_no_champion(tmp_path, fault, c
     assert candidate.tags["kiln.decision.champion_version"] == ""
     assert "none: first model" in candidate.description
 
-    record = registry.promote(policy=policy, candidate_version=ref["version"], decision=decision, approver="alice",
-                              run_key=key)  # fmt: skip
+    approve(policy, ref, key, "alice")
+    record = registry.promote(policy=policy, candidate_version=ref["version"], decision=decision, run_key=key)
     assert (record.version, record.previous_version) == ("1", None)
     assert _aliases(client, policy.target_model) == {"champion": "1"}, "no `previous` for the first model"
 
@@ -354,7 +363,7 @@ def _registry_state(client, policy) -> dict[str, Any]:
             "aliases": _aliases(client, model),
             "versions": {mv.version: (dict(mv.tags), mv.description, mv.last_updated_timestamp)
                          for mv in (client.get_model_version(model, v.version) for v in versions(client, model))},
-        }  # fmt: skip
+        }
     return state
 
 
@@ -367,15 +376,14 @@ def test_promotion_rerun_after_success_changes_nothing(
     key = f"kiln_production/b-{unique_name}"
     ref = _register(policy, b, key)
     decision = registry.decide(b.eval_report, registry.champion_report(policy), policy.gate)
-    record = registry.promote(policy=policy, candidate_version=ref["version"], decision=decision, approver="bob",
-                              run_key=key)  # fmt: skip
+    approve(policy, ref, key, "bob")
+    record = registry.promote(policy=policy, candidate_version=ref["version"], decision=decision, run_key=key)
     before = _registry_state(client, policy)
     writes.clear()
 
     # The Airflow retry of the promote task and of register_candidate, after both succeeded.
     assert _register(policy, b, key)["version"] == ref["version"]
-    again = registry.promote(policy=policy, candidate_version=ref["version"], decision=decision, approver="bob",
-                             run_key=key)  # fmt: skip
+    again = registry.promote(policy=policy, candidate_version=ref["version"], decision=decision, run_key=key)
 
     assert again == record and writes == []
     assert _registry_state(client, policy) == before, "no new tag timestamps, no alias churn"
@@ -390,16 +398,17 @@ def test_a_decision_made_against_an_older_champion_is_checked_again(
     _with_champion(tmp_path, policy, unique_name)  # a: 3.0
     b, b_close, c = (make_candidate(tmp_path, n, bpb) for n, bpb in (("b", 2.9), ("b2", 2.72), ("c", 2.7)))
     refs = {n: _register(policy, cand, f"kiln_production/{n}-{unique_name}")
-            for n, cand in (("b", b), ("b2", b_close), ("c", c))}  # fmt: skip
+            for n, cand in (("b", b), ("b2", b_close), ("c", c))}
     stale = {n: registry.decide(cand.eval_report, registry.champion_report(policy), policy.gate)
-             for n, cand in (("b", b), ("b2", b_close))}  # fmt: skip
+             for n, cand in (("b", b), ("b2", b_close))}
     assert stale["b"].champion_bits_per_byte == 3.0
     _promote(policy, refs["c"], c, f"kiln_production/c-{unique_name}")  # champion: c, 2.7
+    for n in ("b", "b2"):  # both were approved while c was promoted
+        approve(policy, refs[n], f"kiln_production/{n}-{unique_name}", "bob")
     writes.clear()
-
     with pytest.raises(PolicyError, match="champion changed since the gate decided") as err:
-        registry.promote(policy=policy, candidate_version=refs["b"]["version"], decision=stale["b"], approver="bob",
-                         run_key=f"kiln_production/b-{unique_name}")  # fmt: skip
+        registry.promote(policy=policy, candidate_version=refs["b"]["version"], decision=stale["b"],
+                         run_key=f"kiln_production/b-{unique_name}")
     assert "regression FAILED" in str(err.value) and not err.value.retryable
     assert not [w for w in writes if w[0] == "set_registered_model_alias"]
     assert _aliases(client, policy.target_model) == {"champion": "2", "previous": "1"}
@@ -407,7 +416,7 @@ def test_a_decision_made_against_an_older_champion_is_checked_again(
 
     # b2 is within tolerance of the new champion: promoted, tagged with the decision against it.
     record = registry.promote(policy=policy, candidate_version=refs["b2"]["version"], decision=stale["b2"],
-                              approver="bob", run_key=f"kiln_production/b2-{unique_name}")  # fmt: skip
+                              run_key=f"kiln_production/b2-{unique_name}")
     tags = client.get_model_version(policy.target_model, record.version).tags
     assert float(tags["kiln.decision.champion_bits_per_byte"]) == 2.7
     assert (record.version, record.previous_version) == ("3", "2")
@@ -420,7 +429,7 @@ def test_rollback_interrupted_before_the_alias_move_completes_once(
     retry completes *that* rollback — same time, one audit event — instead of recording a second."""
     from mlflow import MlflowClient
 
-    monkeypatch.setattr(registry, "_sleep", lambda s: None)
+    monkeypatch.setattr(registry.mlflow_io, "_sleep", lambda s: None)
     policy = production_policy(unique_name)
     target = policy.target_model
     for name, bpb in (("a", 3.0), ("b", 2.9)):
@@ -428,8 +437,8 @@ def test_rollback_interrupted_before_the_alias_move_completes_once(
         key = f"kiln_production/{name}-{unique_name}"
         ref = registry.register_candidate(policy=policy, run_key=key, **cand.kwargs())
         decision = registry.decide(cand.eval_report, registry.champion_report(policy), policy.gate)
-        registry.promote(policy=policy, candidate_version=ref["version"], decision=decision, approver="alice",
-                         run_key=key, approved_at=registry.utc_now())  # fmt: skip
+        approve(policy, ref, key, "alice")
+        registry.promote(policy=policy, candidate_version=ref["version"], decision=decision, run_key=key)
 
     log: list[tuple] = []
     dropped: list[str] = []
@@ -439,8 +448,8 @@ def test_rollback_interrupted_before_the_alias_move_completes_once(
             dropped.append(args[1])
             raise ConnectionError("connection reset by peer (injected)")
 
-    real_client = registry._client
-    monkeypatch.setattr(registry, "_client", lambda: recording_client(real_client(), log, before=drop_first_alias_move))
+    real_client = registry.mlflow_io._client
+    monkeypatch.setattr(registry.mlflow_io, "_client", lambda: recording_client(real_client(), log, before=drop_first_alias_move))
     record = registry.rollback(target, policy, "carol", reason="INC-9")
 
     assert dropped == ["champion"] and (record.version, record.previous_version) == ("1", "2")

@@ -1,4 +1,4 @@
-"""The slurm backend against a real 3-node Slurm cluster on localhost (kiln.slurm_cluster).
+"""The slurm backend against a real 3-node Slurm cluster on localhost (kiln_devtools.slurm_cluster).
 
 Needs Debian's slurm-wlm + munge (``make system-deps``) and root; skipped, with that reason, where
 ``slurm_unavailable()`` names one.
@@ -12,10 +12,12 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from training_manifests import stdlib_manifest
 
-from kiln.launchers import JobHandle, LaunchSpec, SlurmLauncher, TrainingFaultError, get_launcher, launch, wait
-from kiln.slurm_cluster import PARTITION, SlurmCluster, slurm_unavailable, start_cluster, stop_cluster
+from kiln.errors import TrainingFaultError
+from kiln.launchers import JobHandle, LaunchPlan, LaunchSpec, SlurmLauncher, get_launcher, launch, wait
+from kiln_devtools.slurm_cluster import PARTITION, SlurmCluster, slurm_unavailable, start_cluster, stop_cluster
+
+from training_manifests import stdlib_manifest
 
 pytestmark = [
     pytest.mark.slow,
@@ -115,7 +117,7 @@ def test_worker_killed_in_a_slurm_job_restarts_the_group_to_identical_weights(un
 
 
 def _trigger(cluster: SlurmCluster, handle, poll_s: float = 0.5):
-    from kiln.launchers.triggers import LaunchedJobTrigger
+    from kiln.airflow.triggers import LaunchedJobTrigger
 
     # Only SLURM_CONF, as a DAG's trigger carries it (the tools get it added to their environment).
     return LaunchedJobTrigger(handle=handle.to_json(), backend="slurm", poll_s=poll_s,
@@ -157,14 +159,14 @@ def test_a_failed_runs_live_job_is_cancelled_by_the_dag_failure_callback(cluster
     failure callback finds the job the run submitted (the launch folder's job record) and ends it."""
     from types import SimpleNamespace
 
-    from kiln.dagfactory import end_orphaned_job
-    from kiln.pipeline import JOB_RECORD, cancel_live_job, run_dir, submit_train
+    from kiln.airflow.dagfactory import end_orphaned_job
+    from kiln.runs import JOB_RECORD, run_dir
+    from kiln.stages import cancel_live_job, submit_train
 
     dag_id, run_id = "kiln_sandbox", f"manual__orphan-{time.time_ns()}"
     spec = _spec(run_dir(f"{dag_id}/{run_id}") / "train", manifest, "train.steps=100000")
-    plan = {"spec": spec.to_json(), "backend": "slurm",
-            "options": {"partition": PARTITION, "env": {"SLURM_CONF": str(cluster.conf)}}}
-    handle = JobHandle.from_json(submit_train(plan))
+    plan = LaunchPlan(spec=spec, backend="slurm", options={"partition": PARTITION, "env": {"SLURM_CONF": str(cluster.conf)}})
+    handle = submit_train(plan)
     assert (spec.launch_dir / JOB_RECORD).is_file()
     launcher = _launcher(cluster)
     deadline = time.monotonic() + 120  # safety net, not a timing assertion
@@ -178,11 +180,18 @@ def test_a_failed_runs_live_job_is_cancelled_by_the_dag_failure_callback(cluster
     assert cancel_live_job(f"{dag_id}/manual__never-trained") is None  # nothing submitted: nothing to do
 
 
-def test_trainer_fault_is_fatal_on_slurm_and_the_trigger_says_why(cluster, manifest, tmp_path):
+def test_trainer_fault_is_fatal_on_slurm_and_the_trigger_says_why(cluster, tmp_path):
     """Waited for the way the DAG waits (the deferrable trigger): one FATAL event naming the rank and
-    the trainer's error, with the job log's tail; the result is a non-retryable TrainingFaultError."""
+    the trainer's error, with the job log's tail; the result is a non-retryable TrainingFaultError.
+    The fault: a shard whose bytes no longer match the manifest (a bad recipe never reaches sbatch)."""
+    import json
+
+    (tmp_path / "data").mkdir()
+    tampered = stdlib_manifest(tmp_path / "data", max_chars=50_000)
+    shard = Path(json.loads(tampered.read_text())["shards"][0]["path"])
+    shard.write_bytes(shard.read_bytes() + b"\0")
     launcher = _launcher(cluster)
-    handle = launcher.submit(_spec(tmp_path / "run", manifest, "train.no_such_field=1"))
+    handle = launcher.submit(_spec(tmp_path / "run", tampered))
     event = _first_event(_trigger(cluster, handle))
     assert event["state"] == "FATAL" and "exited 2" in event["reason"], event
     assert event["handle"] == handle.to_json() and event["log_tail"], event
@@ -282,10 +291,10 @@ def test_a_slow_node_is_excluded_and_the_job_resumes_on_the_others_to_identical_
     from airflow.sdk.exceptions import TaskDeferred
     from mlflow.tracking import MlflowClient
 
-    from kiln.dagfactory import TrainOperator
-    from kiln.launchers.slurm import EXCLUDED_NODES_FILE
-    from kiln.pipeline import straggler_watch
+    from kiln.airflow.dagfactory import TrainOperator
     from kiln.policy import SANDBOX
+    from kiln.runs import SLURM_EXCLUDED_NODES
+    from kiln.stages import straggler_watch
 
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     runs = MlflowClient(tracking_uri=uri)
@@ -296,13 +305,13 @@ def test_a_slow_node_is_excluded_and_the_job_resumes_on_the_others_to_identical_
     spec = _spec(tmp_path / "run", manifest, "stragglers.every_steps=5", "stragglers.factor=3.0", "stragglers.windows=3")
     spec = LaunchSpec.from_json({**spec.to_json(), "env": {**spec.env, "KILN_FAULT_SLOW_NODE": "node2",
                                                            "KILN_FAULT_SLOW_S": "0.5", "KILN_FAULT_SLOW_FROM_STEP": "11"}})
-    plan = {"spec": spec.to_json(), "backend": "slurm", "options": policy.launcher_options(), "mlflow_run_id": mlflow_run_id}
+    plan = LaunchPlan(spec=spec, backend="slurm", options=policy.launcher_options(), mlflow_run_id=mlflow_run_id)
     _wait_all_idle(cluster)  # the 2-node job lands on node[1-2]: node2 is one of its nodes
-    first = SlurmLauncher(**plan["options"]).submit(spec)
+    first = SlurmLauncher(**plan.options).submit(spec)
     task = TrainOperator(task_id="train", policy=policy, snapshot={}, data={}, poll_s=0.5)
 
     with pytest.raises(TaskDeferred) as deferred:  # what execute() does after sbatch
-        task._defer_on(plan, first.to_json(), straggler_watch(policy, plan))
+        task._defer_on(plan, first, straggler_watch(policy, plan))
     event = _first_event(deferred.value.trigger)
     assert event["state"] == "STRAGGLER" and event["node"] == "node2", event
     assert "exclude node node2" in event["reason"]
@@ -313,7 +322,7 @@ def test_a_slow_node_is_excluded_and_the_job_resumes_on_the_others_to_identical_
     assert trigger.handle["job_id"] != first.job_id and first.job_id not in (spec.launch_dir / "slurm-job-id").read_text()
     assert moved_plan["options"]["exclude"] == ["node2"] and trigger.stragglers["excluded"] == ["node2"]
     assert "#SBATCH --exclude=node2" in (spec.launch_dir / "job.sbatch").read_text()
-    assert (spec.launch_dir / EXCLUDED_NODES_FILE).read_text() == '["node2"]'
+    assert (spec.launch_dir / SLURM_EXCLUDED_NODES).read_text() == '["node2"]'
     assert runs.get_run(mlflow_run_id).data.tags["kiln.straggler.excluded_nodes"] == "node2"
 
     final = _first_event(trigger)

@@ -12,55 +12,20 @@ import json
 import logging
 import os
 import shutil
-import subprocess
-import sys
-import time
 import uuid
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-import requests
 
 from kiln import settings as kiln_settings
-from kiln import snapshot
+from kiln.data import snapshot
 from kiln.errors import SnapshotError
-from kiln.mlflow_server import free_port
+from kiln.stack.mlflow_server import free_port
 
 pytestmark = pytest.mark.slow
 
 BUCKET = "kiln-snapshots"
 ACCESS_KEY_ID = "AKIAKILNTESTONLY0001"
-
-
-@pytest.fixture(scope="module")
-def moto_endpoint(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    log_path = tmp_path_factory.mktemp("moto") / "moto.log"
-    port = free_port()
-    with open(log_path, "wb") as log_file:
-        proc = subprocess.Popen(
-            [str(Path(sys.executable).with_name("moto_server")), "-H", "127.0.0.1", "-p", str(port)],
-            stdout=log_file, stderr=subprocess.STDOUT,
-        )
-    endpoint = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                requests.get(f"{endpoint}/moto-api/", timeout=1)
-                break
-            except requests.ConnectionError:
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    pytest.fail(f"moto_server did not start: {log_path.read_text()[-2000:]}")
-                time.sleep(0.1)
-        yield endpoint
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
 
 
 @pytest.fixture()
@@ -156,7 +121,7 @@ def test_credentials_land_nowhere(s3_home, caplog, capsys):
     debug_logs = "\n".join(r.getMessage() for r in caplog.records)
     assert "Authorization" in debug_logs, "boto's DEBUG requests were not captured: the scan would prove nothing"
     assert s3_home["secret"] not in debug_logs
-    assert any("kiln.snapshot" == r.name for r in info_logs)
+    assert any(r.name == "kiln.snapshot" for r in info_logs)
 
 
 def test_unreachable_endpoint_keeps_only_what_is_on_the_remote(s3_home, monkeypatch):

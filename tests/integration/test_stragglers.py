@@ -16,10 +16,11 @@ import json
 from pathlib import Path
 
 import pytest
-from training_manifests import stdlib_manifest
 
 from kiln.launchers import LaunchSpec, launch_local
 from kiln.launchers.stragglers import StragglerPolicy, detect, rank_step_times_from_metrics
+
+from training_manifests import stdlib_manifest
 
 pytestmark = pytest.mark.slow
 

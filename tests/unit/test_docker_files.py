@@ -8,13 +8,13 @@ container. What is checked instead:
   long-running service, ``depends_on`` in the long form with conditions that can be met, host paths
   that exist, valid ``${VAR}`` interpolation, and no credential written into the file (every
   secret-looking value is interpolated from ``docker/.env``, which git ignores);
-* the topology of ``kiln.prodstack``: one Celery worker per policy queue (``--queues`` and
-  ``--concurrency`` as prodstack's, the cluster policy routes each policy DAG to its worker), each
+* the topology of ``kiln.stack.prodlike``: one Celery worker per policy queue (``--queues`` and
+  ``--concurrency`` as prodlike's, the cluster policy routes each policy DAG to its worker), each
   worker holding only its own policy's MLflow identity, the api-server only the read-only
   ``kiln-reader``, and no Airflow-image container but the one-shot ``mlflow-init`` the MLflow admin
   password; the Airflow image installs the cluster policy (``airflow_local_settings``);
-* the Compose JSON schema, when an installed package ships one (none in the lock does today: the
-  test says so and skips);
+* the Compose specification's JSON schema (compose-spec's ``schema/compose-spec.json``, shipped by
+  the locked ``check-jsonschema``): the whole file validates, and a misspelt or mistyped key fails it;
 * every Dockerfile parses (each instruction is a real one, continuations join), bases are pinned
   by a version tag, the final USER is non-root, the Airflow image (target ``airflow``) installs no
   torch, its ``worker`` target (the Celery workers) only the locked CPU torch, the trainer image no
@@ -26,6 +26,7 @@ container. What is checked instead:
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import json
 import os
@@ -37,7 +38,6 @@ import sys
 import textwrap
 import tomllib
 from dataclasses import dataclass
-from importlib import metadata
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -59,13 +59,13 @@ SERVICES = {
     "postgres", "redis", "s3", "airflow-init", "airflow-apiserver", "airflow-scheduler",
     "airflow-dag-processor", "airflow-triggerer", "airflow-worker-production", "airflow-worker-sandbox",
     "mlflow", "mlflow-init", "kiln-signals", "prometheus",
-}  # fmt: skip
+}
 ONE_SHOT = {"airflow-init", "mlflow-init"}
 WORKERS = {"production": "airflow-worker-production", "sandbox": "airflow-worker-sandbox"}
-"""One Celery worker per policy queue, as kiln.prodstack runs them."""
+"""One Celery worker per policy queue, as kiln.stack.prodlike runs them."""
 AIRFLOW_COMPONENTS = (
     "airflow-apiserver", "airflow-scheduler", "airflow-dag-processor", "airflow-triggerer", *WORKERS.values(),
-)  # fmt: skip
+)
 MLFLOW_INIT = "mlflow-init"
 """The one Airflow-image container that holds the MLflow admin password (it provisions the identities)."""
 MLFLOW_READER = "kiln-reader"
@@ -86,7 +86,7 @@ SERVICE_KEYS = {
     "provider", "pull_policy", "read_only", "restart", "runtime", "scale", "secrets", "security_opt", "shm_size",
     "stdin_open", "stop_grace_period", "stop_signal", "storage_opt", "sysctls", "tmpfs", "tty", "ulimits",
     "use_api_socket", "user", "userns_mode", "uts", "volumes", "volumes_from", "working_dir",
-}  # fmt: skip
+}
 HEALTHCHECK_KEYS = {"test", "interval", "timeout", "retries", "start_period", "start_interval", "disable"}
 DEPENDS_CONDITIONS = {"service_started", "service_healthy", "service_completed_successfully"}
 RESTART_POLICIES = {"no", "always", "on-failure", "unless-stopped"}
@@ -100,7 +100,7 @@ PLACEHOLDER = "change-me"
 INSTRUCTIONS = {
     "FROM", "RUN", "CMD", "LABEL", "MAINTAINER", "EXPOSE", "ENV", "ADD", "COPY", "ENTRYPOINT", "VOLUME", "USER",
     "WORKDIR", "ARG", "ONBUILD", "STOPSIGNAL", "HEALTHCHECK", "SHELL",
-}  # fmt: skip
+}
 
 
 # ------------------------------------------------------------------------------------- helpers
@@ -349,7 +349,7 @@ def test_compose_airflow_runs_celery_on_postgres_and_mlflow_has_postgres_s3_and_
     assert commands == {
         "airflow-apiserver": "api-server", "airflow-scheduler": "scheduler", "airflow-dag-processor": "dag-processor",
         "airflow-triggerer": "triggerer", "airflow-worker-production": "celery", "airflow-worker-sandbox": "celery",
-    }  # fmt: skip
+    }
     mlflow = services["mlflow"]["environment"]
     assert mlflow["MLFLOW_BACKEND_STORE_URI"].startswith("postgresql+psycopg2://")
     assert mlflow["MLFLOW_ARTIFACTS_DESTINATION"].startswith("s3://")
@@ -381,9 +381,9 @@ def _airflow_image_services(services: dict) -> dict:
     return {n: s for n, s in services.items() if (s.get("build") or {}).get("dockerfile") == "docker/airflow.Dockerfile"}
 
 
-def test_compose_runs_one_celery_worker_per_policy_queue_like_prodstack():
+def test_compose_runs_one_celery_worker_per_policy_queue_like_the_prodlike_stack():
     from kiln.policy import POLICIES
-    from kiln.prodstack import QUEUES, WORKER_CONCURRENCY, task_policy
+    from kiln.stack.prodlike import QUEUES, WORKER_CONCURRENCY, task_policy
 
     services = load_compose()["services"]
     assert not any(n.startswith("airflow-worker") and n not in WORKERS.values() for n in services), "one worker per policy"
@@ -395,7 +395,7 @@ def test_compose_runs_one_celery_worker_per_policy_queue_like_prodstack():
         assert command[:2] == ["celery", "worker"], f"{name}: {command}"
         queues = _flag(command, "--queues").split(",")
         expected = [QUEUES[POLICIES[policy].dag_id]] + (["default"] if policy == "sandbox" else [])
-        assert queues == expected, f"{name}: queues {queues}, prodstack serves {expected}"
+        assert queues == expected, f"{name}: queues {queues}, prodlike serves {expected}"
         assert _flag(command, "--concurrency") == str(WORKER_CONCURRENCY[policy]), f"{name}: concurrency"
         assert svc["environment"]["KILN_AIRFLOW_COMPONENT"] == "celery-worker"
         assert "AIRFLOW__CELERY__WORKER_CONCURRENCY" not in svc["environment"], f"{name}: concurrency is on the command"
@@ -412,7 +412,7 @@ def test_compose_runs_one_celery_worker_per_policy_queue_like_prodstack():
 
 def test_compose_each_worker_holds_only_its_policys_mlflow_identity():
     from kiln.policy import POLICIES
-    from kiln.prodstack import MLFLOW_ADMIN, MLFLOW_IDENTITIES, _worker_env
+    from kiln.stack.prodlike import MLFLOW_ADMIN, MLFLOW_IDENTITIES, _worker_env
 
     services = load_compose()["services"]
     fake_state = {"mlflow_passwords": {ident: f"pw-of-{ident}" for ident in MLFLOW_IDENTITIES.values()}}
@@ -420,9 +420,9 @@ def test_compose_each_worker_holds_only_its_policys_mlflow_identity():
     for policy, name in WORKERS.items():
         env = services[name]["environment"]
         ident = MLFLOW_IDENTITIES[policy]
-        # Same variables as kiln.prodstack gives its worker of this policy.
-        prodstack_keys = set(_worker_env(fake_state, policy, "http://mlflow:5000"))
-        assert prodstack_keys <= set(env), f"{name}: lacks {prodstack_keys - set(env)} (kiln.prodstack._worker_env)"
+        # Same variables as kiln.stack.prodlike gives its worker of this policy.
+        prodlike_keys = set(_worker_env(fake_state, policy, "http://mlflow:5000"))
+        assert prodlike_keys <= set(env), f"{name}: lacks {prodlike_keys - set(env)} (kiln.stack.prodlike._worker_env)"
         conn_var = f"AIRFLOW_CONN_{POLICIES[policy].mlflow_conn_id.upper()}"
         conn = json.loads(env[conn_var])
         assert conn["conn_type"] == "http" and conn["host"] == env["MLFLOW_TRACKING_URI"]
@@ -440,7 +440,7 @@ def test_compose_each_worker_holds_only_its_policys_mlflow_identity():
 
 
 def test_compose_only_mlflow_init_holds_the_mlflow_admin_password():
-    from kiln.prodstack import MLFLOW_IDENTITIES
+    from kiln.stack.prodlike import MLFLOW_IDENTITIES
 
     doc = load_compose()
     services = doc["services"]
@@ -488,7 +488,7 @@ def test_compose_only_mlflow_init_holds_the_mlflow_admin_password():
 
 
 def test_airflow_image_installs_the_cluster_policy_and_the_init_scripts():
-    from kiln import prodstack
+    from kiln.stack import prodlike
 
     instructions = parse_dockerfile(DOCKERFILES["airflow"])
     env = " ".join(i.args for i in instructions if i.keyword == "ENV")
@@ -508,8 +508,8 @@ def test_airflow_image_installs_the_cluster_policy_and_the_init_scripts():
     spec = importlib.util.spec_from_file_location("kiln_image_local_settings", local_settings)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    assert module.task_policy is prodstack.task_policy, "the image must route tasks as kiln.prodstack does"
-    assert "from kiln.cluster_policy import task_policy" in prodstack.LOCAL_SETTINGS
+    assert module.task_policy is prodlike.task_policy, "the image must route tasks as kiln.stack.prodlike does"
+    assert "from kiln.cluster_policy import task_policy" in prodlike.LOCAL_SETTINGS
     assert copies["docker/airflow/kiln-init.sh"][0] == "/usr/local/bin/kiln-init"
     assert copies["docker/airflow/kiln-mlflow-init.sh"][0] == "/usr/local/bin/kiln-mlflow-init"
 
@@ -531,7 +531,9 @@ def test_compose_interpolation_is_valid_and_matches_env_example():
         if line.lstrip().startswith("#"):
             continue
         scrubbed = ANY_INTERPOLATION.sub("", line.replace("$$", ""))
-        assert "$" not in scrubbed, f"compose.yaml:{lineno}: malformed interpolation (use ${{VAR}}, or $$ for a literal $): {line.strip()}"
+        assert "$" not in scrubbed, (
+            f"compose.yaml:{lineno}: malformed interpolation (use ${{VAR}}, or $$ for a literal $): {line.strip()}"
+        )
     used = {m.group(1) for m in ANY_INTERPOLATION.finditer(text)}
     example = env_example()
     assert used == set(example), (
@@ -549,7 +551,7 @@ def test_compose_has_no_hard_coded_secrets():
         where = ".".join(path)
         if key and SECRET_NAME.search(key) and not INTERPOLATION.match(value) and not key.endswith(("_FILE", "_USERNAME")):
             problems.append(f"{where} = {value!r} (secret-looking key with a literal value)")
-        for user, password in URL_USERINFO.findall(value):
+        for _user, password in URL_USERINFO.findall(value):
             if password and not INTERPOLATION.match(password):
                 problems.append(f"{where}: URL with a literal password {password!r}")
         if re.search(r"(?i)(--requirepass|--password|password=)\s*[\"']?[A-Za-z0-9]", value):
@@ -568,28 +570,46 @@ def test_env_example_holds_placeholders_only_and_env_is_ignored():
         assert tracked.returncode != 0, "docker/.env is tracked by git: remove it from the index and rotate its secrets"
 
 
-def _compose_schema() -> Path | None:
-    names = re.compile(r"(compose[-_]spec|config_schema_v?[0-9.]*|docker[-_]compose[^/]*schema)[^/]*\.json$")
-    for dist in metadata.distributions():
-        for file in dist.files or ():
-            if names.search(str(file)):
-                return Path(dist.locate_file(file))
-    return None
+COMPOSE_SCHEMA_SHA256 = "d549057ebc2925f39f62799eab0db7b9e2c18b35b6c00595199116da3ed10e64"
+"""compose-spec's schema/compose-spec.json as check-jsonschema 0.39.0 ships it (docker/README.md)."""
 
 
-def test_compose_validates_against_the_compose_json_schema_when_one_is_installed():
-    schema_path = _compose_schema()
-    if schema_path is None:
-        pytest.skip(
-            "no Compose JSON schema is shipped by any installed package (docker-py does not ship one; the "
-            "`docker compose` CLI plugin is not installed here); the spec's essentials are checked above instead"
-        )
-    import json
+def compose_schema() -> dict:
+    """The Compose specification's JSON schema, from the check-jsonschema package the lock installs."""
+    from importlib.resources import files
 
+    data = (files("check_jsonschema.builtin_schemas.vendor") / "compose-spec.json").read_bytes()
+    digest = hashlib.sha256(data).hexdigest()
+    assert digest == COMPOSE_SCHEMA_SHA256, (
+        f"check-jsonschema ships another compose-spec.json (sha256 {digest}): review its changes, then update "
+        "COMPOSE_SCHEMA_SHA256 and docker/README.md"
+    )
+    return json.loads(data)
+
+
+def compose_schema_problems(doc: dict) -> list[str]:
     import jsonschema
 
-    schema = json.loads(schema_path.read_text())
-    jsonschema.validate(load_compose(), schema)
+    schema = compose_schema()
+    validator = jsonschema.validators.validator_for(schema)(schema, format_checker=jsonschema.FormatChecker())
+    return [f"{'.'.join(map(str, e.absolute_path)) or '<root>'}: {e.message}" for e in validator.iter_errors(doc)]
+
+
+def test_compose_validates_against_the_compose_spec_json_schema():
+    assert compose_schema_problems(load_compose()) == []
+
+
+@pytest.mark.parametrize("mutate,problem", [
+    (lambda d: d["services"]["redis"].__setitem__("healthcheks", {}), "'healthcheks' was unexpected"),  # a misspelt key
+    (lambda d: d["services"]["redis"].__setitem__("volumes", "data:/data"), "'data:/data' is not of type 'array'"),
+    (lambda d: d["services"]["airflow-apiserver"]["depends_on"]["airflow-init"].__setitem__("condition", "done"),
+     "depends_on: {'airflow-init': {'condition': 'done'}} is not valid"),
+])
+def test_a_wrong_compose_field_fails_the_schema(mutate, problem):
+    doc = load_compose()
+    mutate(doc)
+    problems = compose_schema_problems(doc)
+    assert any(problem in p for p in problems), problems
 
 
 # ----------------------------------------------------------------------------------- Dockerfiles
@@ -619,7 +639,9 @@ def test_dockerfile_base_pinned_user_non_root_sources_exist(name):
     for image in from_images(instructions):
         assert "$" not in image, f"{path.name}: FROM {image} has no default for its build arg"
         repo, _, tag = image.partition(":")
-        assert tag and tag != "latest" and re.match(r"v?\d+\.\d+", tag), f"{path.name}: base {image!r} not pinned by a version tag"
+        assert tag and tag != "latest" and re.match(r"v?\d+\.\d+", tag), (
+            f"{path.name}: base {image!r} not pinned by a version tag"
+        )
         assert "@" not in repo
     users = [i.args for i in instructions if i.keyword == "USER"]
     assert users, f"{path.name}: no USER: the image would run as root"
@@ -704,7 +726,7 @@ def test_dockerfile_pip_installs_are_pinned_by_the_lock(name):
         if "/opt/kiln" in pkgs:
             continue
         if "--index-url" in options:  # torch from the CPU wheel index, pinned by TORCH_VERSION
-            assert pkgs == ['torch==${TORCH_VERSION}'], pkgs
+            assert pkgs == ["torch==${TORCH_VERSION}"], pkgs
             assert args_defaults(parse_dockerfile(DOCKERFILES[name]))["TORCH_VERSION"] == pins["torch"].split("+")[0]
             continue
         assert "--constraint" in options or " -c " in options, f"{name}: pip install without the lock: {options}"
@@ -728,7 +750,7 @@ def test_shell_scripts_parse_and_are_executable():
     assert {s.relative_to(DOCKER).as_posix() for s in scripts} >= {
         "airflow/kiln-healthcheck.sh", "airflow/kiln-init.sh", "airflow/kiln-mlflow-init.sh", "mlflow/entrypoint.sh",
         "trainer/entrypoint.sh", "postgres/init-databases.sh",
-    }  # fmt: skip
+    }
     for script in scripts:
         assert os.access(script, os.X_OK), f"{script} is not executable"
         result = subprocess.run(["bash", "-n", str(script)], capture_output=True, text=True)
@@ -742,20 +764,23 @@ def test_hadolint_finds_nothing():
     result = subprocess.run(
         [binary, "--no-color", "--failure-threshold", "info", *map(str, DOCKERFILES.values())],
         capture_output=True, text=True, timeout=60,
-    )  # fmt: skip
+    )
     assert result.returncode == 0, f"hadolint:\n{result.stdout}{result.stderr}"
 
 
 # ------------------------------------------------------------------ the Airflow image without torch
 def test_dags_plugins_and_kiln_import_without_torch():
-    """What the Airflow image relies on when it installs kiln --no-deps: nothing at import time needs torch."""
+    """What the Airflow image relies on when it installs kiln --no-deps: nothing at import time needs torch.
+
+    The image holds the whole distribution, ``kiln_trainer`` included; its torch-free modules (errors,
+    checkpoint manifests, the data path the tokenize stage runs) may be imported, torch never."""
     code = textwrap.dedent(
         """
         import importlib, importlib.abc, pkgutil, runpy, sys
 
         class NoTorch(importlib.abc.MetaPathFinder):
             def find_spec(self, name, path, target=None):
-                if name.split(".")[0] in ("torch", "kiln_trainer"):
+                if name.split(".")[0] == "torch":
                     raise ModuleNotFoundError(f"No module named {name!r} (not in the Airflow image)")
                 return None
 

@@ -34,5 +34,5 @@ def test_every_cited_test_exists():
         cited.append((path, m.group(2)))
     assert len(cited) > 20
     missing = [f"{p}::{name}" for p, name in cited
-               if not (REPO / p).is_file() or not re.search(rf"^(async )?def {name}\(", (REPO / p).read_text(), flags=re.M)]  # fmt: skip
+               if not (REPO / p).is_file() or not re.search(rf"^(async )?def {name}\(", (REPO / p).read_text(), flags=re.M)]
     assert not missing, f"docs/runbook.md cites tests that do not exist: {missing}"

@@ -2,22 +2,36 @@
 
 Modules (one concern each)::
 
+    errors               the trainer's exception tree (standard library only; no name shared with kiln.errors)
     config               recipe dataclasses, TOML loading, ``--set`` overrides, recipe hash
-    data                 TrainingManifest parsing, shard verification, byte stream, rank split
-    model                the byte-level decoder-only transformer (``GPT``) and ``generate``
+    training_manifest    TrainingManifest parsing and its content-hash check (standard library only)
+    data                 a run's training data: the packed tokens its manifest names, or rank 0 packs them; the checks
+    tokenizer            byte / BPE / file tokenizers: one interface, an artifact with a sha256 and an EOS id
+    packed               packed token shards: writer, token manifest, checks, random-access reader
+    sample_order         the per-epoch Feistel bijection from stream positions to sample ids
+    loader               world-size-independent global batches, read per rank, prefetched; tiny state
+    remote               packed shards streamed from S3 into a bounded, hash-checked local cache
+    distributed          rank and world from torchrun's environment, process group, threads, seeds, collectives
+    model                the decoder-only transformer (``GPT``), ``generate_ids`` and, for bytes, ``generate``
+    optim                AdamW and its learning-rate schedule (warmup, then cosine)
     checkpoint           saving/loading full training state, async writer, retention
     checkpoint_manifest  torch-free commit protocol: ``verify_checkpoint``, ``latest_committed``
     metrics              metrics.jsonl + optional MLflow batch logging (rank 0 only)
-    train                the torchrun entry point
-    evaluate             bits-per-byte of a committed checkpoint on the eval split
-    export               log a committed checkpoint as an MLflow pytorch model
+    timing               in-step marks, the DDP gradient-ready hook, the start-up profile, peak FLOP/s and MFU
+    stragglers           torch-free straggler rule: a rank slower than the others' median for K windows
+    faults               chaos-test fault hooks (loss spike, slow rank or node), off unless their variable is set
+    train                the torchrun entry point: config, distributed init, data, model, optimizer, loop
+    evaluate             bits per byte of a committed checkpoint on the eval split, with its own tokenizer
+    export               log a committed checkpoint as an MLflow text model (pyfunc: prompts in, text out)
+    serving              that model: weights, model shape and tokenizer behind ``predict(prompts) -> texts``
 
 This package never imports Airflow or the ``kiln`` orchestration library. Importing the
-package itself (and ``errors``, ``checkpoint_manifest``) is torch-free, so the orchestration side
-can verify checkpoints without loading torch.
+package itself (and ``errors``, ``config``, ``checkpoint_manifest``, ``training_manifest``, ``stragglers`` and the data path:
+``tokenizer``, ``packed``, ``sample_order``, ``loader``, ``remote``, ``data``) is torch-free, so the orchestration
+side can check recipes and manifests, verify checkpoints and tokenize without loading torch.
 """
 
 __all__ = ["BYTE_VOCAB_SIZE"]
 
 BYTE_VOCAB_SIZE = 256
-"""The tokenizer is the identity on bytes: token id == byte value."""
+"""The byte values: ids 0..255 of the byte tokenizer (``tokenizer.ByteTokenizer``, which adds EOS 256 by default)."""

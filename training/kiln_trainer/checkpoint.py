@@ -1,4 +1,5 @@
-"""Saving and restoring the full training state (model, optimizer, scheduler, data position, RNGs).
+"""Saving and restoring the full training state (model, optimizer, scheduler, loader position, RNGs),
+with the tokenizer artifact the model was trained with.
 
 Save protocol (see ``checkpoint_manifest`` for the on-disk format and the commit rule):
 
@@ -12,6 +13,10 @@ Save protocol (see ``checkpoint_manifest`` for the on-disk format and the commit
 
 At most one save is in flight: the next save (or the end of the run) first waits for the previous
 one, and re-raises its error, so a failed write never goes unnoticed.
+
+The model, optimizer and scheduler state are DDP's replicated state, so a checkpoint loads at any
+world size; RNG state is per rank (``load_checkpoint(rank=r)``: a rank the checkpoint's world did not have
+gets ``None`` and is seeded deterministically by the trainer).
 
 Loading uses ``torch.load(..., weights_only=True)`` only: no arbitrary object is ever unpickled.
 The optimizer is restored with ``load_state_dict`` of the *saved* full state dict (the Adam moments
@@ -32,7 +37,7 @@ import shutil
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -45,6 +50,7 @@ from kiln_trainer.checkpoint_manifest import (
     CHECKPOINTS_SUBDIR,
     FORMAT_VERSION,
     MANIFEST_NAME,
+    TOKENIZER_FILE,
     atomic_write_bytes,
     checkpoint_dirs,
     fsync_dir,
@@ -54,7 +60,8 @@ from kiln_trainer.checkpoint_manifest import (
     step_dir_name,
     verify_checkpoint,
 )
-from kiln_trainer.errors import CheckpointError
+from kiln_trainer.errors import CheckpointError, StorageError, naming_path, os_error_text
+from kiln_trainer.tokenizer import ByteTokenizer, Tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -170,6 +177,10 @@ class CheckpointIdentity:
     recipe_sha256: str
     snapshot_id: str
     training_manifest_sha256: str
+    token_manifest_sha256: str = ""
+    """The packed token shards trained on ("" only in tests that write checkpoints without a run)."""
+    tokenizer: Tokenizer = field(default_factory=ByteTokenizer)
+    """Its artifact is written into every checkpoint as ``tokenizer.json``."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -183,7 +194,7 @@ class _Snapshot:
 
 
 def _write_file(path: Path, data: bytes) -> str:
-    with open(path, "wb") as fh:
+    with naming_path(path), open(path, "wb") as fh:
         fh.write(data)
         fh.flush()
         os.fsync(fh.fileno())
@@ -278,12 +289,22 @@ class CheckpointWriter:
                 self._executor.shutdown(wait=True)
 
     def _write(self, snap: _Snapshot) -> Path:
+        step_dir = self.run_dir / CHECKPOINTS_SUBDIR / step_dir_name(snap.step)
+        try:
+            return self._write_step(snap, step_dir)
+        except OSError as exc:
+            if not (step_dir / MANIFEST_NAME).exists():
+                # Never committed, so never a checkpoint: remove it now (on a full disk, its
+                # partial files are the space the next attempt needs).
+                shutil.rmtree(step_dir, ignore_errors=True)
+            raise StorageError(f"checkpoint of step {snap.step} not written: {os_error_text(exc)}") from exc
+
+    def _write_step(self, snap: _Snapshot, step_dir: Path) -> Path:
         ident = self.identity
         if len(snap.rng_blobs) != ident.world_size:
             raise CheckpointError(f"got RNG state of {len(snap.rng_blobs)} ranks, world size is {ident.world_size}")
-        root = self.run_dir / CHECKPOINTS_SUBDIR
+        root = step_dir.parent
         root.mkdir(parents=True, exist_ok=True)
-        step_dir = root / step_dir_name(snap.step)
         if step_dir.exists():
             if _is_committed_cheap(step_dir):
                 try:
@@ -315,6 +336,7 @@ class CheckpointWriter:
             files[name] = _write_file(step_dir / name, _torch_save_bytes(obj))
         for rank, blob in enumerate(snap.rng_blobs):
             files[rng_file_name(rank)] = _write_file(step_dir / rng_file_name(rank), blob)
+        files[TOKENIZER_FILE] = _write_file(step_dir / TOKENIZER_FILE, ident.tokenizer.to_bytes())
         delay = float(os.environ.get(_WRITE_DELAY_ENV, "0") or 0)
         if delay > 0:
             time.sleep(delay)
@@ -328,6 +350,9 @@ class CheckpointWriter:
             "recipe": ident.recipe,
             "snapshot_id": ident.snapshot_id,
             "training_manifest_sha256": ident.training_manifest_sha256,
+            "token_manifest_sha256": ident.token_manifest_sha256,
+            "tokenizer_sha256": ident.tokenizer.sha256,
+            "tokenizer": ident.tokenizer.describe(),
             "files": files,
             "weights_sha256": weights,
             "created_at": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
@@ -362,13 +387,12 @@ def _load(path: Path) -> Any:
 
 
 def load_checkpoint(step_dir: str | Path, *, rank: int | None, verify: bool = True) -> LoadedCheckpoint:
-    """Read a committed checkpoint (verified unless the caller already did). ``rank=None`` skips RNG."""
+    """Read a committed checkpoint (verified unless the caller already did). ``rank=None`` skips RNG;
+    a rank at or past the checkpoint's world size gets ``rng=None``."""
     step_dir = Path(step_dir)
     manifest = verify_checkpoint(step_dir) if verify else read_manifest(step_dir)
     rng = None
-    if rank is not None:
-        if rank >= manifest["world_size"]:
-            raise CheckpointError(f"{step_dir}: no RNG state for rank {rank} (world size {manifest['world_size']})")
+    if rank is not None and rank < manifest["world_size"]:
         rng = _load(step_dir / rng_file_name(rank))
     return LoadedCheckpoint(
         step_dir=step_dir,

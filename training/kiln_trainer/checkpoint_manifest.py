@@ -5,17 +5,25 @@ A checkpoint is one directory per step, ``RUN_DIR/checkpoints/step-00000050/``, 
     model.pt            state_dict of the bare model (plain tensors)
     optimizer.pt        full optimizer state_dict (tensors, ints, floats, lists, dicts)
     scheduler.pt        lr scheduler state_dict
-    trainer_state.pt    step, data position, token counters, guard events
+    trainer_state.pt    step, loader state (consumed samples + order identity), token counters, guard events
     rng-rank00000.pt    python / numpy / torch CPU / CUDA RNG states of rank 0 (one file per rank)
+    tokenizer.json      the tokenizer artifact the model was trained with (a checkpoint alone evaluates and serves)
     manifest.json       written LAST, atomically: the commit record
 
 ``manifest.json`` (``kind == "kiln.CheckpointManifest"``)::
 
-    {"kind": "kiln.CheckpointManifest", "format": 1, "step": 50, "world_size": 2,
+    {"kind": "kiln.CheckpointManifest", "format": 2, "step": 50, "world_size": 2,
      "recipe_sha256": "<hex>", "recipe": {...resolved recipe...},
      "snapshot_id": "<md5>.dir", "training_manifest_sha256": "<hex>",
-     "files": {"model.pt": "<sha256>", ...}, "weights_sha256": "<hex>",
+     "token_manifest_sha256": "<hex>", "tokenizer_sha256": "<hex>",
+     "tokenizer": {"kind": "byte", "sha256": "<hex>", "vocab_size": 257, "eos_id": 256},
+     "files": {"model.pt": "<sha256>", ..., "tokenizer.json": "<sha256>"}, "weights_sha256": "<hex>",
      "created_at": "2026-11-29T17:00:00+00:00", "seal_sha256": "<hex>"}
+
+``world_size`` is the world size the checkpoint was written at (one RNG file per rank); the model
+and optimizer state are the replicated DDP state, so it loads at any world size. Format 1 (before
+the token data path: no tokenizer, no loader state) still verifies, so older checkpoints keep their
+lineage; the trainer and evaluation refuse it.
 
 ``seal_sha256`` is the sha256 of the canonical JSON of every other field (``seal``): the files'
 hashes cover the state, the seal covers the manifest itself, so no byte of a committed checkpoint
@@ -41,12 +49,21 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from kiln_trainer.errors import CheckpointError
+from kiln_trainer.errors import CheckpointError, naming_path
 
 __all__ = [
+    "CHECKPOINTS_SUBDIR",
     "CHECKPOINT_KIND",
     "CheckpointError",
     "MANIFEST_NAME",
+    "METRICS_JSONL",
+    "METRICS_PROM",
+    "RESULT_FILE",
+    "SAMPLE_LOG_SUBDIR",
+    "TOKENIZER_FILE",
+    "TOKENS_SUBDIR",
+    "TOKEN_CACHE_SUBDIR",
+    "TRAINING_MANIFEST_COPY",
     "atomic_write_bytes",
     "canonical_json",
     "checkpoint_dirs",
@@ -62,10 +79,26 @@ log = logging.getLogger(__name__)
 
 CHECKPOINT_KIND = "kiln.CheckpointManifest"
 MANIFEST_NAME = "manifest.json"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+READABLE_FORMATS = (1, 2)
+"""Formats ``verify_checkpoint`` accepts; only ``FORMAT_VERSION`` can be resumed or evaluated."""
+TOKENIZER_FILE = "tokenizer.json"
+"""The tokenizer artifact, in a checkpoint and in a packed token directory (``kiln_trainer.packed``)."""
 CHECKPOINTS_SUBDIR = "checkpoints"
 TRAINING_MANIFEST_COPY = "training_manifest.json"
 """The trainer's copy of its TrainingManifest in the run dir (``evaluate`` finds it by itself)."""
+RESULT_FILE = "result.json"
+"""The run's TrainResult, written by rank 0 when the run ends (last, after the final commit)."""
+METRICS_JSONL = "metrics.jsonl"
+"""Every logged step and event, one JSON object a line (rank 0)."""
+METRICS_PROM = "metrics.prom"
+"""The latest training gauges in Prometheus' text format (rank 0; the signals exporter reads it)."""
+TOKENS_SUBDIR = "tokens"
+"""Packed token shards the trainer made itself (a manifest without ``tokens``), one content-addressed folder each."""
+TOKEN_CACHE_SUBDIR = "token-cache"
+"""Per-rank caches of token shards streamed from S3 (unless ``KILN_TOKEN_CACHE_DIR`` names another place)."""
+SAMPLE_LOG_SUBDIR = "sample-log"
+"""``rank-NNNNN.jsonl``: the global sample ids each rank consumed per step (``--sample-log``)."""
 _STEP_DIR_RE = re.compile(r"^step-(\d{8})$")
 
 _REQUIRED_KEYS: dict[str, type | tuple[type, ...]] = {
@@ -80,6 +113,7 @@ _REQUIRED_KEYS: dict[str, type | tuple[type, ...]] = {
     "created_at": str,
     "seal_sha256": str,
 }
+_REQUIRED_FROM_FORMAT_2: dict[str, type] = {"token_manifest_sha256": str, "tokenizer_sha256": str, "tokenizer": dict}
 SEAL_KEY = "seal_sha256"
 
 
@@ -110,15 +144,15 @@ def fsync_dir(path: str | Path) -> None:
         os.close(fd)
 
 
-def atomic_write_bytes(path: str | Path, data: bytes) -> Path:
+def atomic_write_bytes(path: str | Path, data: bytes, *, mode: int = 0o644) -> Path:
     """Readers see the old file or the whole new one, never a torn write (tmp, fsync, rename, dir fsync)."""
     target = Path(path)
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
     try:
         # mkstemp creates 0600; checkpoints and results are read by other users (orchestration).
-        os.fchmod(fd, 0o644)
-        with os.fdopen(fd, "wb") as fh:
+        os.fchmod(fd, mode)
+        with naming_path(target), os.fdopen(fd, "wb") as fh:
             fh.write(data)
             fh.flush()
             os.fsync(fh.fileno())
@@ -138,9 +172,11 @@ def rng_file_name(rank: int) -> str:
     return f"rng-rank{rank:05d}.pt"
 
 
-def expected_files(world_size: int) -> set[str]:
+def expected_files(world_size: int, format_version: int = FORMAT_VERSION) -> set[str]:
     """The files a committed checkpoint of this world size holds, besides ``manifest.json``."""
     base = {"model.pt", "optimizer.pt", "scheduler.pt", "trainer_state.pt"}
+    if format_version >= 2:
+        base.add(TOKENIZER_FILE)
     return base | {rng_file_name(rank) for rank in range(world_size)}
 
 
@@ -171,13 +207,15 @@ def read_manifest(step_dir: str | Path) -> dict[str, Any]:
         raise CheckpointError(f"{path}: unreadable manifest: {exc}") from exc
     if not isinstance(manifest, dict) or manifest.get("kind") != CHECKPOINT_KIND:
         raise CheckpointError(f"{path}: kind is not {CHECKPOINT_KIND!r}")
-    for key, typ in _REQUIRED_KEYS.items():
+    version = manifest.get("format", 1)
+    if version not in READABLE_FORMATS or isinstance(version, bool):
+        raise CheckpointError(f"{path}: unsupported checkpoint format {manifest.get('format')!r}")
+    required = _REQUIRED_KEYS | (_REQUIRED_FROM_FORMAT_2 if version >= 2 else {})
+    for key, typ in required.items():
         value = manifest.get(key)
         # bool is an int subclass; a step of `true` is a corrupt manifest, not step 1.
         if not isinstance(value, typ) or isinstance(value, bool):
             raise CheckpointError(f"{path}: field {key!r} missing or not {getattr(typ, '__name__', typ)}")
-    if manifest.get("format", FORMAT_VERSION) != FORMAT_VERSION:
-        raise CheckpointError(f"{path}: unsupported checkpoint format {manifest.get('format')!r}")
     if manifest["world_size"] < 1:
         raise CheckpointError(f"{path}: field 'world_size' must be >= 1")
     match = _STEP_DIR_RE.match(step_dir.name)
@@ -196,7 +234,7 @@ def verify_checkpoint(step_dir: str | Path) -> dict[str, Any]:
     step_dir = Path(step_dir)
     manifest = read_manifest(step_dir)
     listed: dict[str, Any] = manifest["files"]
-    required = expected_files(manifest["world_size"])
+    required = expected_files(manifest["world_size"], manifest.get("format", 1))
     missing_from_manifest = required - set(listed)
     if missing_from_manifest:
         raise CheckpointError(f"{step_dir}: partial state, manifest does not list {sorted(missing_from_manifest)}")

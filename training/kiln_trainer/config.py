@@ -12,6 +12,19 @@ A recipe file is TOML with one table per section, e.g.::
     steps = 200
 
 Unknown sections or keys are errors (a typo must not silently fall back to a default).
+
+Why the tokenizer is its own ``[tokenizer]`` section rather than fields of ``[data]``: it is an
+artifact that outlives the run (it is saved in every checkpoint, travels with the registered model
+and is what serving encodes with), the tokenize stage needs it and the block size and nothing else
+of the recipe, and its fields mean different things per kind. ``[data]`` is how samples are batched
+and read; ``[tokenizer]`` is what a token id means.
+
+The batch geometry does not depend on the world size: ``data.global_batch_size`` samples make one
+optimizer step whatever the number of ranks ``W``; each rank runs ``data.micro_batch_size`` samples
+per forward/backward and ``accum_steps(W) = global_batch_size / (W x micro_batch_size)`` of them per
+step, so a run may resume at another world size and train on the same global batches.
+``model.vocab_size`` follows the tokenizer (0, the default, resolves to the tokenizer's vocabulary
+when the recipe is loaded; a larger value pads, a smaller one is refused).
 """
 
 from __future__ import annotations
@@ -24,8 +37,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kiln_trainer import BYTE_VOCAB_SIZE
-from kiln_trainer.errors import ConfigError
+from kiln_trainer.errors import RecipeError, TokenizerError
 
 _PY_TYPES: dict[str, tuple[type, ...]] = {
     "int": (int,),
@@ -41,21 +53,21 @@ def _check_types(obj: Any, section: str) -> None:
         value = getattr(obj, f.name)
         allowed = _PY_TYPES[str(f.type)]
         if isinstance(value, bool) and bool not in allowed:
-            raise ConfigError(f"{section}.{f.name}: expected {f.type}, got bool {value!r}")
+            raise RecipeError(f"{section}.{f.name}: expected {f.type}, got bool {value!r}")
         if not isinstance(value, allowed):
-            raise ConfigError(f"{section}.{f.name}: expected {f.type}, got {type(value).__name__} {value!r}")
-        if f.type == "float" and not isinstance(value, float):
+            raise RecipeError(f"{section}.{f.name}: expected {f.type}, got {type(value).__name__} {value!r}")
+        if f.type == "float" and isinstance(value, int):  # an int where a float goes (a bool was refused above)
             object.__setattr__(obj, f.name, float(value))
 
 
 def _require(condition: bool, section: str, name: str, message: str, value: Any) -> None:
     if not condition:
-        raise ConfigError(f"{section}.{name} = {value!r}: {message}")
+        raise RecipeError(f"{section}.{name} = {value!r}: {message}")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class ModelConfig:
-    """The transformer's shape (nanoGPT-style decoder-only, byte vocabulary)."""
+    """The transformer's shape (nanoGPT-style decoder-only)."""
 
     n_layer: int = 4
     """Number of transformer blocks."""
@@ -64,13 +76,14 @@ class ModelConfig:
     n_embd: int = 128
     """Residual stream width."""
     block_size: int = 128
-    """Context length in bytes (also the training window length)."""
+    """Context length in tokens; a training sample is ``block_size + 1`` tokens (the packed shards' block size)."""
     dropout: float = 0.0
     """Dropout probability; 0 keeps CPU runs cheap (it stays deterministic either way)."""
     bias: bool = False
     """Bias in Linear and LayerNorm layers."""
-    vocab_size: int = BYTE_VOCAB_SIZE
-    """Fixed at 256: the tokenizer is the identity on bytes."""
+    vocab_size: int = 0
+    """Rows of the embedding. 0 (default): the tokenizer's vocabulary, filled in when the recipe is
+    loaded; a larger value pads (e.g. to a multiple of 64 on GPUs); a smaller one is refused."""
 
     def __post_init__(self) -> None:
         s = "model"
@@ -86,31 +99,161 @@ class ModelConfig:
         )
         _require(0.0 <= self.dropout < 1.0, s, "dropout", "must be in [0, 1)", self.dropout)
         _require(
-            self.vocab_size == BYTE_VOCAB_SIZE,
+            self.vocab_size == 0 or 2 <= self.vocab_size <= MAX_VOCAB,
             s,
             "vocab_size",
-            "the byte tokenizer has exactly 256 ids",
+            f"must be 0 (the tokenizer's) or in [2, {MAX_VOCAB}]",
             self.vocab_size,
         )
 
 
+TOKENIZER_KINDS = ("byte", "bpe", "file")
+DEFAULT_EOS_TOKEN = "<|endoftext|>"
+"""The EOS token of kiln's BPE tokenizers (``kiln_trainer.tokenizer.EOS_TOKEN`` is this value)."""
+BYTE_EOS_OWN_ID = 256
+"""The byte tokenizer's default EOS: an id of its own after the 256 byte values (vocabulary 257)."""
+MAX_VOCAB = 1 << 32
+"""Token ids are stored as uint16 or uint32 in the packed shards."""
+_BPE_MIN_VOCAB = 257
+"""The 256 byte symbols of a byte-level BPE plus its EOS."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class TokenizerConfig:
+    """What a token id means: ``byte`` (UTF-8 bytes), ``bpe`` (byte-level BPE trained
+    deterministically on the manifest's training shards) or ``file`` (a Hugging Face tokenizer JSON).
+
+    The tokenize stage (or, for a manifest without packed tokens, the trainer's rank 0) builds it with
+    ``kiln_trainer.tokenizer.build_tokenizer``; its artifact and sha256 go into the token manifest and
+    every checkpoint. Fields that do not apply to the chosen kind must keep their defaults."""
+
+    kind: str = "byte"
+    """``byte``, ``bpe`` or ``file``."""
+    vocab_size: int = 0
+    """``bpe`` only: the vocabulary to train, EOS and the 256 byte symbols included (>= 257). A small
+    corpus can end training with fewer ids; the model keeps this many rows."""
+    path: str = ""
+    """``file`` only: the tokenizer JSON, absolute or relative to the recipe file's directory."""
+    eos_id: int = BYTE_EOS_OWN_ID
+    """``byte`` only: the id that ends every document. 256 (default): an id of its own, vocabulary
+    257, so no byte of text is mistaken for it; 0..255: that byte, vocabulary 256 (0 keeps the
+    NUL-separated stream of the trainer before tokenizers)."""
+    eos_token: str = DEFAULT_EOS_TOKEN
+    """``bpe`` and ``file``: the token that ends every document (a BPE is trained with it at id 0)."""
+    max_train_chars: int = 0
+    """``bpe`` only: train on the training shards' first documents up to this many characters
+    (0: all of them). The order is the manifest's, so the prefix, and the artifact, are fixed."""
+
+    def __post_init__(self) -> None:
+        s = "tokenizer"
+        _check_types(self, s)
+        _require(self.kind in TOKENIZER_KINDS, s, "kind", f"must be one of {', '.join(TOKENIZER_KINDS)}", self.kind)
+        if self.kind == "bpe":
+            _require(
+                _BPE_MIN_VOCAB <= self.vocab_size <= MAX_VOCAB,
+                s,
+                "vocab_size",
+                f"a bpe tokenizer needs [{_BPE_MIN_VOCAB}, {MAX_VOCAB}] ids (256 bytes + EOS at least)",
+                self.vocab_size,
+            )
+        else:
+            _require(self.vocab_size == 0, s, "vocab_size", "only for tokenizer.kind = 'bpe'", self.vocab_size)
+        if self.kind == "file":
+            _require(bool(self.path), s, "path", "a file tokenizer needs the path of its JSON", self.path)
+        else:
+            _require(self.path == "", s, "path", "only for tokenizer.kind = 'file'", self.path)
+        if self.kind == "byte":
+            _require(0 <= self.eos_id <= BYTE_EOS_OWN_ID, s, "eos_id", "must be 0..255 (a byte) or 256", self.eos_id)
+            _require(
+                self.eos_token == DEFAULT_EOS_TOKEN,
+                s,
+                "eos_token",
+                "only for bpe and file tokenizers (the byte tokenizer's EOS is tokenizer.eos_id)",
+                self.eos_token,
+            )
+        else:
+            _require(
+                self.eos_id == BYTE_EOS_OWN_ID,
+                s,
+                "eos_id",
+                "only for tokenizer.kind = 'byte' (bpe and file name their EOS by tokenizer.eos_token)",
+                self.eos_id,
+            )
+            _require(bool(self.eos_token), s, "eos_token", "must name a token", self.eos_token)
+        _require(self.max_train_chars >= 0, s, "max_train_chars", "must be >= 0 (0: all documents)", self.max_train_chars)
+        if self.kind != "bpe":
+            _require(self.max_train_chars == 0, s, "max_train_chars", "only for tokenizer.kind = 'bpe'", self.max_train_chars)
+
+    @property
+    def known_vocab_size(self) -> int | None:
+        """The vocabulary this config gives without reading any file (None for ``file``)."""
+        if self.kind == "byte":
+            return 257 if self.eos_id == BYTE_EOS_OWN_ID else 256
+        if self.kind == "bpe":
+            return self.vocab_size
+        return None
+
+    def resolved_path(self, recipe_path: str | Path | None) -> Path:
+        """``path`` as a file: relative paths are relative to the recipe file's directory (or the cwd)."""
+        path = Path(self.path)
+        if path.is_absolute() or recipe_path is None:
+            return path
+        return Path(recipe_path).resolve().parent / path
+
+    def describe(self) -> str:
+        """``tokenizer.kind = 'byte', tokenizer.eos_id = 256`` (the fields that make its vocabulary)."""
+        if self.kind == "byte":
+            return f"tokenizer.kind = 'byte', tokenizer.eos_id = {self.eos_id}"
+        if self.kind == "bpe":
+            return f"tokenizer.kind = 'bpe', tokenizer.vocab_size = {self.vocab_size}"
+        return f"tokenizer.kind = 'file', tokenizer.path = {self.path!r}"
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class DataConfig:
-    """How windows are drawn from the manifest's shards."""
+    """How the packed samples are batched and read (``kiln_trainer.loader``)."""
 
-    batch_size: int = 8
-    """Windows per micro-batch per rank."""
-    grad_accum_steps: int = 1
-    """Micro-batches per optimizer step per rank (tokens/step = world * accum * batch * block)."""
-    doc_separator: int = 0
-    """Byte written between documents in the stream (0 = NUL, which never occurs in text)."""
+    global_batch_size: int = 8
+    """Samples per optimizer step, all ranks together: the same at every world size (tokens per
+    step = global_batch_size x model.block_size)."""
+    micro_batch_size: int = 8
+    """Samples per forward/backward on one rank; each rank runs ``global_batch_size / (world size x
+    micro_batch_size)`` of them per step (gradient accumulation), so that must be a whole number.
+    A memory knob: a resume may change it (only the float summation order changes)."""
+    window_shards: int = 0
+    """Sample order: 0 shuffles all samples globally each epoch; ``w > 0`` shuffles within windows of
+    ``w`` shards (a reader needs about ``w`` shards at a time: what a bounded remote cache wants)."""
+    prefetch_steps: int = 2
+    """Steps of this rank's batches read ahead by the loader's background thread."""
+    cache_bytes: int = 8 << 30
+    """Local cache for token shards streamed from S3, per rank (``KILN_TOKEN_CACHE_BYTES`` overrides)."""
 
     def __post_init__(self) -> None:
         s = "data"
         _check_types(self, s)
-        _require(self.batch_size >= 1, s, "batch_size", "must be >= 1", self.batch_size)
-        _require(self.grad_accum_steps >= 1, s, "grad_accum_steps", "must be >= 1", self.grad_accum_steps)
-        _require(0 <= self.doc_separator <= 255, s, "doc_separator", "must be a byte value 0..255", self.doc_separator)
+        _require(self.global_batch_size >= 1, s, "global_batch_size", "must be >= 1", self.global_batch_size)
+        _require(self.micro_batch_size >= 1, s, "micro_batch_size", "must be >= 1", self.micro_batch_size)
+        _require(
+            self.global_batch_size % self.micro_batch_size == 0,
+            s,
+            "global_batch_size",
+            f"must be a multiple of data.micro_batch_size ({self.micro_batch_size})",
+            self.global_batch_size,
+        )
+        _require(self.window_shards >= 0, s, "window_shards", "must be >= 0 (0: one global shuffle)", self.window_shards)
+        _require(self.prefetch_steps >= 1, s, "prefetch_steps", "must be >= 1", self.prefetch_steps)
+        _require(self.cache_bytes >= 1, s, "cache_bytes", "must be >= 1", self.cache_bytes)
+
+    def accum_steps(self, world_size: int) -> int:
+        """Micro-batches per optimizer step per rank at this world size; a geometry that does not divide is refused."""
+        share = world_size * self.micro_batch_size
+        if world_size < 1 or self.global_batch_size % share:
+            raise RecipeError(
+                f"data.global_batch_size = {self.global_batch_size} does not divide by world size x "
+                f"data.micro_batch_size = {world_size} x {self.micro_batch_size}: each rank must run a whole number "
+                "of micro-batches per step (change data.micro_batch_size, or the number of ranks)"
+            )
+        return self.global_batch_size // share
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -260,6 +403,7 @@ class Recipe:
     """The whole resolved training configuration."""
 
     model: ModelConfig = field(default_factory=ModelConfig)
+    tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
     data: DataConfig = field(default_factory=DataConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
@@ -276,6 +420,18 @@ class Recipe:
             f"must be <= train.steps ({self.train.steps})",
             self.optim.warmup_steps,
         )
+        tok = self.tokenizer
+        known = tok.known_vocab_size
+        if self.model.vocab_size == 0:
+            if known is None:
+                raise RecipeError(
+                    "model.vocab_size = 0: a file tokenizer's vocabulary is read from tokenizer.path when the "
+                    "recipe file is loaded (load_recipe); give model.vocab_size here"
+                )
+            # Frozen: the resolved value is what gets hashed, stored in checkpoints and built.
+            object.__setattr__(self, "model", dataclasses.replace(self.model, vocab_size=known))
+        elif known is not None:
+            check_model_vocab(self.model.vocab_size, known, tok)
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
         return dataclasses.asdict(self)
@@ -286,28 +442,29 @@ class Recipe:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Recipe:
-        """Build from nested ``{section: {key: value}}``; unknown sections/keys raise ConfigError."""
+        """Build from nested ``{section: {key: value}}``; unknown sections/keys raise RecipeError."""
         if not isinstance(data, dict):
-            raise ConfigError(f"recipe must be a table of sections, got {type(data).__name__}")
+            raise RecipeError(f"recipe must be a table of sections, got {type(data).__name__}")
         sections = {f.name: f for f in dataclasses.fields(cls)}
         unknown = set(data) - set(sections)
         if unknown:
-            raise ConfigError(f"unknown recipe section(s) {sorted(unknown)}; known: {sorted(sections)}")
+            raise RecipeError(f"unknown recipe section(s) {sorted(unknown)}; known: {sorted(sections)}")
         built: dict[str, Any] = {}
         for name, table in data.items():
             section_cls = _SECTION_CLASSES[name]
             if not isinstance(table, dict):
-                raise ConfigError(f"[{name}] must be a table, got {type(table).__name__}")
+                raise RecipeError(f"[{name}] must be a table, got {type(table).__name__}")
             keys = {f.name for f in dataclasses.fields(section_cls)}
             bad = set(table) - keys
             if bad:
-                raise ConfigError(f"unknown key(s) {sorted(f'{name}.{k}' for k in bad)}; known: {sorted(keys)}")
+                raise RecipeError(f"unknown key(s) {sorted(f'{name}.{k}' for k in bad)}; known: {sorted(keys)}")
             built[name] = section_cls(**table)
         return cls(**built)
 
 
 _SECTION_CLASSES: dict[str, type] = {
     "model": ModelConfig,
+    "tokenizer": TokenizerConfig,
     "data": DataConfig,
     "optim": OptimConfig,
     "train": TrainConfig,
@@ -316,6 +473,28 @@ _SECTION_CLASSES: dict[str, type] = {
     "stragglers": StragglerConfig,
     "eval": EvalConfig,
 }
+
+
+def check_model_vocab(model_vocab: int, tokenizer_vocab: int, tokenizer: TokenizerConfig) -> None:
+    """Refuse a model whose embedding cannot hold every id of the tokenizer."""
+    if model_vocab < tokenizer_vocab:
+        raise RecipeError(
+            f"model.vocab_size = {model_vocab} is smaller than the tokenizer's vocabulary of {tokenizer_vocab} ids "
+            f"({tokenizer.describe()}); set model.vocab_size = 0 (follow the tokenizer) or >= {tokenizer_vocab}"
+        )
+
+
+RESUMABLE_CHANGES = frozenset({("data", "micro_batch_size"), ("data", "prefetch_steps"), ("data", "cache_bytes")})
+"""Recipe fields a resume may change: how the same global batches are computed and read, not what
+is trained (a world-size change may need another micro batch)."""
+
+
+def resume_identity(recipe: dict[str, Any]) -> dict[str, Any]:
+    """A resolved recipe dict without the fields in ``RESUMABLE_CHANGES``: what a resume must match."""
+    return {
+        section: {k: v for k, v in (table or {}).items() if (section, k) not in RESUMABLE_CHANGES}
+        for section, table in recipe.items()
+    }
 
 
 def recipe_sha256(recipe: Recipe) -> str:
@@ -327,11 +506,11 @@ def recipe_sha256(recipe: Recipe) -> str:
 def parse_override(text: str) -> tuple[str, str, Any]:
     """``section.key=value`` → (section, key, value); value parsed as a TOML value, else a bare string."""
     if "=" not in text:
-        raise ConfigError(f"override {text!r}: expected section.key=value")
+        raise RecipeError(f"override {text!r}: expected section.key=value")
     dotted, raw = text.split("=", 1)
     parts = dotted.strip().split(".")
     if len(parts) != 2 or not all(parts):
-        raise ConfigError(f"override {text!r}: key must be section.key, got {dotted!r}")
+        raise RecipeError(f"override {text!r}: key must be section.key, got {dotted!r}")
     raw = raw.strip()
     try:
         value = tomllib.loads(f"v = {raw}")["v"]
@@ -341,23 +520,50 @@ def parse_override(text: str) -> tuple[str, str, Any]:
 
 
 def load_recipe(path: str | Path | None, overrides: list[str] | tuple[str, ...] = ()) -> Recipe:
-    """Resolve defaults < TOML file (if given) < overrides into a validated Recipe."""
+    """Resolve defaults < TOML file (if given) < overrides into a validated Recipe.
+
+    A ``file`` tokenizer is read here (``tokenizer.path``, relative to the recipe file) so that
+    ``model.vocab_size`` follows it like the other kinds."""
     data: dict[str, dict[str, Any]] = {}
     if path is not None:
         try:
             with open(path, "rb") as fh:
                 data = tomllib.load(fh)
         except FileNotFoundError as exc:
-            raise ConfigError(f"recipe file {path} not found") from exc
+            raise RecipeError(f"recipe file {path} not found") from exc
         except tomllib.TOMLDecodeError as exc:
-            raise ConfigError(f"recipe file {path}: invalid TOML: {exc}") from exc
+            raise RecipeError(f"recipe file {path}: invalid TOML: {exc}") from exc
     for text in overrides:
         section, key, value = parse_override(text)
         table = data.setdefault(section, {})
         if not isinstance(table, dict):
-            raise ConfigError(f"override {text!r}: [{section}] is not a table in the recipe")
+            raise RecipeError(f"override {text!r}: [{section}] is not a table in the recipe")
         table[key] = value
+    tokenizer_table = data.get("tokenizer")
+    known = {f.name for f in dataclasses.fields(TokenizerConfig)}
+    if isinstance(tokenizer_table, dict) and tokenizer_table.get("kind") == "file" and set(tokenizer_table) <= known:
+        _resolve_file_vocab(data, TokenizerConfig(**tokenizer_table), path)
     return Recipe.from_dict(data)
+
+
+def _resolve_file_vocab(data: dict[str, Any], tok: TokenizerConfig, recipe_path: str | Path | None) -> None:
+    from kiln_trainer.tokenizer import load_tokenizer  # numpy and tokenizers: only for a file tokenizer
+
+    where = tok.resolved_path(recipe_path)
+    try:
+        vocab = load_tokenizer(where, eos_token=tok.eos_token).vocab_size
+    except TokenizerError as exc:
+        raise RecipeError(f"tokenizer.path = {tok.path!r}: {exc}") from exc
+    model = data.setdefault("model", {})
+    if not isinstance(model, dict):
+        raise RecipeError("[model] must be a table")
+    asked = model.get("vocab_size", 0)
+    if isinstance(asked, bool) or not isinstance(asked, int):
+        return  # the type error is ModelConfig's to report
+    if asked == 0:
+        model["vocab_size"] = vocab
+    else:
+        check_model_vocab(asked, vocab, tok)
 
 
 def recipes_dir() -> Path:

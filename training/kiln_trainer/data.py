@@ -1,193 +1,178 @@
-"""Training data: only the shards a TrainingManifest lists, hash-checked, as a byte stream.
+"""A run's training data: the TrainingManifest's shards as packed tokens that every rank reads.
 
-Pipeline (every rank does the same, deterministically)::
+::
 
-    manifest.json ──verify content hash──► shards (in listed order) ──verify each file's sha256──►
-    column ``text`` (utf-8) ──► doc bytes + separator byte, concatenated ──► the global stream
-    ──► contiguous slice ``[rank*N/W, (rank+1)*N/W)`` ──► windows of block_size+1 bytes
+    ref = manifest.tokens or pack_run_tokens(manifest, recipe, run_dir=RUN, recipe_path=R)  # rank 0 packs
+    data = open_run_tokens(ref, recipe, run_dir=RUN, rank=r, recipe_path=R)                 # every rank
+    TokenLoader(data.tokens, ...)          data.tokenizer (its artifact goes into every checkpoint)
 
-Position: the windows of optimizer step ``s`` on rank ``r`` are drawn from a fresh
-``torch.Generator`` seeded with ``H(seed, rank, step, data_salt)``. The data position *is* the
-step (plus the salt the loss guard bumps when it skips a window), so a resumed run draws exactly the
-windows the uninterrupted run would have drawn, and no sampler state needs saving beyond that.
+Two sources, one code path after them:
+
+- the manifest's ``tokens`` names a token manifest made by the tokenize stage: an absolute path
+  (``PackedTokens`` on a local or shared filesystem) or an ``s3://`` URL (``kiln_trainer.remote``:
+  shards streamed into a bounded per-rank cache under ``KILN_TOKEN_CACHE_DIR`` or
+  ``RUN/token-cache``, sized by ``data.cache_bytes`` or ``KILN_TOKEN_CACHE_BYTES``);
+- without it (a manifest from ``kiln train --manifest``, the launcher tests, older stages), rank 0
+  packs the listed, sha256-checked parquet shards with the recipe's tokenizer into
+  ``RUN/tokens/<training manifest sha256[:16]>/<token_shards_key>/`` -- reused on a restart --
+  while the other ranks wait (``kiln_trainer.train``), and then every rank opens that directory.
+
+``open_run_tokens`` refuses, before step 1 (``TrainerError``: exit 2, nothing trained): a token
+manifest whose sha256 is not the one named; a tokenizer artifact that does not hash to the token
+manifest's; a tokenizer other than the recipe's (``TokenizerMismatchError``: byte with another EOS,
+a file with other bytes, a bpe that is not kiln's within ``tokenizer.vocab_size``); a block size
+other than ``model.block_size``; a shard whose recorded largest id is at or above the
+vocabulary; a model vocabulary smaller than the tokenizer's; a truncated or missing local shard. A
+shard whose bytes were altered after packing is refused on its first read (``PackedTokens``).
 """
 
 from __future__ import annotations
 
 import hashlib
-import json
-from dataclasses import dataclass, field
+import os
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
-import numpy as np
-import pyarrow.parquet as pq
-import torch
+from kiln_trainer.checkpoint_manifest import TOKEN_CACHE_SUBDIR, TOKENS_SUBDIR, canonical_json
+from kiln_trainer.config import Recipe, TokenizerConfig, check_model_vocab
+from kiln_trainer.errors import TokenizerMismatchError, TokenManifestError, naming_path
+from kiln_trainer.packed import (
+    TOKEN_MANIFEST_NAME,
+    PackedTokens,
+    TokenManifest,
+    check_compatible,
+    iter_training_texts,
+    load_token_manifest,
+    pack_training_shards,
+)
+from kiln_trainer.tokenizer import Tokenizer, build_tokenizer, load_tokenizer
+from kiln_trainer.training_manifest import TokensRef, TrainingManifest
 
-from kiln_trainer.checkpoint_manifest import canonical_json, sha256_file
-from kiln_trainer.errors import ManifestError, ShardIntegrityError
+__all__ = ["CACHE_DIR_ENV", "RunTokens", "check_recipe_tokenizer", "open_run_tokens", "pack_run_tokens"]
 
-TRAINING_MANIFEST_KIND = "kiln.TrainingManifest"
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class ShardEntry:
-    path: str
-    sha256: str
-    rows: int
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class TrainingManifest:
-    """The trainer's own parse of kiln's TrainingManifest wire format (it never imports kiln)."""
-
-    snapshot_id: str
-    corpus: str
-    contract: str
-    shards: tuple[ShardEntry, ...]
-    eval_shards: tuple[ShardEntry, ...]
-    quarantined: tuple[str, ...] = field(default=())
-    sha256: str
-    path: str = ""
-    """Where it was read from (not part of the content)."""
+CACHE_DIR_ENV = "KILN_TOKEN_CACHE_DIR"
+"""A node-local directory for the S3 token cache (default ``RUN/token-cache``); one subfolder per rank."""
 
 
-def _shard_entries(raw: Any, key: str, where: str) -> tuple[ShardEntry, ...]:
-    if not isinstance(raw, list):
-        raise ManifestError(f"{where}: {key!r} must be a list")
-    entries = []
-    for i, item in enumerate(raw):
-        if not isinstance(item, dict):
-            raise ManifestError(f"{where}: {key}[{i}] must be an object")
-        try:
-            path, digest, rows = item["path"], item["sha256"], item["rows"]
-        except KeyError as exc:
-            raise ManifestError(f"{where}: {key}[{i}] lacks {exc.args[0]!r}") from exc
-        if not isinstance(path, str) or not Path(path).is_absolute():
-            raise ManifestError(f"{where}: {key}[{i}].path must be an absolute path, got {path!r}")
-        if not isinstance(digest, str) or len(digest) != 64:
-            raise ManifestError(f"{where}: {key}[{i}].sha256 must be 64 hex chars")
-        if not isinstance(rows, int) or isinstance(rows, bool) or rows < 0:
-            raise ManifestError(f"{where}: {key}[{i}].rows must be an int >= 0")
-        entries.append(ShardEntry(path=path, sha256=digest, rows=rows))
-    return tuple(entries)
+@dataclass(frozen=True, slots=True)
+class RunTokens:
+    """The checked packed tokens of a run and the tokenizer they were packed with."""
+
+    tokens: PackedTokens
+    tokenizer: Tokenizer
+
+    @property
+    def manifest(self) -> TokenManifest:
+        return self.tokens.manifest
 
 
-def load_training_manifest(path: str | Path) -> TrainingManifest:
-    """Read a TrainingManifest JSON and check its content hash; raise ManifestError otherwise."""
-    where = str(path)
-    try:
-        raw_bytes = Path(path).read_bytes()
-    except OSError as exc:
-        raise ManifestError(f"{where}: cannot read training manifest: {exc}") from exc
-    try:
-        data = json.loads(raw_bytes)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise ManifestError(f"{where}: not JSON: {exc}") from exc
-    if not isinstance(data, dict) or data.get("kind") != TRAINING_MANIFEST_KIND:
-        raise ManifestError(f"{where}: kind is not {TRAINING_MANIFEST_KIND!r}")
-    declared = data.get("sha256")
-    body = {k: v for k, v in data.items() if k not in ("kind", "sha256")}
-    actual = hashlib.sha256(canonical_json(body)).hexdigest()
-    if declared != actual:
-        raise ManifestError(
-            f"{where}: content hash mismatch (declared {declared}, computed {actual}); "
-            "the manifest was edited after it was issued"
+# --------------------------------------------------------------------------- packing (rank 0)
+
+
+def pack_run_tokens(
+    manifest: TrainingManifest, recipe: Recipe, *, run_dir: str | Path, recipe_path: str | Path | None = None
+) -> TokensRef:
+    """Rank 0, for a manifest without ``tokens``: pack its shards under the run dir (or reuse them)."""
+    root = Path(run_dir) / TOKENS_SUBDIR / manifest.sha256[:16]
+    with naming_path(root):  # a failed write names no file: say where (a full disk under the run dir)
+        tokenizer = _recipe_tokenizer(manifest, recipe.tokenizer, root, recipe_path)
+        packed = pack_training_shards(
+            root,
+            snapshot_id=manifest.snapshot_id,
+            tokenizer=tokenizer,
+            block_size=recipe.model.block_size,
+            shards=manifest.shards,
         )
-    for key in ("snapshot_id", "corpus", "contract"):
-        if not isinstance(data.get(key), str):
-            raise ManifestError(f"{where}: {key!r} must be a string")
-    shards = _shard_entries(data.get("shards"), "shards", where)
-    if not shards:
-        raise ManifestError(f"{where}: 'shards' is empty: nothing to train on")
-    eval_shards = _shard_entries(data.get("eval_shards", []), "eval_shards", where)
-    quarantined = data.get("quarantined", [])
-    if not isinstance(quarantined, list):
-        raise ManifestError(f"{where}: 'quarantined' must be a list")
-    return TrainingManifest(
-        snapshot_id=data["snapshot_id"],
-        corpus=data["corpus"],
-        contract=data["contract"],
-        shards=shards,
-        eval_shards=eval_shards,
-        quarantined=tuple(quarantined),
-        sha256=actual,
-        path=str(Path(path).resolve()),
+    return TokensRef(manifest=str(Path(packed.path) / TOKEN_MANIFEST_NAME), sha256=packed.sha256)
+
+
+def _recipe_tokenizer(manifest: TrainingManifest, cfg: TokenizerConfig, root: Path, recipe_path: str | Path | None) -> Tokenizer:
+    """The recipe's tokenizer; a BPE trained here is kept next to the shards, so a restart reuses it."""
+    if cfg.kind != "bpe":
+        return build_tokenizer(cfg, recipe_path=recipe_path)
+    inputs = {"training_manifest_sha256": manifest.sha256, "tokenizer": {
+        "vocab_size": cfg.vocab_size, "eos_token": cfg.eos_token, "max_train_chars": cfg.max_train_chars}}
+    cached = root / f"bpe-{hashlib.sha256(canonical_json(inputs)).hexdigest()[:32]}.json"
+    if cached.is_file():
+        return load_tokenizer(cached, eos_token=cfg.eos_token)
+    tokenizer = build_tokenizer(cfg, training_texts=lambda: iter_training_texts(manifest.shards))
+    tokenizer.save(cached)
+    return tokenizer
+
+
+# --------------------------------------------------------------------------- opening (every rank)
+
+
+def open_run_tokens(
+    ref: TokensRef, recipe: Recipe, *, run_dir: str | Path, rank: int, recipe_path: str | Path | None = None
+) -> RunTokens:
+    """The token shards ``ref`` names, checked against it and against the recipe (see the module docstring)."""
+    if ref.remote:
+        return _open_remote(ref, recipe, run_dir=Path(run_dir), rank=rank, recipe_path=recipe_path)
+    manifest = load_token_manifest(ref.manifest)
+    _check_named_sha256(manifest, ref)
+    tokenizer = _shards_tokenizer(manifest, Path(manifest.path) / manifest.tokenizer_file, recipe.tokenizer)
+    _check_for_recipe(manifest, tokenizer, recipe, recipe_path)
+    return RunTokens(PackedTokens(manifest, vocab_size=tokenizer.vocab_size), tokenizer)
+
+
+def _open_remote(ref: TokensRef, recipe: Recipe, *, run_dir: Path, rank: int, recipe_path: str | Path | None) -> RunTokens:
+    from kiln_trainer.remote import S3ShardCache, cache_bytes_from_env, open_remote_tokens
+
+    prefix = ref.manifest.removesuffix("/" + TOKEN_MANIFEST_NAME)
+    cache_root = Path(os.environ.get(CACHE_DIR_ENV) or run_dir / TOKEN_CACHE_SUBDIR)
+    remote = open_remote_tokens(
+        prefix,
+        cache_dir=cache_root / f"rank-{rank:05d}",  # one cache per process: its accounting is in-process
+        cache_bytes=cache_bytes_from_env(recipe.data.cache_bytes),
+        expected_manifest_sha256=ref.sha256,
     )
+    manifest, store = remote.manifest, remote.store
+    assert isinstance(store, S3ShardCache)
+    artifact = store.fetch_file(manifest.tokenizer_file, manifest.tokenizer["sha256"])
+    tokenizer = _shards_tokenizer(manifest, artifact, recipe.tokenizer)
+    _check_for_recipe(manifest, tokenizer, recipe, recipe_path)
+    return RunTokens(PackedTokens(manifest, store, vocab_size=tokenizer.vocab_size), tokenizer)
 
 
-def read_verified_texts(entry: ShardEntry) -> list[str]:
-    """The ``text`` column of one shard, after checking the file's sha256 against the manifest."""
-    path = Path(entry.path)
-    if not path.is_file():
-        raise ShardIntegrityError(f"shard {path} listed in the manifest does not exist")
-    actual = sha256_file(path)
-    if actual != entry.sha256:
-        raise ShardIntegrityError(
-            f"shard {path} sha256 mismatch (manifest {entry.sha256}, on disk {actual}); refusing to train on it"
+def _check_named_sha256(manifest: TokenManifest, ref: TokensRef) -> None:
+    if manifest.sha256 != ref.sha256:
+        raise TokenManifestError(
+            f"{ref.manifest}: token manifest sha256 {manifest.sha256}, but the training manifest names {ref.sha256}"
         )
-    try:
-        table = pq.read_table(path, columns=["text"])
-    except Exception as exc:  # pyarrow raises several types; the shard is unusable either way
-        raise ShardIntegrityError(f"shard {path}: cannot read column 'text': {exc}") from exc
-    return [t for t in table.column("text").to_pylist() if t is not None]
 
 
-def build_byte_stream(entries: tuple[ShardEntry, ...] | list[ShardEntry], separator: int) -> np.ndarray:
-    """Docs of all shards, in manifest order, each followed by the separator byte, as uint8."""
-    sep = bytes([separator])
-    chunks: list[bytes] = []
-    for entry in entries:
-        for text in read_verified_texts(entry):
-            chunks.append(text.encode("utf-8"))
-            chunks.append(sep)
-    return np.frombuffer(b"".join(chunks), dtype=np.uint8).copy()
+def _shards_tokenizer(manifest: TokenManifest, artifact: Path, cfg: TokenizerConfig) -> Tokenizer:
+    """The tokenizer artifact stored with the shards, which must be the one the token manifest names."""
+    tokenizer = load_tokenizer(artifact, eos_token=cfg.eos_token)
+    named = manifest.tokenizer
+    if tokenizer.sha256 != named["sha256"] or tokenizer.eos_id != named["eos_id"]:
+        raise TokenizerMismatchError(
+            f"{artifact}: tokenizer sha256 {tokenizer.sha256} (EOS id {tokenizer.eos_id}), but the token manifest "
+            f"says sha256 {named['sha256']} (EOS id {named['eos_id']})"
+        )
+    return tokenizer
 
 
-def rank_slice(stream: np.ndarray, rank: int, world_size: int) -> np.ndarray:
-    """Contiguous, disjoint, byte-balanced share of the stream for one rank."""
-    n = len(stream)
-    return stream[rank * n // world_size : (rank + 1) * n // world_size]
-
-
-def _step_seed(seed: int, rank: int, step: int, salt: int) -> int:
-    digest = hashlib.sha256(f"kiln-data:{seed}:{rank}:{step}:{salt}".encode()).digest()
-    return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
-
-
-class WindowSampler:
-    """Random windows of one rank's stream; the batch of a step depends only on (seed, rank, step, salt)."""
-
-    def __init__(
-        self, stream: np.ndarray, *, block_size: int, batch_size: int, accum_steps: int, seed: int, rank: int
-    ) -> None:
-        if len(stream) < block_size + 2:
-            raise ShardIntegrityError(
-                f"rank {rank} has only {len(stream)} bytes of training data; need > block_size+1 "
-                f"({block_size + 1}). Use more shards or fewer ranks."
+def check_recipe_tokenizer(cfg: TokenizerConfig, shards: Tokenizer, *, recipe_path: str | Path | None = None) -> None:
+    """Refuse shards packed with a tokenizer other than the one the recipe's ``[tokenizer]`` asks for."""
+    if cfg.kind == "bpe":
+        if shards.kind != "bpe" or shards.vocab_size > cfg.vocab_size:
+            raise TokenizerMismatchError(
+                f"the recipe asks for {cfg.describe()}, but the token shards were packed with a {shards.kind} "
+                f"tokenizer of {shards.vocab_size} ids (sha256 {shards.sha256}); re-tokenize for this recipe"
             )
-        self.stream = torch.from_numpy(stream)
-        self.block_size = block_size
-        self.batch_size = batch_size
-        self.accum_steps = accum_steps
-        self.seed = seed
-        self.rank = rank
-        self._offsets = torch.arange(block_size + 1)
-
-    def step_batches(self, step: int, salt: int = 0) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """(x, y) int64 pairs, one per micro-batch, for optimizer step ``step`` (1-based)."""
-        gen = torch.Generator().manual_seed(_step_seed(self.seed, self.rank, step, salt))
-        high = len(self.stream) - self.block_size - 1
-        starts = torch.randint(0, high + 1, (self.accum_steps, self.batch_size), generator=gen)
-        windows = self.stream[starts.unsqueeze(-1) + self._offsets].long()
-        return [(windows[m, :, :-1], windows[m, :, 1:]) for m in range(self.accum_steps)]
+        return
+    expected = build_tokenizer(cfg, recipe_path=recipe_path)
+    if expected.sha256 != shards.sha256:
+        raise TokenizerMismatchError(
+            f"the recipe asks for {cfg.describe()} (sha256 {expected.sha256}, EOS id {expected.eos_id}), but the "
+            f"token shards were packed with a {shards.kind} tokenizer (sha256 {shards.sha256}, EOS id "
+            f"{shards.eos_id}); re-tokenize for this recipe"
+        )
 
 
-def eval_windows(stream: np.ndarray, block_size: int, max_windows: int) -> torch.Tensor:
-    """Non-overlapping windows of block_size+1 bytes from the start of the stream (deterministic)."""
-    n = min(max_windows, (len(stream) - 1) // block_size)
-    if n < 1:
-        raise ShardIntegrityError(f"eval stream has {len(stream)} bytes; need > block_size ({block_size})")
-    data = torch.from_numpy(stream)
-    starts = torch.arange(n) * block_size
-    return data[starts.unsqueeze(-1) + torch.arange(block_size + 1)].long()
+def _check_for_recipe(manifest: TokenManifest, tokenizer: Tokenizer, recipe: Recipe, recipe_path: str | Path | None) -> None:
+    check_recipe_tokenizer(recipe.tokenizer, tokenizer, recipe_path=recipe_path)
+    check_model_vocab(recipe.model.vocab_size, tokenizer.vocab_size, recipe.tokenizer)
+    check_compatible(manifest, tokenizer=tokenizer, block_size=recipe.model.block_size, vocab_size=tokenizer.vocab_size)

@@ -6,17 +6,28 @@
 Without ``--manifest`` the run's own copy, ``RUN/training_manifest.json`` (written by the trainer),
 is used, and only if its content hash is the one the checkpoint was trained on.
 
-The checkpoint is verified first (``verify_checkpoint``); the eval shards are hash-checked like the
-training shards. Windows are the first ``eval.max_windows`` non-overlapping ``block_size`` windows
-of the eval stream, evaluated in float32, so the report is deterministic. Since a token is a byte,
-bits-per-byte = mean cross-entropy (nats) / ln 2.
+The checkpoint is verified first (``verify_checkpoint``) and scored with its own tokenizer (its
+``tokenizer.json``), whatever the tokenizer; the eval shards are hash-checked like the training
+shards. The scored text: the eval documents in manifest order, each encoded and followed by EOS,
+as in training, after one leading EOS (so the first token is predicted from a document start),
+until ``eval.max_windows x block_size`` tokens are predicted; the last document is cut at a text
+(character) boundary so that its tokens fit. The token stream is cut into windows of
+``block_size + 1`` tokens overlapping by one (every token is predicted once), evaluated in float32,
+so the report is deterministic.
+
+    bits_per_byte = total NLL in bits / UTF-8 bytes of the text scored
+
+EOS predictions count in the NLL and add no bytes (a document boundary is information every
+tokenizer has to predict once per document), so the figure compares across tokenizers; ``loss`` is
+the mean NLL per predicted token (nats).
 
 Report (``kind == "kiln.EvalReport"``)::
 
     {"kind": "kiln.EvalReport", "checkpoint": "/abs/step-dir", "weights_sha256": "<hex>",
-     "split": "eval", "bits_per_byte": 2.31, "loss": 1.60, "tokens": 8192, "windows": 64,
-     "step": 300, "checkpoint_manifest_sha256": "<hex>", "training_manifest_sha256": "<hex>",
-     "snapshot_id": "<md5>.dir"}
+     "split": "eval", "bits_per_byte": 2.31, "loss": 1.60, "tokens": 8192, "bytes": 8133,
+     "windows": 64, "step": 300, "checkpoint_manifest_sha256": "<hex>",
+     "training_manifest_sha256": "<hex>", "snapshot_id": "<md5>.dir",
+     "tokenizer_sha256": "<hex>", "token_manifest_sha256": "<hex>"}
 """
 
 from __future__ import annotations
@@ -26,6 +37,8 @@ import json
 import logging
 import math
 import sys
+from collections.abc import Iterable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -33,11 +46,19 @@ import torch
 import torch.nn.functional as F
 
 from kiln_trainer.checkpoint import load_model_weights, weights_sha256
-from kiln_trainer.checkpoint_manifest import TRAINING_MANIFEST_COPY, atomic_write_bytes, manifest_sha256
+from kiln_trainer.checkpoint_manifest import (
+    FORMAT_VERSION,
+    TOKENIZER_FILE,
+    TRAINING_MANIFEST_COPY,
+    atomic_write_bytes,
+    manifest_sha256,
+)
 from kiln_trainer.config import Recipe
-from kiln_trainer.data import build_byte_stream, eval_windows, load_training_manifest
-from kiln_trainer.errors import CheckpointError, ManifestError, TrainerError
+from kiln_trainer.errors import CheckpointError, ShardIntegrityError, TrainerError, TrainingManifestError
 from kiln_trainer.model import GPT
+from kiln_trainer.packed import iter_training_texts
+from kiln_trainer.tokenizer import Tokenizer, load_tokenizer
+from kiln_trainer.training_manifest import load_training_manifest
 
 log = logging.getLogger("kiln_trainer.evaluate")
 
@@ -47,6 +68,11 @@ EVAL_KIND = "kiln.EvalReport"
 def load_checkpoint_model(step_dir: str | Path, device: str = "cpu") -> tuple[GPT, dict[str, Any]]:
     """The model of a verified checkpoint (eval mode) and its manifest."""
     manifest, state = load_model_weights(step_dir)
+    if manifest.get("format") != FORMAT_VERSION:
+        raise CheckpointError(
+            f"{step_dir}: checkpoint format {manifest.get('format')} predates the token data path (no tokenizer "
+            f"in it); this kiln reads format {FORMAT_VERSION}"
+        )
     if weights_sha256(state) != manifest["weights_sha256"]:
         raise CheckpointError(f"{step_dir}: model.pt does not hash to the manifest's weights_sha256")
     recipe = Recipe.from_dict(manifest["recipe"])
@@ -56,14 +82,65 @@ def load_checkpoint_model(step_dir: str | Path, device: str = "cpu") -> tuple[GP
     return model, manifest
 
 
+def load_checkpoint_tokenizer(step_dir: str | Path, manifest: dict[str, Any]) -> Tokenizer:
+    """The tokenizer a verified checkpoint was trained with (its ``tokenizer.json``)."""
+    recipe = Recipe.from_dict(manifest["recipe"])
+    tokenizer = load_tokenizer(Path(step_dir) / TOKENIZER_FILE, eos_token=recipe.tokenizer.eos_token)
+    if tokenizer.sha256 != manifest["tokenizer_sha256"]:
+        raise CheckpointError(f"{step_dir}: {TOKENIZER_FILE} does not hash to the manifest's tokenizer_sha256")
+    return tokenizer
+
+
+@dataclass(frozen=True, slots=True)
+class ScoredText:
+    """The eval token stream and the UTF-8 bytes of the text it encodes."""
+
+    ids: list[int]
+    """Leading EOS, then each document's ids and its EOS (the last document maybe cut, without EOS)."""
+    text_bytes: int
+
+
+def scored_text(texts: Iterable[str], tokenizer: Tokenizer, max_tokens: int) -> ScoredText:
+    """Documents in order until ``max_tokens`` tokens are predicted (``len(ids) - 1 <= max_tokens``);
+    the document that would pass the budget is cut at the longest character prefix that fits."""
+    ids, text_bytes = [tokenizer.eos_id], 0
+    for text in texts:
+        room = max_tokens - (len(ids) - 1)
+        if room <= 0:
+            break
+        doc = tokenizer.encode_batch([text])[0]
+        if len(doc) + 1 <= room:
+            ids += [*doc, tokenizer.eos_id]
+            text_bytes += len(text.encode("utf-8"))
+            continue
+        cut = _longest_prefix_within(text, tokenizer, room)
+        if cut:
+            ids += tokenizer.encode_batch([text[:cut]])[0]
+            text_bytes += len(text[:cut].encode("utf-8"))
+        break
+    return ScoredText(ids=ids, text_bytes=text_bytes)
+
+
+def _longest_prefix_within(text: str, tokenizer: Tokenizer, room: int) -> int:
+    """The most characters of ``text`` whose encoding has at most ``room`` tokens (binary search)."""
+    low, high = 0, min(len(text), room * 64)  # no tokenizer here packs more than 64 characters into a token
+    while low < high:
+        mid = (low + high + 1) // 2
+        if len(tokenizer.encode_batch([text[:mid]])[0]) <= room:
+            low = mid
+        else:
+            high = mid - 1
+    return low
+
+
 def run_training_manifest(step_dir: str | Path, ck_manifest: dict[str, Any]) -> Path:
     """The TrainingManifest copy in the checkpoint's run dir, checked against the checkpoint."""
     path = Path(step_dir).resolve().parent.parent / TRAINING_MANIFEST_COPY
     if not path.is_file():
-        raise ManifestError(f"no --manifest given and {path} does not exist; pass the TrainingManifest explicitly")
+        raise TrainingManifestError(f"no --manifest given and {path} does not exist; pass the TrainingManifest explicitly")
     found = load_training_manifest(path).sha256
     if found != ck_manifest["training_manifest_sha256"]:
-        raise ManifestError(
+        raise TrainingManifestError(
             f"{path} has content hash {found}, but {step_dir} was trained on "
             f"{ck_manifest['training_manifest_sha256']}; pass the right --manifest"
         )
@@ -82,22 +159,30 @@ def evaluate_checkpoint(
     """Compute the EvalReport dict for one committed checkpoint (see module docstring)."""
     step_dir = Path(step_dir).resolve()
     model, ck_manifest = load_checkpoint_model(step_dir, device)
+    tokenizer = load_checkpoint_tokenizer(step_dir, ck_manifest)
     recipe = Recipe.from_dict(ck_manifest["recipe"])
     if manifest_path is None:
         manifest_path = run_training_manifest(step_dir, ck_manifest)
     training_manifest = load_training_manifest(manifest_path)
     if not training_manifest.eval_shards:
-        raise ManifestError(f"{manifest_path}: no eval_shards to evaluate on")
-    stream = build_byte_stream(training_manifest.eval_shards, recipe.data.doc_separator)
-    windows = eval_windows(stream, recipe.model.block_size, max_windows or recipe.eval.max_windows)
+        raise TrainingManifestError(f"{manifest_path}: no eval_shards to evaluate on")
+    block = recipe.model.block_size
+    windows_asked = max_windows or recipe.eval.max_windows
+    text = scored_text(iter_training_texts(training_manifest.eval_shards), tokenizer, windows_asked * block)
+    if len(text.ids) < 2 or text.text_bytes == 0:
+        raise ShardIntegrityError(f"{manifest_path}: the eval shards hold no text to score")
+    stream = torch.tensor(text.ids, dtype=torch.long)
+    starts = list(range(0, len(stream) - 1, block))
     batch = batch_size or recipe.eval.batch_size
     total_nats, total_tokens = 0.0, 0
-    for i in range(0, len(windows), batch):
-        chunk = windows[i : i + batch].to(device)
-        logits, _ = model(chunk[:, :-1])
-        nats = F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), chunk[:, 1:].reshape(-1), reduction="sum")
-        total_nats += float(nats.item())
-        total_tokens += chunk[:, 1:].numel()
+    for i in range(0, len(starts), batch):
+        for length, group in _same_length(stream, starts[i : i + batch], block):
+            chunk = torch.stack([stream[a : a + length] for a in group]).to(device)
+            logits, _ = model(chunk[:, :-1])
+            targets = chunk[:, 1:]
+            nats = F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), targets.reshape(-1), reduction="sum")
+            total_nats += float(nats.item())
+            total_tokens += targets.numel()
     loss = total_nats / total_tokens
     if not math.isfinite(loss):
         raise TrainerError(f"{step_dir}: evaluation loss is not finite ({loss})")
@@ -106,15 +191,26 @@ def evaluate_checkpoint(
         "checkpoint": str(step_dir),
         "weights_sha256": ck_manifest["weights_sha256"],
         "split": "eval",
-        "bits_per_byte": loss / math.log(2),
+        "bits_per_byte": total_nats / math.log(2) / text.text_bytes,
         "loss": loss,
         "tokens": total_tokens,
-        "windows": len(windows),
+        "bytes": text.text_bytes,
+        "windows": len(starts),
         "step": ck_manifest["step"],
         "checkpoint_manifest_sha256": manifest_sha256(step_dir),
         "training_manifest_sha256": training_manifest.sha256,
         "snapshot_id": training_manifest.snapshot_id,
+        "tokenizer_sha256": tokenizer.sha256,
+        "token_manifest_sha256": ck_manifest["token_manifest_sha256"],
     }
+
+
+def _same_length(stream: torch.Tensor, starts: list[int], block: int) -> list[tuple[int, list[int]]]:
+    """Window starts grouped by window length (all ``block + 1`` but the stream's last, shorter one)."""
+    groups: dict[int, list[int]] = {}
+    for a in starts:
+        groups.setdefault(min(block + 1, len(stream) - a), []).append(a)
+    return sorted(groups.items(), reverse=True)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -135,10 +231,11 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     atomic_write_bytes(args.out, (json.dumps(report, indent=1, sort_keys=True) + "\n").encode())
     log.info(
-        "bits/byte %.4f (loss %.4f over %d bytes) -> %s",
+        "bits/byte %.4f (loss %.4f over %d tokens, %d bytes) -> %s",
         report["bits_per_byte"],
         report["loss"],
         report["tokens"],
+        report["bytes"],
         args.out,
     )
     print(json.dumps(report, sort_keys=True))

@@ -1,25 +1,21 @@
-"""Log a committed checkpoint as an MLflow PyTorch model into the active MLflow run.
+"""Log a committed checkpoint as an MLflow text model (``python_function``) into the active run.
 
     import mlflow
     from kiln_trainer.export import log_model
     with mlflow.start_run(run_id=run_id):
         uri = log_model("RUN/checkpoints/step-00000300")
-    model = mlflow.pytorch.load_model(uri)
-    model.generate(b"def ", max_new_tokens=64)   # -> bytes
+    mlflow.pyfunc.load_model(uri).predict(["def main("])   # -> ["<generated text>"]
 
-Why the pickled-module format: mlflow 3.17's ``log_model`` defaults to ``torch.export`` (pt2),
-which needs an ``input_example`` with fixed shapes, and ``load_model`` of a pt2 model returns the
-exported graph's ``.module()`` (a ``GraphModule``) that has ``forward`` only: ``generate`` and the
-model's config would be gone. ``serialization_format="pickle"`` stores the ``GPT`` module itself, so
-``load_model`` returns a ``GPT`` with ``generate``. Pickle names the class
-``kiln_trainer.model.GPT``; the package source is shipped with the model (``code_paths``) so the
-model loads where ``kiln_trainer`` is not installed. Loading a pickle runs code: load models only
-from a registry you trust (the registry's permissions are the control, see docs/operations).
+The served model is ``kiln_trainer.serving.TextGenerator`` (see that module for the request
+format and ``mlflow models serve``). Why a pyfunc and not ``mlflow.pytorch``: the PyTorch flavor
+predicts on tensors or frames of numbers, never on text, and a pickled module would make loading
+a model run pickled code. The version holds the weights alone (a state dict, loaded with
+``weights_only=True``), the model's shape, the tokenizer artifact the checkpoint was trained with,
+and the trainer package as code (``code_paths``), so it loads where kiln is not installed.
 
-The model carries, as MLmodel metadata and as files next to it (``extra_files``): the tokenizer
-facts (byte-level, vocabulary 256), the resolved recipe, and the checkpoint manifest, under
-``extra_files/`` in the model directory (lineage:
-weights/recipe/training-manifest hashes, snapshot id, step).
+The model also carries, as MLmodel metadata (flat values the MLflow UI shows and lineage checks
+read) and as files (``artifacts/``): the resolved recipe and the checkpoint manifest (weights,
+recipe, training-manifest and tokenizer hashes, snapshot id, step).
 """
 
 from __future__ import annotations
@@ -29,69 +25,85 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from kiln_trainer import BYTE_VOCAB_SIZE
-from kiln_trainer.checkpoint_manifest import manifest_sha256
+from kiln_trainer.checkpoint_manifest import TOKENIZER_FILE, manifest_sha256
 from kiln_trainer.errors import TrainerError
-
-TOKENIZER = {
-    "type": "bytes",
-    "vocab_size": BYTE_VOCAB_SIZE,
-    "description": "token id == byte value; text is encoded as UTF-8; generate() returns bytes",
-}
+from kiln_trainer.tokenizer import ByteTokenizer, Tokenizer, load_tokenizer
 
 
-def model_metadata(manifest: dict[str, Any], step_dir: Path) -> dict[str, Any]:
+def checkpoint_tokenizer(step_dir: Path, manifest: dict[str, Any]) -> Tokenizer:
+    """The tokenizer a checkpoint was trained with: its ``tokenizer.json`` (format 2, listed and
+    hash-checked in the manifest), or for a format-1 checkpoint of the byte stream before
+    tokenizers, the byte tokenizer with that recipe's separator byte."""
+    path = step_dir / TOKENIZER_FILE
+    if path.is_file():
+        tokenizer = load_tokenizer(path)
+        recorded = manifest.get("tokenizer_sha256")
+        if recorded and tokenizer.sha256 != recorded:
+            raise TrainerError(f"{path}: hashes to {tokenizer.sha256}, the checkpoint was trained with {recorded}")
+        return tokenizer
+    return ByteTokenizer(eos_id=int(manifest["recipe"].get("data", {}).get("doc_separator", 0)))
+
+
+def model_metadata(manifest: dict[str, Any], step_dir: Path, tokenizer: Tokenizer) -> dict[str, Any]:
     """MLmodel metadata: flat strings/ints that the MLflow UI shows and lineage checks read."""
     return {
-        "kiln.tokenizer": TOKENIZER["type"],
-        "kiln.vocab_size": BYTE_VOCAB_SIZE,
-        "kiln.doc_separator": manifest["recipe"]["data"]["doc_separator"],
+        "kiln.tokenizer": tokenizer.kind,
+        "kiln.tokenizer_sha256": tokenizer.sha256,
+        "kiln.vocab_size": tokenizer.vocab_size,
+        "kiln.eos_id": tokenizer.eos_id,
         "kiln.block_size": manifest["recipe"]["model"]["block_size"],
         "kiln.step": manifest["step"],
         "kiln.weights_sha256": manifest["weights_sha256"],
         "kiln.recipe_sha256": manifest["recipe_sha256"],
         "kiln.training_manifest_sha256": manifest["training_manifest_sha256"],
+        "kiln.token_manifest_sha256": manifest.get("token_manifest_sha256", ""),
         "kiln.snapshot_id": manifest["snapshot_id"],
         "kiln.checkpoint_manifest_sha256": manifest_sha256(step_dir),
     }
 
 
 def log_model(step_dir: str | Path, name: str = "model", **log_model_kwargs: Any) -> str:
-    """Verify the checkpoint, rebuild the model and log it to the active run; return the model URI.
-
-    Extra keyword arguments go to ``mlflow.pytorch.log_model`` (e.g. ``registered_model_name``).
-    """
+    """Verify the checkpoint, write the served model's files and log it to the active run; return
+    the model URI. Extra keyword arguments go to ``mlflow.pyfunc.log_model`` (e.g.
+    ``registered_model_name``)."""
     import mlflow
-    import mlflow.pytorch
+    import mlflow.pyfunc
+    import tokenizers
+    import torch
 
+    from kiln_trainer import serving
     from kiln_trainer.evaluate import load_checkpoint_model
 
     if mlflow.active_run() is None:
         raise TrainerError("log_model needs an active MLflow run (mlflow.start_run(run_id=...))")
     step_dir = Path(step_dir).resolve()
-    model, manifest = load_checkpoint_model(step_dir, device="cpu")
-    import torch
-
+    model, manifest = load_checkpoint_model(step_dir, device="cpu")  # verifies files and weights hash
+    tokenizer = checkpoint_tokenizer(step_dir, manifest)
+    if tokenizer.vocab_size > model.config["vocab_size"]:
+        raise TrainerError(f"{step_dir}: tokenizer vocabulary {tokenizer.vocab_size} exceeds the model's "
+                           f"{model.config['vocab_size']}")
     with tempfile.TemporaryDirectory(prefix="kiln-export-") as tmp:
-        extra = {
-            "tokenizer.json": TOKENIZER | {"doc_separator": manifest["recipe"]["data"]["doc_separator"]},
-            "recipe.json": manifest["recipe"],
-            "checkpoint_manifest.json": manifest,
-        }
-        extra_files = []
-        for filename, content in extra.items():
-            path = Path(tmp) / filename
-            path.write_text(json.dumps(content, indent=1, sort_keys=True))
-            extra_files.append(str(path))
-        info = mlflow.pytorch.log_model(
-            model,
+        files = Path(tmp)
+        torch.save(model.state_dict(), files / serving.WEIGHTS_FILE)
+        (files / serving.MODEL_CONFIG_FILE).write_text(json.dumps(model.config, indent=1, sort_keys=True))
+        tokenizer.save(files / TOKENIZER_FILE)  # the very artifact: its sha256 is the one trained with
+        (files / "recipe.json").write_text(json.dumps(manifest["recipe"], indent=1, sort_keys=True))
+        (files / "checkpoint_manifest.json").write_text(json.dumps(manifest, indent=1, sort_keys=True))
+        artifacts = {key: str(files / filename) for key, filename in (
+            ("weights", serving.WEIGHTS_FILE), ("model_config", serving.MODEL_CONFIG_FILE),
+            ("tokenizer", TOKENIZER_FILE), ("recipe", "recipe.json"),
+            ("checkpoint_manifest", "checkpoint_manifest.json"))}
+        info = mlflow.pyfunc.log_model(
             name=name,
-            serialization_format="pickle",
+            python_model=serving.TextGenerator(),
+            artifacts=artifacts,
             code_paths=[str(Path(__file__).resolve().parent)],
-            extra_files=extra_files,
-            metadata=model_metadata(manifest, step_dir),
+            signature=serving.signature(),
+            input_example=(["def main("], {"max_new_tokens": 8}),
+            metadata=model_metadata(manifest, step_dir, tokenizer),
             # Pinned to this process's versions; inferring them would import-scan in a subprocess.
-            pip_requirements=[f"torch=={torch.__version__.split('+')[0]}", "cloudpickle", "numpy", "pyarrow"],
+            pip_requirements=[f"torch=={torch.__version__.split('+')[0]}", f"tokenizers=={tokenizers.__version__}",
+                              "numpy", "cloudpickle"],
             **log_model_kwargs,
         )
     return info.model_uri

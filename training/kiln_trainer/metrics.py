@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from kiln_trainer.checkpoint_manifest import atomic_write_bytes
+from kiln_trainer.errors import naming_path
 
 log = logging.getLogger(__name__)
 
@@ -50,12 +51,13 @@ class JsonlSink:
 
     def __init__(self, path: Path) -> None:
         self.path = path
-        self._fh = open(path, "a", encoding="utf-8")
+        self._fh = open(path, "a", encoding="utf-8")  # noqa: SIM115 - the sink owns it; close() closes it
 
     def log(self, step: int, record: dict[str, Any]) -> None:
         clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in record.items()}
-        self._fh.write(json.dumps({"step": step, **clean}, sort_keys=True) + "\n")
-        self._fh.flush()
+        with naming_path(self.path):
+            self._fh.write(json.dumps({"step": step, **clean}, sort_keys=True) + "\n")
+            self._fh.flush()
 
     def tag(self, tags: dict[str, str]) -> None:
         pass  # tags reach metrics.jsonl as the events that set them

@@ -1,22 +1,37 @@
-"""A small decoder-only transformer over bytes (nanoGPT class, vocabulary 256).
+"""A small decoder-only transformer (nanoGPT class) over the token ids of the run's tokenizer.
 
-Token id == byte value, so there is no tokenizer file: ``generate`` takes ``bytes`` (or ``str``,
-encoded as UTF-8) and returns ``bytes``. The module keeps its ``ModelConfig`` as a plain dict
-attribute so that a pickled module (the MLflow model format, see ``export``) rebuilds without the
-recipe machinery.
+``generate_ids(ids) -> ids`` samples token ids (encode and decode with the checkpoint's
+``tokenizer.json``, ``kiln_trainer.tokenizer.load_tokenizer``). For the byte tokenizer ``generate``
+takes ``bytes`` (or ``str``, encoded as UTF-8) and returns ``bytes``: ids are byte values and the
+EOS id (256) is never sampled. The module keeps its ``ModelConfig`` as a plain dict attribute so
+that a pickled module (the MLflow model format, see ``export``) rebuilds without the recipe
+machinery.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import asdict
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
 from kiln_trainer.config import ModelConfig
+
+if TYPE_CHECKING:
+
+    class _Trunk(nn.ModuleDict):
+        """What ``GPT.transformer`` holds, declared for the type checker (a ModuleDict's entries are
+        untyped attributes)."""
+
+        wte: nn.Embedding
+        wpe: nn.Embedding
+        drop: nn.Dropout
+        h: nn.ModuleList
+        ln_f: nn.LayerNorm
 
 
 class CausalSelfAttention(nn.Module):
@@ -66,21 +81,25 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
-    """Byte-level GPT. ``forward(idx, targets=None) -> (logits, loss | None)``."""
+    """Decoder-only GPT. ``forward(idx, targets=None) -> (logits, loss | None)``."""
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
+        if cfg.vocab_size < 1:
+            raise ValueError("model.vocab_size is 0 (follow the tokenizer): build from a Recipe, which resolves it")
         self.config: dict[str, Any] = asdict(cfg)
         self.block_size = cfg.block_size
-        self.transformer = nn.ModuleDict(
-            dict(
-                wte=nn.Embedding(cfg.vocab_size, cfg.n_embd),
-                wpe=nn.Embedding(cfg.block_size, cfg.n_embd),
-                drop=nn.Dropout(cfg.dropout),
-                h=nn.ModuleList([Block(cfg) for _ in range(cfg.n_layer)]),
-                ln_f=nn.LayerNorm(cfg.n_embd, bias=cfg.bias),
-            )
-        )
+        # A plain ModuleDict at run time (parameter names transformer.wte.weight, ...; exported models
+        # pickle it as one): _Trunk only names its entries' types.
+        self.transformer = cast("_Trunk", nn.ModuleDict(
+            {
+                "wte": nn.Embedding(cfg.vocab_size, cfg.n_embd),
+                "wpe": nn.Embedding(cfg.block_size, cfg.n_embd),
+                "drop": nn.Dropout(cfg.dropout),
+                "h": nn.ModuleList([Block(cfg) for _ in range(cfg.n_layer)]),
+                "ln_f": nn.LayerNorm(cfg.n_embd, bias=cfg.bias),
+            }
+        ))
         self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
         # Weight tying (as GPT-2): fewer parameters, and it trains better at this size.
         self.transformer.wte.weight = self.lm_head.weight
@@ -105,10 +124,10 @@ class GPT(nn.Module):
     def forward(
         self, idx: torch.Tensor, targets: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        _, T = idx.shape
-        if T > self.block_size:
-            raise ValueError(f"sequence length {T} exceeds block_size {self.block_size}")
-        pos = torch.arange(T, dtype=torch.long, device=idx.device)
+        _, seq_len = idx.shape
+        if seq_len > self.block_size:
+            raise ValueError(f"sequence length {seq_len} exceeds block_size {self.block_size}")
+        pos = torch.arange(seq_len, dtype=torch.long, device=idx.device)
         x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(pos))
         for block in self.transformer.h:
             x = block(x)
@@ -126,6 +145,25 @@ class GPT(nn.Module):
         return 6 * n + 12 * cfg["n_layer"] * cfg["n_head"] * (cfg["n_embd"] // cfg["n_head"]) * cfg["block_size"]
 
     @torch.no_grad()
+    def generate_ids(
+        self,
+        ids: Sequence[int],
+        max_new_tokens: int = 64,
+        temperature: float = 1.0,
+        top_k: int | None = None,
+        seed: int | None = 0,
+        *,
+        stop_id: int | None = None,
+    ) -> list[int]:
+        """Sample up to ``max_new_tokens`` token ids after ``ids`` (non-empty); returns only the new ids,
+        ending before ``stop_id`` if it is sampled (e.g. the tokenizer's EOS).
+
+        ``temperature == 0`` is greedy. Sampling uses its own ``torch.Generator`` seeded with
+        ``seed`` so that generation never perturbs (or depends on) the global RNG.
+        """
+        return self._sample(list(ids), max_new_tokens, temperature, top_k, seed, stop_id=stop_id, id_limit=None)
+
+    @torch.no_grad()
     def generate(
         self,
         prompt: bytes | str,
@@ -134,15 +172,31 @@ class GPT(nn.Module):
         top_k: int | None = None,
         seed: int | None = 0,
     ) -> bytes:
-        """Sample ``max_new_tokens`` bytes after ``prompt``; returns only the new bytes.
+        """Byte tokenizer: sample ``max_new_tokens`` bytes after ``prompt``; returns only the new bytes.
 
-        ``temperature == 0`` is greedy. Sampling uses its own ``torch.Generator`` seeded with
-        ``seed`` so that generation never perturbs (or depends on) the global RNG.
+        Only byte ids (0..255) are sampled, so the result has exactly ``max_new_tokens`` bytes.
         """
         if isinstance(prompt, str):
             prompt = prompt.encode("utf-8")
+        # An empty prompt starts from a newline, the most common document boundary in text.
+        out = self._sample(list(prompt) or [10], max_new_tokens, temperature, top_k, seed, stop_id=None, id_limit=256)
+        return bytes(out)
+
+    def _sample(
+        self,
+        ids: list[int],
+        max_new_tokens: int,
+        temperature: float,
+        top_k: int | None,
+        seed: int | None,
+        *,
+        stop_id: int | None,
+        id_limit: int | None,
+    ) -> list[int]:
         if max_new_tokens < 0:
             raise ValueError("max_new_tokens must be >= 0")
+        if not ids:
+            raise ValueError("generation needs at least one prompt token")
         was_training = self.training
         self.eval()
         device = next(self.parameters()).device
@@ -151,14 +205,14 @@ class GPT(nn.Module):
             gen.manual_seed(seed)
         else:
             gen.seed()
-        # An empty prompt starts from a newline, the most common document boundary in text.
-        ids = list(prompt) or [10]
         idx = torch.tensor([ids], dtype=torch.long, device=device)
         out: list[int] = []
         try:
             for _ in range(max_new_tokens):
                 logits, _ = self(idx[:, -self.block_size :])
                 logits = logits[:, -1, :].float()
+                if id_limit is not None:
+                    logits[:, id_limit:] = float("-inf")
                 if temperature <= 0:
                     nxt = torch.argmax(logits, dim=-1, keepdim=True)
                 else:
@@ -167,11 +221,14 @@ class GPT(nn.Module):
                         kth = torch.topk(logits, min(top_k, logits.size(-1))).values[:, [-1]]
                         logits = logits.masked_fill(logits < kth, float("-inf"))
                     nxt = torch.multinomial(F.softmax(logits, dim=-1), num_samples=1, generator=gen)
+                token = int(nxt.item())
+                if token == stop_id:
+                    break
                 idx = torch.cat([idx, nxt], dim=1)
-                out.append(int(nxt.item()))
+                out.append(token)
         finally:
             self.train(was_training)
-        return bytes(out)
+        return out
 
 
 def build_model(cfg: ModelConfig) -> GPT:

@@ -26,7 +26,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("model", metavar="MODEL", help="registered model, e.g. kiln-stdlib-lm")
     p.add_argument("--policy", choices=("sandbox", "production"), default=None,
-                   help="policy owning MODEL (default: the one that may write it)")  # fmt: skip
+                   help="policy owning MODEL (default: the one that may write it)")
     p.add_argument("--json", action="store_true", help="print the events as JSON")
     p.set_defaults(func=handler)
 
@@ -55,7 +55,7 @@ def format_table(events: list[dict]) -> str:
         return "no reviews, promotions or rollbacks recorded"
     rows = [("WHEN (UTC)", "EVENT", "MODEL/VERSION", "WHO", "WHAT")]
     rows += [(e.get("at", ""), e["event"], f"{e.get('model', '')}/{e.get('version', '')}", e.get("actor", ""),
-              _detail(e)) for e in events]  # fmt: skip
+              _detail(e)) for e in events]
     widths = [max(len(r[i]) for r in rows) for i in range(4)]
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(r[:4], widths, strict=True)) + "  " + r[4] for r in rows)
 

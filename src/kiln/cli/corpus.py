@@ -7,7 +7,7 @@ import json
 import sys
 from pathlib import Path
 
-from kiln.corpus import DEFAULT_MAX_BYTES, POISON_KINDS, build_corpus
+from kiln.data.corpus import DEFAULT_MAX_BYTES, POISON_KINDS, build_corpus
 from kiln.errors import ConfigError
 
 
@@ -20,7 +20,7 @@ def _poison_help() -> str:
     )
 
 
-def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
     corpus = subparsers.add_parser(
         "corpus",
         help="build the sample corpus",

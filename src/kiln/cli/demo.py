@@ -11,6 +11,6 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def handler(args: argparse.Namespace) -> int:
-    from kiln.demo import run_demo
+    from kiln.stack.demo import run_demo
 
     return run_demo()

@@ -13,9 +13,12 @@ retried with backoff (``KILN_REGISTRY_RETRIES``, ``KILN_REGISTRY_BACKOFF_S``,
 ``KILN_REGISTRY_BACKOFF_MAX_S``; see ``kiln.registry``). The ``PromotionRecord`` is printed as
 JSON on stdout, the gate's reasons on stderr.
 
-``promote`` is itself a fresh approval (now, by ``--approver``): it may move ``champion`` back to a
-version that was rolled back, which an Airflow re-run of the old promote task may not. ``rollback``
-records who, when and why as version tags and an audit event (``kiln audit MODEL``).
+``promote`` is the one way to promote without a run's recorded review: a named person's explicit,
+fresh approval (now, by ``--approver``), audited as manual (``kiln.promotion.approval = manual``,
+and in ``kiln audit MODEL``). It acts with the caller's MLflow identity, so in a stack with MLflow
+permissions only someone holding the production identity can run it for production. It may move
+``champion`` back to a version that was rolled back, which an Airflow re-run of the old promote task
+may not. ``rollback`` records who, when and why as version tags and an audit event.
 """
 
 from __future__ import annotations
@@ -38,7 +41,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("model", metavar="MODEL", help="registered model holding VERSION (candidate or target model)")
     p.add_argument("version", metavar="VERSION", help="model version number")
     p.add_argument("--policy", default="production", choices=("sandbox", "production"))
-    p.add_argument("--approver", required=True, help="who approves this promotion (written to the version's tags)")
+    p.add_argument("--approver", required=True,
+                   help="who approves this promotion, by hand (written to the version's tags and audited as manual)")
     p.set_defaults(func=handler, registry_action="promote")
 
     r = sub.add_parser(
@@ -83,8 +87,10 @@ def handler(args: argparse.Namespace) -> int:
         print(f"kiln promote: the gate holds {args.model} version {args.version}; not promoted", file=sys.stderr)
         return GATE_SAID_NO
     record = registry.promote(
-        policy=policy, candidate_version=str(args.version), decision=decision, approver=args.approver,
-        run_key=f"cli/promote-{args.model}-{args.version}", approved_at=registry.utc_now(),
+        policy=policy, candidate_version=str(args.version), decision=decision,
+        run_key=f"cli/promote-{args.model}-{args.version}", manual_approver=args.approver,
     )
+    print(f"kiln promote: promoted by hand, approved by {record.approver} (audited as a manual approval)",
+          file=sys.stderr)
     print(json.dumps(record.to_json(), indent=2))
     return 0

@@ -1,7 +1,7 @@
 """``kiln snapshot create|restore|list|show``: immutable DVC snapshots of a corpus directory.
 
 ``create --announce`` tells Airflow about the new bytes once they are on the remote: it posts an
-event of the corpus Asset (``kiln.dagfactory.corpus_asset``) with ``extra={"snapshot_id": ...}``
+event of the corpus Asset (``kiln.airflow.dagfactory.corpus_asset``) with ``extra={"snapshot_id": ...}``
 through the REST API (``POST /api/v2/assets/events``), which starts the production DAG; that run
 then refuses to train on any other bytes than the announced id.
 """
@@ -11,12 +11,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from kiln.errors import ConfigError, KilnError
 
 if TYPE_CHECKING:
-    from kiln.airflow_client import AirflowClient
+    from kiln.stack.airflow_client import AirflowClient
 
 AIRFLOW_USER_ENV = "KILN_AIRFLOW_USER"
 AIRFLOW_PASSWORD_ENV = "KILN_AIRFLOW_PASSWORD"
@@ -53,7 +54,7 @@ def _print(obj: object) -> None:
 
 
 def _create(args: argparse.Namespace) -> int:
-    from kiln.snapshot import create_snapshot
+    from kiln.data.snapshot import create_snapshot
 
     ref = create_snapshot(args.corpus_dir, push=not args.no_push, name=args.name).to_json()
     if not args.announce:
@@ -75,18 +76,19 @@ def _create(args: argparse.Namespace) -> int:
 def airflow_client() -> AirflowClient:
     """A REST client for the configured Airflow: login from the environment or the embedded stack."""
     from kiln import settings as kiln_settings
-    from kiln import stack
-    from kiln.airflow_client import AirflowClient
+    from kiln.stack import embedded
+    from kiln.stack.airflow_client import AirflowClient
 
     s = kiln_settings.load()
     user = os.environ.get(AIRFLOW_USER_ENV) or DEFAULT_ANNOUNCER
     password = os.environ.get(AIRFLOW_PASSWORD_ENV)
     if not password:
-        if not (stack.airflow_home(s) / "passwords.json").is_file():
+        if not (embedded.airflow_home(s) / "passwords.json").is_file():
             raise ConfigError(
-                f"no Airflow login: set {AIRFLOW_USER_ENV} and {AIRFLOW_PASSWORD_ENV}, or start the embedded stack (`kiln stack up`)"
+                f"no Airflow login: set {AIRFLOW_USER_ENV} and {AIRFLOW_PASSWORD_ENV}, "
+                "or start the embedded stack (`kiln stack up`)"
             )
-        password = stack.passwords(s).get(user)
+        password = embedded.passwords(s).get(user)
         if not password:
             raise ConfigError(f"the embedded stack has no Airflow user {user!r}; set {AIRFLOW_PASSWORD_ENV}")
     return AirflowClient(s.airflow_url, user, password)
@@ -99,7 +101,7 @@ def asset_event_body(asset_id: int, ref: dict[str, Any]) -> dict[str, Any]:
 
 def find_asset_id(client: AirflowClient, name: str, uri: str) -> int:
     """Airflow's id of the asset with exactly this name and uri (``name_pattern`` is a substring search)."""
-    from kiln.airflow_client import AirflowAPIError
+    from kiln.errors import AirflowAPIError
 
     found = client.request("GET", "/assets", params={"name_pattern": name, "limit": 100})
     # Airflow normalises the uri (``kiln-corpus://x`` is stored as ``kiln-corpus://x/``).
@@ -115,7 +117,7 @@ def find_asset_id(client: AirflowClient, name: str, uri: str) -> int:
 
 def announce_snapshot(client: AirflowClient, ref: dict[str, Any]) -> dict[str, Any]:
     """Post the corpus Asset event for a pushed snapshot; returns what was announced."""
-    from kiln.dagfactory import corpus_asset
+    from kiln.airflow.dagfactory import corpus_asset
 
     asset = corpus_asset(ref["corpus"])
     asset_id = find_asset_id(client, asset.name, asset.uri)
@@ -126,14 +128,17 @@ def announce_snapshot(client: AirflowClient, ref: dict[str, Any]) -> dict[str, A
 
 # --------------------------------------------------------------------------------- other actions
 def _restore(args: argparse.Namespace) -> int:
-    from kiln.snapshot import restore_snapshot
+    from kiln.data.snapshot import restore_snapshot, restore_target_problem
 
+    problem = restore_target_problem(Path(args.dest).resolve())
+    if problem:  # the user's argument, found before any download: a usage error
+        raise ConfigError(f"--to {args.dest}: {problem}")
     _print({"id": args.snapshot_id, "restored_to": str(restore_snapshot(args.snapshot_id, args.dest))})
     return 0
 
 
 def _list(args: argparse.Namespace) -> int:
-    from kiln.snapshot import list_snapshots
+    from kiln.data.snapshot import list_snapshots
 
     for ref in list_snapshots():
         print(f"{ref.id}  {ref.corpus:<16} files={ref.files:<5} bytes={ref.bytes}")
@@ -141,7 +146,7 @@ def _list(args: argparse.Namespace) -> int:
 
 
 def _show(args: argparse.Namespace) -> int:
-    from kiln.snapshot import show_snapshot
+    from kiln.data.snapshot import show_snapshot
 
     _print(show_snapshot(args.snapshot_id).to_json())
     return 0

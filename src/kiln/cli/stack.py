@@ -18,15 +18,14 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def handler(args: argparse.Namespace) -> int:
-    from kiln import stack
+    from kiln.stack import embedded, prodlike
 
-    if getattr(args, "profile", "embedded") == "prodlike":
-        from kiln import prodstack as stack  # same up/down/status interface
+    backend = prodlike if getattr(args, "profile", "embedded") == "prodlike" else embedded  # same up/down/status
     if args.action == "up":
-        stack.up(timeout=args.timeout)
+        backend.up(timeout=args.timeout)
     elif args.action == "down":
-        stopped = stack.down()
+        stopped = backend.down()
         print("stopped: " + (", ".join(stopped) if stopped else "nothing was running"))
     else:
-        print(json.dumps(stack.status(), indent=2))
+        print(json.dumps(backend.status(), indent=2))
     return 0

@@ -25,20 +25,24 @@ import json
 import sys
 from pathlib import Path
 
+from kiln.cli.args import non_negative_int, positive_int, refuse_unusable_target
+
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     t = sub.add_parser("train", help="train a recipe on a TrainingManifest (torchrun, local launcher)")
     t.add_argument("--recipe", required=True, help="name under training/recipes (tiny, production/small) or a path")
     t.add_argument("--manifest", required=True, type=Path, help="TrainingManifest JSON")
     t.add_argument("--run-dir", required=True, type=Path, help="run directory (checkpoints, metrics, result.json)")
-    t.add_argument("--nnodes", type=int, default=1, help="torchrun agents (each plays one node; default 1)")
-    t.add_argument("--nproc-per-node", type=int, default=1, help="ranks per agent (default 1)")
+    t.add_argument("--nnodes", type=positive_int, default=1, help="torchrun agents (each plays one node; default 1)")
+    t.add_argument("--nproc-per-node", type=positive_int, default=1, help="ranks per agent (default 1)")
     t.add_argument(
         "--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
         help="override a recipe field (repeatable)",
     )
-    t.add_argument("--max-restarts", type=int, default=0, help="torchrun whole-gang restarts on failure (default 0)")
-    t.add_argument("--max-steps", type=int, default=None, help="stop after this step (checkpointed; re-run resumes)")
+    t.add_argument("--max-restarts", type=non_negative_int, default=0,
+                   help="torchrun whole-gang restarts on failure (default 0)")
+    t.add_argument("--max-steps", type=positive_int, default=None,
+                   help="stop after this step (checkpointed; re-run resumes)")
     t.set_defaults(func=_train)
 
     e = sub.add_parser("evaluate", help="bits-per-byte of a committed checkpoint on the eval split")
@@ -48,7 +52,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "--manifest", type=Path, default=None,
         help="TrainingManifest JSON (default: the run's copy, RUN/training_manifest.json)",
     )
-    e.add_argument("--max-windows", type=int, default=None, help="override the recipe's eval.max_windows")
+    e.add_argument("--max-windows", type=positive_int, default=None,
+                   help="override the recipe's eval.max_windows (an integer >= 1)")
     e.set_defaults(func=_evaluate)
 
 
@@ -74,14 +79,16 @@ def _run_key(run_dir: Path) -> str:
 
 
 def _train(args: argparse.Namespace) -> int:
-    from kiln.errors import ConfigError
+    from kiln.errors import ConfigError, ManifestError
     from kiln.launchers import LaunchSpec, launch_local
+    from kiln.launchers.base import check_manifest
 
     recipe = resolve_recipe(args.recipe)
     manifest = args.manifest.resolve()
     if not manifest.is_file():
         raise ConfigError(f"--manifest {args.manifest}: no such file")
     run_dir = args.run_dir.resolve()
+    refuse_unusable_target("--run-dir", run_dir, directory=True)
     spec = LaunchSpec(
         run_dir=run_dir,
         manifest=manifest,
@@ -93,6 +100,10 @@ def _train(args: argparse.Namespace) -> int:
         overrides=tuple(args.overrides),
         max_steps=args.max_steps,
     )
+    try:
+        check_manifest(spec)  # the launcher checks it too; on the command line it is a usage error
+    except ManifestError as exc:
+        raise ConfigError(f"--manifest {exc}") from exc
     # stdout carries only the result JSON; the agents' logs go to stderr.
     result = launch_local(spec, log=lambda line: print(line, file=sys.stderr, flush=True))
     print(json.dumps(result.to_json(), indent=2, sort_keys=True))
@@ -105,6 +116,7 @@ def _evaluate(args: argparse.Namespace) -> int:
     from kiln_trainer.errors import TrainerError
     from kiln_trainer.evaluate import evaluate_checkpoint
 
+    refuse_unusable_target("--report", args.report, directory=False)  # before the evaluation, not after it
     try:
         report = evaluate_checkpoint(args.checkpoint, args.manifest, max_windows=args.max_windows)
     except TrainerError as exc:

@@ -2,7 +2,12 @@
 
 Exit codes: 0 the quarantined share is within the threshold; 3 it is not (data gate breached);
 2 usage errors (bad arguments, unknown contract, a target that is neither a corpus directory nor a
-snapshot id); 1 any other fault (e.g. a snapshot that cannot be restored).
+snapshot id, a ``--report`` / ``--manifest-out`` that cannot be written there: missing or read-only
+folder, a directory or device in its place, both the same file, a path inside the corpus); 1 any
+other fault (e.g. a snapshot that cannot be restored, a disk that fills up while writing).
+
+The outputs are checked before any shard is read, and each is written atomically: a failed write
+leaves what was there before, and no manifest is written after a failed report.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ from pathlib import Path
 
 from kiln.errors import ContractError, DataGateError, KilnError
 from kiln.policy import SANDBOX
+from kiln.util.fs import check_file_target, names_a_bad_path, os_error_cause
 
 EXIT_OK = 0
 EXIT_FAULT = 1
@@ -35,7 +41,7 @@ def _share(value: str) -> float:
     return share
 
 
-def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "validate",
         help="validate corpus shards against a data contract (quarantine + data gate)",
@@ -48,12 +54,15 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[
     )
     parser.add_argument("target", metavar="DIR_OR_SNAPSHOT_ID", help="corpus directory, or a DVC snapshot id <md5>.dir")
     parser.add_argument("--contract", required=True, metavar="NAME[@VERSION]", help="data contract, e.g. stdlib-py@1")
-    parser.add_argument("--report", required=True, type=Path, metavar="REPORT.json", help="where to write the report")
+    parser.add_argument(
+        "--report", required=True, type=Path, metavar="REPORT.json",
+        help="where to write the report (in an existing folder, outside the corpus)",
+    )
     parser.add_argument(
         "--manifest-out",
         type=Path,
         metavar="MANIFEST.json",
-        help="write the TrainingManifest (healthy shards only) here; not written when the gate fails",
+        help="write the TrainingManifest (healthy shards only) here, not the --report file; not written when the gate fails",
     )
     parser.add_argument(
         "--max-quarantine-share",
@@ -70,9 +79,56 @@ def _fail(code: int, message: str) -> int:
     return code
 
 
-def handler(args: argparse.Namespace) -> int:
-    from kiln.contracts import load_contract
+def _outputs(args: argparse.Namespace) -> list[tuple[str, Path]]:
+    named = [("--report", args.report), ("--manifest-out", args.manifest_out)]
+    return [(flag, path) for flag, path in named if path is not None]
 
+
+def _same_file(a: Path, b: Path) -> bool:
+    """Also through other spellings, a symlink (to the file or a folder above it) or a hard link."""
+    if os.path.realpath(a) == os.path.realpath(b):
+        return True
+    try:
+        return os.path.samefile(a, b)
+    except OSError:  # one of them does not exist yet
+        return False
+
+
+def _unwritable_output(args: argparse.Namespace) -> tuple[int, str] | None:
+    """Why an output cannot be written, as ``(exit code, message)``; checked before any work."""
+    for flag, path in _outputs(args):
+        try:
+            check_file_target(path)
+        except OSError as exc:
+            return _write_failure(flag, path, exc)
+    if args.manifest_out is not None and _same_file(args.report, args.manifest_out):
+        return EXIT_USAGE, (
+            f"--report {args.report} and --manifest-out {args.manifest_out} are the same file: "
+            "the manifest would overwrite the report"
+        )
+    return None
+
+
+def _write_failure(flag: str, path: Path, exc: OSError) -> tuple[int, str]:
+    code = EXIT_USAGE if names_a_bad_path(exc) else EXIT_FAULT
+    return code, f"cannot write {flag} {path}: {os_error_cause(exc, path)}"
+
+
+def _output_inside(args: argparse.Namespace, corpus_dir: Path) -> str | None:
+    """An output inside the corpus would change the data it reports on (or replace a shard)."""
+    root = os.path.realpath(corpus_dir)
+    for flag, path in _outputs(args):
+        if os.path.commonpath([root, os.path.realpath(path)]) == root:
+            return f"{flag} {path} lies inside the corpus {corpus_dir}: writing it there would change the corpus"
+    return None
+
+
+def handler(args: argparse.Namespace) -> int:
+    from kiln.data.contracts import load_contract
+
+    problem = _unwritable_output(args)
+    if problem is not None:
+        return _fail(*problem)
     try:
         contract = load_contract(args.contract)
     except ContractError as exc:
@@ -80,7 +136,7 @@ def handler(args: argparse.Namespace) -> int:
 
     target = str(args.target)
     if _SNAPSHOT_ID.match(target):
-        from kiln.snapshot import checkout_snapshot
+        from kiln.data.snapshot import checkout_snapshot
 
         try:
             ref = checkout_snapshot(target)
@@ -94,23 +150,34 @@ def handler(args: argparse.Namespace) -> int:
     else:
         return _fail(EXIT_USAGE, f"{target!r} is neither a corpus directory nor a snapshot id (<md5>.dir)")
 
-    from kiln import validation
+    from kiln.data import validation
 
     shards = validation.train_shards(corpus_dir)
+    skipped = validation.skipped_train_entries(corpus_dir)
     if not shards:
-        return _fail(EXIT_USAGE, f"{corpus_dir} has no training shards ({validation.TRAIN_GLOB})")
+        found = f"; train/ holds only {', '.join(Path(e.path).name for e in skipped)}" if skipped else ""
+        return _fail(EXIT_USAGE, f"{corpus_dir} has no training shards ({validation.TRAIN_GLOB}){found}")
+    inside = _output_inside(args, corpus_dir)
+    if inside is not None:
+        return _fail(EXIT_USAGE, inside)
     try:
         reports = validation.validate_directory(corpus_dir, contract)
-        validation.write_quarantine_report(
-            reports, args.report, snapshot_id=snapshot_id, max_quarantine_share=args.max_quarantine_share
-        )
     except KilnError as exc:
         return _fail(EXIT_FAULT, str(exc))
+    try:
+        validation.write_quarantine_report(
+            reports, args.report, snapshot_id=snapshot_id, max_quarantine_share=args.max_quarantine_share, skipped=skipped
+        )
+    except OSError as exc:
+        return _fail(*_write_failure("--report", args.report, exc))
 
+    for entry in skipped:
+        print(f"skipped {entry.path}: {entry.reason}", file=sys.stderr)
     bad = [r for r in reports if r.verdict != "healthy"]
     for r in bad:
         rules = ", ".join(sorted({reason["expectation"] for reason in r.reasons}))
-        print(f"quarantined {Path(r.path).name}: {rules}", file=sys.stderr)
+        errors = "; ".join(reason["error"] for reason in r.reasons if reason.get("error"))
+        print(f"quarantined {Path(r.path).name}: {rules}" + (f" ({errors})" if errors else ""), file=sys.stderr)
     summary = {
         "target": target,
         "snapshot_id": snapshot_id,
@@ -118,6 +185,7 @@ def handler(args: argparse.Namespace) -> int:
         "shards": len(reports),
         "healthy": len(reports) - len(bad),
         "quarantined": [r.path for r in bad],
+        "skipped": [e.path for e in skipped],
         "quarantined_share": round(validation.quarantined_share(reports), 6),
         "max_quarantine_share": args.max_quarantine_share,
         "report": str(args.report),
@@ -136,9 +204,14 @@ def handler(args: argparse.Namespace) -> int:
             manifest = validation.build_training_manifest(
                 snapshot_id, corpus, contract, reports, validation.eval_shards(corpus_dir)
             )
-            manifest.write(args.manifest_out)
         except KilnError as exc:
             return _fail(EXIT_FAULT, str(exc))
+        except OSError as exc:  # an eval file vanished or changed since it was read
+            return _fail(EXIT_FAULT, f"cannot hash the eval split of {corpus_dir}: {exc}")
+        try:
+            manifest.write(args.manifest_out)
+        except OSError as exc:
+            return _fail(*_write_failure("--manifest-out", args.manifest_out, exc))
         summary["manifest"], summary["manifest_sha256"] = str(args.manifest_out), manifest.sha256
     print(json.dumps(summary, indent=2, sort_keys=True))
     return code

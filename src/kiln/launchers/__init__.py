@@ -11,7 +11,7 @@ Backends share one interface (``kiln.launchers.base``): ``submit(spec) -> JobHan
   priority labels (gang admission); state from its status conditions, cancel deletes it.
 
 Inside Airflow, slurm and kubernetes jobs are waited for by a deferrable trigger
-(``kiln.launchers.triggers.LaunchedJobTrigger``); the local backend runs in the task (its agents are
+(``kiln.airflow.triggers.LaunchedJobTrigger``); the local backend runs in the task (its agents are
 the task's children and stream into its log).
 
 ``launch(spec, backend=...)`` and ``launch_local(spec, log=...)`` run a job to completion. A worker
@@ -28,6 +28,7 @@ from kiln.launchers.base import (
     JobHandle,
     JobStatus,
     Launcher,
+    LaunchPlan,
     LaunchSpec,
     TrainingFaultError,
     read_result,
@@ -42,9 +43,26 @@ from kiln.refs import TrainResult
 BACKENDS = ("local", "slurm", "kubernetes")
 
 __all__ = [
-    "BACKENDS", "JobHandle", "JobStatus", "KubernetesLauncher", "LaunchSpec", "Launcher", "LocalLauncher", "SlurmLauncher",
-    "TrainingFaultError", "agent_argv", "cancel", "get_launcher", "launch", "launch_local", "read_result",
-    "render_sbatch", "render_trainjob", "torchrun_argv", "wait",
+    "BACKENDS",
+    "JobHandle",
+    "JobStatus",
+    "KubernetesLauncher",
+    "LaunchPlan",
+    "LaunchSpec",
+    "Launcher",
+    "LocalLauncher",
+    "SlurmLauncher",
+    "TrainingFaultError",
+    "agent_argv",
+    "cancel",
+    "get_launcher",
+    "launch",
+    "launch_local",
+    "read_result",
+    "render_sbatch",
+    "render_trainjob",
+    "torchrun_argv",
+    "wait",
 ]
 
 

@@ -26,27 +26,22 @@ import re
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal, Protocol
 
-from kiln.errors import ConfigError, LaunchError
+from kiln.errors import ConfigError, LaunchError, ManifestError, TrainingFaultError
 from kiln.refs import TrainResult
+from kiln.runs import FATAL_SUBDIR, LAUNCH_STATUS, LAUNCH_SUBDIR, RESULT_FILE
 
-LAUNCH_SUBDIR = ".launch"
-"""Per-run launcher state under the run dir: job log, status, agent pids, fatal markers."""
-FATAL_SUBDIR = "fatal"
+FATAL_LINE = "[kiln fatal] "
+"""Prefix of the line a rank prints on stderr as it exits 2: ``[kiln fatal] rank N: <error>``. The
+local launcher reads it from the agent's output, which needs no disk (the marker file may not fit
+on a full one)."""
 WORKER_MODULE = "kiln.launchers.worker"
 
 State = Literal["PENDING", "RUNNING", "SUCCEEDED", "FAILED", "FATAL", "CANCELLED"]
 TERMINAL_STATES: frozenset[str] = frozenset({"SUCCEEDED", "FAILED", "FATAL", "CANCELLED"})
-
-
-class TrainingFaultError(LaunchError):
-    """A worker exited 2: the trainer diagnosed a fault (bad recipe, tampered data or checkpoint,
-    resume mismatch, divergence) that a restart or a retry would only repeat."""
-
-    retryable = False
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -97,6 +92,39 @@ class LaunchSpec:
     def from_json(cls, d: dict[str, Any]) -> LaunchSpec:
         return cls(**{**d, "run_dir": Path(d["run_dir"]), "manifest": Path(d["manifest"]),
                       "recipe": Path(d["recipe"]), "overrides": tuple(d.get("overrides", ()))})
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class LaunchPlan:
+    """A planned training job: what to run (``spec``), on which backend with which options, and the
+    MLflow run it logs into. The train stage makes one, submits it and carries it across a deferral
+    as JSON: ``{"spec", "backend", "options", "mlflow_run_id"}``."""
+
+    spec: LaunchSpec
+    backend: str
+    options: dict[str, Any] = field(default_factory=dict)
+    """The backend's constructor options (Slurm partition, Kubernetes namespace, ...)."""
+    mlflow_run_id: str = ""
+
+    def launcher(self) -> Launcher:
+        from kiln.launchers import get_launcher  # the backends' registry (it imports this module)
+
+        return get_launcher(self.backend, **self.options)
+
+    def with_options(self, **changed: Any) -> LaunchPlan:
+        return replace(self, options={**self.options, **changed})
+
+    def to_json(self) -> dict[str, Any]:
+        return {"spec": self.spec.to_json(), "backend": self.backend, "options": dict(self.options),
+                "mlflow_run_id": self.mlflow_run_id}
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> LaunchPlan:
+        try:
+            return cls(spec=LaunchSpec.from_json(d["spec"]), backend=str(d["backend"]),
+                       options=dict(d.get("options") or {}), mlflow_run_id=str(d.get("mlflow_run_id") or ""))
+        except (KeyError, TypeError, ValueError) as exc:
+            raise LaunchError(f"not a launch plan ({{spec, backend, options, mlflow_run_id}}): {exc!r}") from exc
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -171,8 +199,10 @@ def fatal_markers(run_dir: str | Path) -> list[dict[str, Any]]:
     for path in sorted(folder.glob("rank-*.json")):
         try:
             found.append(json.loads(path.read_text()))
-        except (OSError, ValueError):  # being written: the next poll reads it
+        except OSError:
             continue
+        except ValueError:  # written whole or not at all, so this is the empty marker of a full disk
+            found.append({"rank": path.stem.removeprefix("rank-"), "exit_code": 2, "error": ""})
     return found
 
 
@@ -181,13 +211,39 @@ def fatal_reason(markers: list[dict[str, Any]]) -> str:
     return f"rank {m.get('rank')} exited 2 (trainer fault, not retried): {m.get('error') or 'see the job log'}"
 
 
+def check_recipe(spec: LaunchSpec) -> None:
+    """Refuse a recipe the trainer would refuse (unknown section or key, wrong type, bad ``--set``)
+    before any worker starts: ``ConfigError`` naming the recipe file and the field, not a trainer
+    fault after torchrun's start-up on every node."""
+    from kiln_trainer.config import load_recipe  # torch-free
+    from kiln_trainer.errors import RecipeError
+
+    try:
+        load_recipe(spec.recipe, spec.overrides)
+    except RecipeError as exc:
+        raise ConfigError(f"recipe {spec.recipe}: {exc}") from exc
+
+
+def check_manifest(spec: LaunchSpec) -> None:
+    """Refuse a TrainingManifest the trainer would refuse (unreadable, not JSON, edited after kiln
+    issued it, a malformed shard list) before any worker starts: ``ManifestError`` naming the file.
+    The shards' bytes are the trainer's to hash, on every rank."""
+    from kiln_trainer.errors import TrainingManifestError
+    from kiln_trainer.training_manifest import load_training_manifest  # torch-free
+
+    try:
+        load_training_manifest(spec.manifest)
+    except TrainingManifestError as exc:
+        raise ManifestError(str(exc)) from exc
+
+
 def clear_launch_state(spec: LaunchSpec) -> Path:
     """Before a (re)submission: forget the previous attempt's fatal markers and status."""
     folder = spec.launch_dir
     (folder / FATAL_SUBDIR).mkdir(parents=True, exist_ok=True)
     for path in (folder / FATAL_SUBDIR).glob("rank-*.json"):
         path.unlink(missing_ok=True)
-    (folder / "status.json").unlink(missing_ok=True)
+    (folder / LAUNCH_STATUS).unlink(missing_ok=True)
     return folder
 
 
@@ -232,7 +288,7 @@ def result_for(status: JobStatus, handle: JobHandle, log_tail: str = "") -> Trai
 
 
 def read_result(run_dir: Path) -> TrainResult:
-    path = Path(run_dir) / "result.json"
+    path = Path(run_dir) / RESULT_FILE
     try:
         data = json.loads(path.read_text())
     except (OSError, ValueError) as exc:

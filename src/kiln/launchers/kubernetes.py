@@ -6,17 +6,18 @@ the headless service for rendezvous, the torch plugin that injects ``PET_MASTER_
 and Kueue admits a TrainJob as one workload (all ``numNodes`` pods or none), which is the gang
 semantics torchrun needs. Rendering a JobSet would copy the runtime's template into every run.
 
-What ``render_trainjob`` writes (validated in tests against the vendored CRD schema,
-``docker/k8s/crds/``)::
+What ``render_trainjob`` writes (Kubeflow Trainer v2.3 API; checked strictly before submission and in
+tests by ``kiln.launchers.k8s_schema``, see ``docker/k8s/README.md``)::
 
     metadata.labels   kueue.x-k8s.io/queue-name        the policy's LocalQueue (Kueue gang admission)
                       kueue.x-k8s.io/priority-class    the policy's WorkloadPriorityClass (production
                                                        outranks and may preempt sandbox)
-    spec.runtimeRef   the ClusterTrainingRuntime (default ``torch-distributed``)
+    spec.runtimeRef   the ClusterTrainingRuntime (default ``kiln-torch``, docker/k8s/trainer/)
     spec.trainer      image (docker/trainer), numNodes × numProcPerNode, resources per node, env,
                       command = torchrun with c10d rendezvous at $(PET_MASTER_ADDR):$(PET_MASTER_PORT)
                       (the runtime's first node), --max-restarts from the policy, the worker shim
-    spec.podTemplateOverrides   the shared checkpoint volume (a PVC) mounted on every node
+    spec.runtimePatches   one patch owned by ``kiln.dev/kubernetes-launcher``: the shared checkpoint
+                      volume (the policy's PVC) mounted on every node at ``shared_root``
 
 Paths: the shared volume is mounted in the pods at the same path as on the Airflow side
 (``shared_root``), so run dir, manifest and checkpoints keep their names; recipes in this repository
@@ -28,6 +29,7 @@ deletes the TrainJob. No live cluster runs in kiln's tests (docs/launchers.md).
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import json
 import re
 import time
@@ -40,6 +42,7 @@ from kiln.launchers.base import (
     JobHandle,
     JobStatus,
     LaunchSpec,
+    check_recipe,
     clear_launch_state,
     fatal_markers,
     fatal_reason,
@@ -48,6 +51,7 @@ from kiln.launchers.base import (
     torchrun_argv,
 )
 from kiln.refs import TrainResult
+from kiln.runs import CANCELLED_MARK, K8S_LOG, LAUNCH_SUBDIR
 
 GROUP = "trainer.kubeflow.org"
 VERSION = "v1alpha1"
@@ -58,18 +62,29 @@ PRIORITY_LABEL = "kueue.x-k8s.io/priority-class"
 RUN_KEY_ANNOTATION = "kiln.dev/run-key"
 SPEC_HASH_ANNOTATION = "kiln.dev/spec-sha256"
 TRAINER_JOB = "node"
-"""The replicated job (and container) of the ``torch-distributed`` runtime that runs torchrun."""
+"""The replicated job (and container) of the runtime that runs torchrun (kiln's and Trainer's ``torch-distributed``)."""
 CHECKPOINT_VOLUME = "kiln-shared"
 IMAGE_REPO_ROOT = "/opt/kiln"
 """Where docker/trainer.Dockerfile puts the repository (recipes under ``training/recipes``)."""
 DEFAULT_IMAGE = "kiln-trainer:cpu"
 RENDEZVOUS_ENDPOINT = "$(PET_MASTER_ADDR):$(PET_MASTER_PORT)"
 """Expanded by the kubelet from the env the runtime's torch plugin injects: the first node's pod."""
+DEFAULT_RUNTIME = "kiln-torch"
+"""kiln's ClusterTrainingRuntime (docker/k8s/trainer/cluster-training-runtime.yaml)."""
+PATCH_MANAGER = "kiln.dev/kubernetes-launcher"
+"""Owner of kiln's entry in ``spec.runtimePatches`` (Trainer wants a domain-prefixed path)."""
+RESERVED_ENV = ("PET_NNODES", "PET_NPROC_PER_NODE", "PET_NODE_RANK", "PET_MASTER_ADDR", "PET_MASTER_PORT")
+"""Set by the runtime's torch plugin; Trainer's webhook refuses a TrainJob whose trainer env names one."""
 
-_DNS_LABEL = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
-_DNS_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
-_QUANTITY = re.compile(r"^(\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))(([KMGTPE]i)|[numkMGTPE]|([eE](\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))))?$")
+DNS_LABEL = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
+DNS_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
+QUANTITY = re.compile(
+    r"^(\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))"  # the number
+    r"(([KMGTPE]i)|[numkMGTPE]|([eE](\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))))?$"  # its binary or decimal suffix, or exponent
+)
 _REPO_ROOT = Path(__file__).resolve().parents[3]
+RUNTIME_MANIFEST = _REPO_ROOT / "docker" / "k8s" / "trainer" / "cluster-training-runtime.yaml"
+"""kiln's ClusterTrainingRuntime ``kiln-torch``, which the TrainJobs name (``DEFAULT_RUNTIME``)."""
 
 
 def trainjob_name(spec: LaunchSpec) -> str:
@@ -85,7 +100,7 @@ def _check_name(label: str, value: str | None, pattern: re.Pattern[str], *, requ
         if required:
             raise ConfigError(f"kubernetes {label} is required")
         return
-    too_long = len(value) > (63 if pattern is _DNS_LABEL else 253)
+    too_long = len(value) > (63 if pattern is DNS_LABEL else 253)
     if too_long or not pattern.match(value):
         raise ConfigError(f"kubernetes {label} must be a DNS name ({pattern.pattern}), got {value!r}")
 
@@ -103,25 +118,44 @@ def _pod_path(path: Path, shared_root: Path, image_repo_root: str, what: str, *,
     raise ConfigError(f"the {what} {path} must lie {where}: the training pods see nothing else")
 
 
+def runtime_patch(checkpoint_claim: str, shared_root: Path) -> dict[str, Any]:
+    """kiln's ``spec.runtimePatches`` entry (Trainer v2.2+): the shared volume on the ``node`` job.
+
+    Only the volume and its mount: Trainer refuses env in a patch of the ``node`` container (env goes
+    in ``spec.trainer.env``)."""
+    pod_spec = {
+        "volumes": [{"name": CHECKPOINT_VOLUME, "persistentVolumeClaim": {"claimName": checkpoint_claim}}],
+        "containers": [{
+            "name": TRAINER_JOB,
+            "volumeMounts": [{"name": CHECKPOINT_VOLUME, "mountPath": str(Path(shared_root).resolve())}],
+        }],
+    }
+    job = {"name": TRAINER_JOB, "template": {"spec": {"template": {"spec": pod_spec}}}}
+    return {"manager": PATCH_MANAGER, "trainingRuntimeSpec": {"template": {"spec": {"replicatedJobs": [job]}}}}
+
+
 def render_trainjob(
     spec: LaunchSpec, *, namespace: str, queue: str, priority_class: str | None, shared_root: Path,
-    checkpoint_claim: str, runtime: str = "torch-distributed", image: str = DEFAULT_IMAGE,
+    checkpoint_claim: str, runtime: str = DEFAULT_RUNTIME, image: str = DEFAULT_IMAGE,
     resources_per_node: dict[str, dict[str, str]] | None = None, image_repo_root: str = IMAGE_REPO_ROOT,
 ) -> dict[str, Any]:
     """The TrainJob for ``spec``: JSON-safe dict, ready for ``CustomObjectsApi.create_namespaced_custom_object``."""
-    _check_name("namespace", namespace, _DNS_LABEL)
-    _check_name("queue (Kueue LocalQueue)", queue, _DNS_SUBDOMAIN)
-    _check_name("priority class (Kueue WorkloadPriorityClass)", priority_class, _DNS_SUBDOMAIN, required=False)
-    _check_name("runtime (ClusterTrainingRuntime)", runtime, _DNS_SUBDOMAIN)
-    _check_name("checkpoint claim (PersistentVolumeClaim)", checkpoint_claim, _DNS_SUBDOMAIN)
+    _check_name("namespace", namespace, DNS_LABEL)
+    _check_name("queue (Kueue LocalQueue)", queue, DNS_SUBDOMAIN)
+    _check_name("priority class (Kueue WorkloadPriorityClass)", priority_class, DNS_SUBDOMAIN, required=False)
+    _check_name("runtime (ClusterTrainingRuntime)", runtime, DNS_SUBDOMAIN)
+    _check_name("checkpoint claim (PersistentVolumeClaim)", checkpoint_claim, DNS_SUBDOMAIN)
     if not image or any(c.isspace() for c in image):
         raise ConfigError(f"kubernetes image must be a non-empty image reference, got {image!r}")
     for kind, amounts in (resources_per_node or {}).items():
         if kind not in ("limits", "requests"):
             raise ConfigError(f"resources_per_node keys must be 'limits' or 'requests', got {kind!r}")
         for resource, amount in amounts.items():
-            if not _QUANTITY.match(str(amount)):
+            if not QUANTITY.match(str(amount)):
                 raise ConfigError(f"resources_per_node.{kind}.{resource} must be a Kubernetes quantity, got {amount!r}")
+    reserved = sorted(set(spec.env) & set(RESERVED_ENV))
+    if reserved:
+        raise ConfigError(f"the training env must not set {', '.join(reserved)}: the runtime's torch plugin sets them")
     pod_spec = replace(
         spec,
         run_dir=Path(_pod_path(spec.run_dir, shared_root, image_repo_root, "run dir")),
@@ -129,7 +163,8 @@ def render_trainjob(
         recipe=Path(_pod_path(spec.recipe, shared_root, image_repo_root, "recipe", repo_ok=True)),
     )
     argv = torchrun_argv(pod_spec, RENDEZVOUS_ENDPOINT, python="python")
-    env = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "PYTHONUNBUFFERED": "1", **spec.env}
+    env = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "PYTHONUNBUFFERED": "1", "KILN_HOME": str(Path(shared_root).resolve()),
+           **spec.env}
     labels = {"app.kubernetes.io/managed-by": "kiln", QUEUE_LABEL: queue}
     if priority_class:
         labels[PRIORITY_LABEL] = priority_class
@@ -155,71 +190,12 @@ def render_trainjob(
         "spec": {
             "runtimeRef": {"apiGroup": GROUP, "kind": "ClusterTrainingRuntime", "name": runtime},
             "trainer": trainer,
-            "podTemplateOverrides": [{
-                "targetJobs": [{"name": TRAINER_JOB}],
-                "spec": {
-                    "volumes": [{"name": CHECKPOINT_VOLUME, "persistentVolumeClaim": {"claimName": checkpoint_claim}}],
-                    "containers": [{
-                        "name": TRAINER_JOB,
-                        "volumeMounts": [{"name": CHECKPOINT_VOLUME, "mountPath": str(Path(shared_root).resolve())}],
-                    }],
-                },
-            }],
+            "runtimePatches": [runtime_patch(checkpoint_claim, shared_root)],
         },
     }
     digest = hashlib.sha256(json.dumps(body["spec"], sort_keys=True).encode()).hexdigest()
     body["metadata"]["annotations"][SPEC_HASH_ANNOTATION] = digest
     return body
-
-
-CRD_DIR = _REPO_ROOT / "docker" / "k8s" / "crds"
-TRAINJOB_CRD = CRD_DIR / "trainer.kubeflow.org_trainjobs.yaml"
-
-
-def _strict(schema: Any) -> Any:
-    """The CRD's structural schema as a JSON Schema that rejects unknown fields, like the API
-    server's strict field validation (``kubectl --validate=strict``) does: every object that lists
-    its ``properties`` and does not preserve unknown fields gets ``additionalProperties: false``."""
-    if isinstance(schema, list):
-        return [_strict(s) for s in schema]
-    if not isinstance(schema, dict):
-        return schema
-    out = {k: _strict(v) for k, v in schema.items()}
-    if "properties" in out and "additionalProperties" not in out and not out.get("x-kubernetes-preserve-unknown-fields"):
-        out["additionalProperties"] = False
-    return out
-
-
-def crd_schema(path: Path = TRAINJOB_CRD, version: str = VERSION) -> dict[str, Any]:
-    """The JSON Schema of one version of a vendored CRD (strict, see ``_strict``)."""
-    import yaml
-
-    docs = [d for d in yaml.safe_load_all(Path(path).read_text()) if d]
-    for doc in docs:
-        if doc.get("kind") != "CustomResourceDefinition":
-            continue
-        for v in doc["spec"]["versions"]:
-            if v["name"] == version:
-                return _strict(v["schema"]["openAPIV3Schema"])
-    raise ConfigError(f"{path} has no CustomResourceDefinition version {version!r}")
-
-
-def validate_trainjob(obj: dict[str, Any], schema: dict[str, Any] | None = None) -> None:
-    """Raise ConfigError naming every field of ``obj`` the TrainJob CRD rejects.
-
-    Also checks the CRD's two CEL rules on ``metadata.name`` (jsonschema cannot evaluate CEL)."""
-    import jsonschema
-
-    validator = jsonschema.Draft7Validator(schema or crd_schema())
-    problems = [f"{'.'.join(str(p) for p in e.absolute_path) or '<root>'}: {e.message}"
-                for e in sorted(validator.iter_errors(obj), key=lambda e: list(map(str, e.absolute_path)))]
-    name = str((obj.get("metadata") or {}).get("name", ""))
-    if not _DNS_LABEL.match(name):
-        problems.append(f"metadata.name: {name!r} must match RFC 1035 DNS label format")
-    if len(name) > 63:
-        problems.append(f"metadata.name: {name!r} must be no more than 63 characters")
-    if problems:
-        raise ConfigError("TrainJob does not match the trainer.kubeflow.org/v1alpha1 CRD schema:\n  " + "\n  ".join(problems))
 
 
 def _condition(conditions: list[dict[str, Any]], kind: str) -> dict[str, Any] | None:
@@ -268,7 +244,7 @@ class KubernetesLauncher:
     name = "kubernetes"
 
     def __init__(self, *, namespace: str, queue: str, shared_root: Path | str, checkpoint_claim: str,
-                 priority_class: str | None = None, runtime: str = "torch-distributed", image: str = DEFAULT_IMAGE,
+                 priority_class: str | None = None, runtime: str = DEFAULT_RUNTIME, image: str = DEFAULT_IMAGE,
                  resources_per_node: dict[str, dict[str, str]] | None = None, kubeconfig: str | None = None,
                  context: str | None = None) -> None:
         self.namespace, self.queue, self.priority_class = namespace, queue, priority_class
@@ -323,8 +299,11 @@ class KubernetesLauncher:
     def submit(self, spec: LaunchSpec) -> JobHandle:
         """Create the TrainJob, or re-attach to this run's TrainJob if it exists with the same spec
         (a retried task must not start a second gang on the same checkpoints)."""
+        check_recipe(spec)  # before the TrainJob: no pod is scheduled for a recipe the trainer refuses
         body = self.render(spec)
-        if TRAINJOB_CRD.is_file():  # the repository's copy; an image without docker/ skips this check
+        if importlib.util.find_spec("kubeflow_trainer_api"):  # the lock and the Airflow image install it
+            from kiln.launchers.k8s_schema import validate_trainjob
+
             validate_trainjob(body)
         name = body["metadata"]["name"]
         handle = JobHandle(backend=self.name, job_id=f"{self.namespace}/{name}", run_dir=str(spec.run_dir))
@@ -336,7 +315,7 @@ class KubernetesLauncher:
                 return handle
             self._delete(handle)
         folder = clear_launch_state(spec)
-        (folder / "cancelled").unlink(missing_ok=True)
+        (folder / CANCELLED_MARK).unlink(missing_ok=True)
         (folder / "trainjob.json").write_text(json.dumps(body, indent=2, sort_keys=True))
         custom, _ = self._apis()
         try:
@@ -353,7 +332,7 @@ class KubernetesLauncher:
                 self._delete(handle)
             return JobStatus(state="FATAL", reason=fatal_reason(markers))
         if obj is None:
-            if (Path(handle.run_dir) / ".launch" / "cancelled").exists():
+            if (Path(handle.run_dir) / LAUNCH_SUBDIR / CANCELLED_MARK).exists():
                 return JobStatus(state="CANCELLED", reason=f"TrainJob {handle.job_id} was deleted by kiln")
             return JobStatus(state="FAILED", reason=f"TrainJob {handle.job_id} no longer exists (deleted outside kiln)")
         return state_from_trainjob(obj)
@@ -370,9 +349,9 @@ class KubernetesLauncher:
 
     def cancel(self, handle: JobHandle) -> None:
         """Delete the TrainJob (its JobSet and pods go with it, foreground)."""
-        folder = Path(handle.run_dir) / ".launch"
+        folder = Path(handle.run_dir) / LAUNCH_SUBDIR
         folder.mkdir(parents=True, exist_ok=True)
-        (folder / "cancelled").write_text(time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
+        (folder / CANCELLED_MARK).write_text(time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
         self._delete(handle)
 
     def logs(self, handle: JobHandle, offset: int = 0) -> tuple[str, int]:
@@ -380,7 +359,7 @@ class KubernetesLauncher:
         ``RUN/.launch/k8s.log`` so offsets stay valid while pods come and go."""
         _, core = self._apis()
         namespace, name = self._split(handle)
-        mirror = Path(handle.run_dir) / ".launch" / "k8s.log"
+        mirror = Path(handle.run_dir) / LAUNCH_SUBDIR / K8S_LOG
         try:
             pods = core.list_namespaced_pod(namespace, label_selector=f"jobset.sigs.k8s.io/jobset-name={name}").items
             text = ""

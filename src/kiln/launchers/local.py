@@ -34,6 +34,7 @@ Launch lines (what the supervisor runs, for each of the N nodes)::
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -47,13 +48,14 @@ from pathlib import Path
 from typing import IO, Any
 
 from kiln.errors import LaunchError
-from kiln.netutil import free_port
-from kiln.launchers.stragglers import StragglerPolicy, StragglerWatch
 from kiln.launchers.base import (
+    FATAL_LINE,
     WORKER_MODULE,
     JobHandle,
     JobStatus,
     LaunchSpec,
+    check_manifest,
+    check_recipe,
     clear_launch_state,
     fatal_markers,
     fatal_reason,
@@ -62,7 +64,20 @@ from kiln.launchers.base import (
     torchrun_argv,
     wait,
 )
+from kiln.launchers.stragglers import StragglerPolicy, StragglerWatch
 from kiln.refs import TrainResult
+from kiln.runs import (
+    LAUNCH_LOG,
+    LAUNCH_PREVIOUS_LOG,
+    LAUNCH_SPEC,
+    LAUNCH_STATUS,
+    LAUNCH_SUBDIR,
+    METRICS_JSONL,
+    RESULT_FILE,
+    SUPERVISOR_PID,
+)
+from kiln.util.fs import os_error_text
+from kiln.util.net import free_port
 
 _STORE_CODE = """
 import sys, time
@@ -151,10 +166,8 @@ def _size(path: Path) -> int:
 
 
 def _kill_group(pid: int, sig: int = signal.SIGKILL) -> None:
-    try:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(pid, sig)
-    except (ProcessLookupError, PermissionError):
-        pass
 
 
 def cancel(procs: list[subprocess.Popen[Any]]) -> None:
@@ -173,6 +186,34 @@ def cancel(procs: list[subprocess.Popen[Any]]) -> None:
             proc.wait()
 
 
+# ---------------------------------------------------------------------------------- status.json
+STATUS_RESERVE = 4096
+"""status.json is padded to this many bytes, so that on a full disk the final state still fits in
+place of the last one: overwriting bytes a file already has needs no free blocks."""
+
+
+def record_status(folder: Path, body: dict[str, Any]) -> None:
+    """Write ``folder/status.json`` whole (tmp + rename); when the disk has no room for the tmp
+    file, overwrite the reserved bytes of the old one instead. Raises OSError if both fail."""
+    text = json.dumps(body)
+    if len(text) >= STATUS_RESERVE:  # a long reason: shorten it, the job log has it all
+        over = len(text) - STATUS_RESERVE + 8
+        text = json.dumps({**body, "reason": str(body.get("reason", ""))[: -over] + " ..."})
+    data = (text.ljust(STATUS_RESERVE - 1) + "\n").encode()
+    path, tmp = folder / LAUNCH_STATUS, folder / f"{LAUNCH_STATUS}.tmp"
+    try:
+        tmp.write_bytes(data)
+        os.replace(tmp, path)
+    except OSError:
+        tmp.unlink(missing_ok=True)
+        fd = os.open(path, os.O_WRONLY)  # no O_TRUNC: truncating would give the blocks away
+        try:
+            os.pwrite(fd, data, 0)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
 # ------------------------------------------------------------------------------------ supervisor
 class _Supervisor:
     def __init__(self, spec: LaunchSpec) -> None:
@@ -187,13 +228,20 @@ class _Supervisor:
         self.store: subprocess.Popen[str] | None = None
         self.port = 0
         self.started = time.time()
+        self.fatal_printed: list[dict[str, Any]] = []
+        """What ranks printed as they exited 2 (``FATAL_LINE``): the reason, even without a marker file."""
+        self.lost_log_lines = 0
         # Stragglers on one host: alert only (no scheduler to move a rank to another node).
         self.stragglers = StragglerWatch(run_dir=spec.run_dir, policy=StragglerPolicy(action="alert"))
 
     def say(self, line: str) -> None:
+        """Append to job.log; a line the disk has no room for is counted and lost, never the job."""
         with self.lock:
-            sys.stdout.write(line + "\n")
-            sys.stdout.flush()
+            try:
+                sys.stdout.write(line + "\n")
+                sys.stdout.flush()
+            except OSError:
+                self.lost_log_lines += 1
 
     def write_status(self, state: str, reason: str = "") -> None:
         body = {
@@ -201,9 +249,18 @@ class _Supervisor:
             "agents": {str(i): a.pid for i, a in enumerate(self.agents)}, "supervisor": os.getpid(),
             "time": time.time(),
         }
-        tmp = self.folder / "status.json.tmp"
-        tmp.write_text(json.dumps(body))
-        os.replace(tmp, self.folder / "status.json")
+        record_status(self.folder, body)
+
+    def fatal_now(self) -> list[dict[str, Any]]:
+        """Ranks that exited 2, from their marker files or, where a full disk left a marker empty
+        or absent, from the line they printed."""
+        markers = fatal_markers(self.spec.run_dir)
+        with self.lock:
+            printed = list(self.fatal_printed)
+        if not markers:
+            return printed
+        said = {str(m["rank"]): m["error"] for m in printed}
+        return [{**m, "error": m.get("error") or said.get(str(m.get("rank")), "")} for m in markers]
 
     def start_store(self) -> None:
         for _ in range(3):
@@ -254,6 +311,10 @@ class _Supervisor:
             line = line.rstrip("\n")
             if tail is not None:
                 tail.append(line)
+            if FATAL_LINE in line:  # "[kiln fatal] rank N: error"
+                rank, _, error = line.split(FATAL_LINE, 1)[1].removeprefix("rank ").partition(": ")
+                with self.lock:
+                    self.fatal_printed.append({"rank": rank, "exit_code": 2, "error": error})
             self.say(prefix + line)
 
     def end_all(self) -> None:
@@ -263,7 +324,7 @@ class _Supervisor:
 
     def finished_training(self) -> bool:
         try:
-            return (self.spec.run_dir / "result.json").stat().st_mtime >= self.started
+            return (self.spec.run_dir / RESULT_FILE).stat().st_mtime >= self.started
         except OSError:
             return False
 
@@ -277,14 +338,14 @@ class _Supervisor:
             self.start_agent(node)
         self.write_status("RUNNING")
         self.say(f"[launcher] {spec.nodes} agent(s) started; rendezvous 127.0.0.1:{self.port} id {spec.rdzv_id}")
-        self.stragglers.offset = _size(spec.run_dir / "metrics.jsonl")  # a resubmission: only new flags
+        self.stragglers.offset = _size(spec.run_dir / METRICS_JSONL)  # a resubmission: only new flags
         while True:
             for action in self.stragglers.poll():
                 self.say(f"[launcher] {action.message}")
             if self.stop_signal is not None:
                 self.end_all()
                 return "CANCELLED", f"cancelled (signal {self.stop_signal})"
-            markers = fatal_markers(spec.run_dir)
+            markers = self.fatal_now()
             if markers:
                 self.end_all()
                 return "FATAL", fatal_reason(markers)
@@ -315,7 +376,7 @@ class _Supervisor:
                     continue
                 # torchrun gave up on its own: the worker group failed more than max_restarts times.
                 time.sleep(0.5)  # let a fatal marker that explains it land first
-                markers = fatal_markers(spec.run_dir)
+                markers = self.fatal_now()
                 self.end_all()
                 if markers:
                     return "FATAL", fatal_reason(markers)
@@ -338,28 +399,47 @@ def supervise(spec_path: str | Path) -> int:
     def on_signal(signum: int, _frame: Any) -> None:
         sup.stop_signal = signum
 
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
+    for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(signum, on_signal)
     try:
         state, reason = sup.run()
     except BaseException as exc:
-        sup.end_all()
-        state, reason = "FAILED", f"launcher error: {type(exc).__name__}: {exc}"
+        with contextlib.suppress(Exception):  # the final status below must still be written
+            sup.end_all()
+        detail = os_error_text(exc) if isinstance(exc, OSError) else str(exc)
+        state, reason = "FAILED", f"launcher error: {type(exc).__name__}: {detail}"
     finally:
         sup.close()
-    sup.write_status(state, reason)
+    if sup.lost_log_lines:
+        lost = f"{sup.lost_log_lines} line(s) of the job log were lost: no room in {sup.folder}"
+        reason = f"{reason} ({lost})" if reason else lost
+    try:
+        sup.write_status(state, reason)
+    except OSError as exc:  # readers see a dead supervisor behind a RUNNING status: FAILED
+        sup.say(f"[launcher] job {state}, but its status could not be recorded: {os_error_text(exc)}")
+        return 1
     sup.say(f"[launcher] job {state}" + (f": {reason}" if reason else ""))
     return 0 if state == "SUCCEEDED" else 1
 
 
 # ------------------------------------------------------------------------------------- interface
+_SUPERVISORS: dict[int, subprocess.Popen[bytes]] = {}
+"""The supervisors this process started: kept, so that their exit status is ours to read (and not
+reaped unseen by ``subprocess``'s clean-up of a dropped Popen) and a dead one's reason says how it ended."""
+
+
 def _alive(pid: int) -> bool:
-    try:  # reap it if it is our child, so a finished supervisor is not a zombie that looks alive
-        done, _ = os.waitpid(pid, os.WNOHANG)
-        if done == pid:
+    proc = _SUPERVISORS.get(pid)
+    if proc is not None:
+        if proc.poll() is not None:  # reaped, so a finished supervisor is not a zombie that looks alive
             return False
-    except ChildProcessError:
-        pass
+    else:
+        try:  # our child started some other way: reap it too
+            done, _ = os.waitpid(pid, os.WNOHANG)
+            if done == pid:
+                return False
+        except ChildProcessError:
+            pass
     try:
         with open(f"/proc/{pid}/stat") as fh:
             state = fh.read().rsplit(")", 1)[1].split()[0]
@@ -370,11 +450,47 @@ def _alive(pid: int) -> bool:
     return state not in ("Z", "X") and b"kiln.launchers.local" in cmdline
 
 
+def _how_it_ended(pid: int) -> str:
+    """`` (killed by SIGKILL)`` / `` (exit status 1)`` for a supervisor this process started, else ``""``."""
+    proc = _SUPERVISORS.get(pid)
+    code = None if proc is None else proc.poll()
+    if code is None:
+        return ""
+    if code < 0:
+        with contextlib.suppress(ValueError):
+            return f" (killed by {signal.Signals(-code).name})"
+        return f" (killed by signal {-code})"
+    return f" (exit status {code})"
+
+
 def _read_status(run_dir: str | Path) -> dict[str, Any] | None:
     try:
-        return json.loads((Path(run_dir) / ".launch" / "status.json").read_text())
+        return json.loads((Path(run_dir) / LAUNCH_SUBDIR / LAUNCH_STATUS).read_text())
     except (OSError, ValueError):
         return None
+
+
+def _full_disk_note(run_dir: str | Path) -> str:
+    """`` (the file system of RUN has no space left)`` when that is likely why a supervisor died, else ``""``."""
+    try:
+        st = os.statvfs(run_dir)
+    except OSError:
+        return ""
+    if st.f_bavail * st.f_frsize < STATUS_RESERVE:
+        return f" (the file system of {run_dir} has no space left)"
+    return ""
+
+
+def _log_tail(run_dir: str | Path, size: int = 4096) -> str:
+    """The whole lines among the last ``size`` bytes of the job log ("" if there is none)."""
+    try:
+        with open(Path(run_dir) / LAUNCH_SUBDIR / LAUNCH_LOG, "rb") as fh:
+            fh.seek(max(0, fh.seek(0, os.SEEK_END) - size))
+            data = fh.read()
+    except OSError:
+        return ""
+    return data.decode("utf-8", errors="replace").partition("\n")[2] if len(data) == size else data.decode(
+        "utf-8", errors="replace")
 
 
 def agent_pids(run_dir: str | Path) -> dict[str, int]:
@@ -412,22 +528,31 @@ class LocalLauncher:
         The supervisor outlives the process that submitted it; a retried Airflow task that submits
         again must not start a second gang writing the same checkpoints.
         """
-        spec.run_dir.mkdir(parents=True, exist_ok=True)
         running = self.find_running(spec.run_dir)
         if running is not None:
             try:
-                same = json.loads((spec.launch_dir / "spec.json").read_text()) == json.loads(json.dumps(spec.to_json()))
+                same = json.loads((spec.launch_dir / LAUNCH_SPEC).read_text()) == json.loads(json.dumps(spec.to_json()))
             except (OSError, ValueError):
                 same = False
             if same:
                 return running
+        check_recipe(spec)  # before anything starts (or a running job is cancelled for it)
+        check_manifest(spec)
+        if running is not None:
             self.cancel(running)
+        try:
+            return self._start_supervisor(spec)
+        except OSError as exc:  # a full or read-only run dir: nothing was started
+            raise LaunchError(f"cannot start the job in {spec.run_dir}: {os_error_text(exc)}") from exc
+
+    def _start_supervisor(self, spec: LaunchSpec) -> JobHandle:
+        spec.run_dir.mkdir(parents=True, exist_ok=True)
         folder = clear_launch_state(spec)
-        spec_path = folder / "spec.json"
+        spec_path = folder / LAUNCH_SPEC
         spec_path.write_text(json.dumps(spec.to_json(), indent=1))
-        log_path = folder / "job.log"
+        log_path = folder / LAUNCH_LOG
         if log_path.exists():  # one log per attempt: a retry streams only its own lines
-            os.replace(log_path, folder / "job.previous.log")
+            os.replace(log_path, folder / LAUNCH_PREVIOUS_LOG)
         with open(log_path, "w") as log_file:
             log_file.write(f"[launcher] submit {spec.run_key} at {time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())}\n")
             log_file.flush()
@@ -437,13 +562,19 @@ class LocalLauncher:
                 stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True, cwd=spec.run_dir,
                 env={**os.environ, "PYTHONUNBUFFERED": "1"},
             )
-        (folder / "supervisor.pid").write_text(str(proc.pid))
+        try:
+            (folder / SUPERVISOR_PID).write_text(str(proc.pid))
+        except OSError:  # nobody could find this supervisor again: it must not run
+            _kill_group(proc.pid)
+            proc.wait()
+            raise
+        _SUPERVISORS[proc.pid] = proc
         return JobHandle(backend=self.name, job_id=str(proc.pid), run_dir=str(spec.run_dir))
 
     def find_running(self, run_dir: Path) -> JobHandle | None:
         """The live supervisor of ``run_dir``, if any."""
         try:
-            pid = int((Path(run_dir) / ".launch" / "supervisor.pid").read_text())
+            pid = int((Path(run_dir) / LAUNCH_SUBDIR / SUPERVISOR_PID).read_text())
         except (OSError, ValueError):
             return None
         status = _read_status(run_dir)
@@ -460,9 +591,12 @@ class LocalLauncher:
         status = _read_status(handle.run_dir)  # it may have finished between the two reads
         if status and status["state"] != "RUNNING":
             return JobStatus(state=status["state"], reason=status.get("reason", ""), restarts=status.get("restarts", 0))
-        reason = f"launcher supervisor {handle.job_id} died without a final status"
+        pid = int(handle.job_id)
+        last = " | ".join(_log_tail(handle.run_dir).splitlines()[-5:])
+        reason = (f"launcher supervisor {pid} died without a final status{_how_it_ended(pid)}"
+                  f"{_full_disk_note(handle.run_dir)}" + (f"; last lines of its log: {last}" if last else ""))
         self._end_leftovers(handle, "FAILED", reason)  # its agents must not train on unsupervised
-        return JobStatus(state="FAILED", reason=reason)
+        return JobStatus(state="FAILED", reason=reason, restarts=(status or {}).get("restarts", 0))
 
     def cancel(self, handle: JobHandle) -> None:
         pid = int(handle.job_id)
@@ -479,20 +613,22 @@ class LocalLauncher:
         # By tag only: a dead supervisor's or agent's pid may already belong to someone else.
         pid = int(handle.job_id)
         try:
-            spec = LaunchSpec.from_json(json.loads((Path(handle.run_dir) / ".launch" / "spec.json").read_text()))
+            spec = LaunchSpec.from_json(json.loads((Path(handle.run_dir) / LAUNCH_SUBDIR / LAUNCH_SPEC).read_text()))
             for node in [*range(spec.nodes), "store"]:
                 kill_tagged(f"{spec.rdzv_id}.{pid}.{node}")
         except (OSError, ValueError, KeyError, TypeError):
             pass
         status = _read_status(handle.run_dir)
         if not status or status["state"] == "RUNNING":
-            tmp = Path(handle.run_dir) / ".launch" / "status.json.tmp"
-            tmp.parent.mkdir(parents=True, exist_ok=True)
-            tmp.write_text(json.dumps({"state": state, "reason": reason, "restarts": (status or {}).get("restarts", 0)}))
-            os.replace(tmp, tmp.with_name("status.json"))
+            folder = Path(handle.run_dir) / LAUNCH_SUBDIR
+            try:
+                folder.mkdir(parents=True, exist_ok=True)
+                record_status(folder, {"state": state, "reason": reason, "restarts": (status or {}).get("restarts", 0)})
+            except OSError:
+                pass  # unrecorded: every reader still sees a dead supervisor behind it, and says so
 
     def logs(self, handle: JobHandle, offset: int = 0) -> tuple[str, int]:
-        path = Path(handle.run_dir) / ".launch" / "job.log"
+        path = Path(handle.run_dir) / LAUNCH_SUBDIR / LAUNCH_LOG
         try:
             with open(path, "rb") as fh:
                 fh.seek(offset)
@@ -512,6 +648,6 @@ def launch_local(spec: LaunchSpec, *, log: Callable[[str], None] = print) -> Tra
     """Run the job to completion on this machine; stream every agent's output through ``log``."""
     launcher = LocalLauncher()
     handle = launcher.submit(spec)
-    wait(launcher, handle, log=log, poll_s=0.5)
-    return launcher.result(handle)
+    status = wait(launcher, handle, log=log, poll_s=0.5)
+    return result_for(status, handle)  # no log tail in the error: every line went through ``log``
 

@@ -21,11 +21,11 @@ from __future__ import annotations
 import json
 import os
 import re
-import time
 import shlex
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 from kiln.errors import ConfigError, LaunchError
@@ -33,6 +33,7 @@ from kiln.launchers.base import (
     JobHandle,
     JobStatus,
     LaunchSpec,
+    check_recipe,
     clear_launch_state,
     fatal_markers,
     fatal_reason,
@@ -41,12 +42,12 @@ from kiln.launchers.base import (
     torchrun_argv,
 )
 from kiln.refs import TrainResult
+from kiln.runs import LAUNCH_SPEC, LAUNCH_SUBDIR, SLURM_EXCLUDED_NODES, SLURM_JOB_ID, SLURM_SCRIPT, slurm_log
 
 _PENDING = {"PENDING", "CONFIGURING", "REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED", "RESV_DEL_HOLD", "SUSPENDED"}
 _RUNNING = {"RUNNING", "COMPLETING", "STAGE_OUT", "SIGNALING", "RESIZING"}
 _NAME_OK = re.compile(r"^[A-Za-z0-9_.-]+$")
 
-EXCLUDED_NODES_FILE = "slurm-excluded-nodes.json"
 
 _FREE_PORT = 'import socket; s = socket.socket(); s.bind(("", 0)); print(s.getsockname()[1])'
 
@@ -133,11 +134,12 @@ class SlurmLauncher:
     def submit(self, spec: LaunchSpec) -> JobHandle:
         """Submit the job, or re-attach to this run dir's job if it is still queued or running the
         same script (a retried task must not put a second gang on the same checkpoints)."""
+        check_recipe(spec)  # before sbatch: a bad recipe is a usage error, not a FATAL job on every node
         spec.run_dir.mkdir(parents=True, exist_ok=True)
         rendered = self.render(spec)
         try:
-            previous = (spec.launch_dir / "slurm-job-id").read_text().strip()
-            previous_script = (spec.launch_dir / "job.sbatch").read_text()
+            previous = (spec.launch_dir / SLURM_JOB_ID).read_text().strip()
+            previous_script = (spec.launch_dir / SLURM_SCRIPT).read_text()
         except OSError:
             previous = ""
         if previous:
@@ -148,8 +150,8 @@ class SlurmLauncher:
                     return handle
                 self.cancel(handle)
         folder = clear_launch_state(spec)
-        (folder / "spec.json").write_text(json.dumps(spec.to_json(), indent=2, sort_keys=True))
-        script = folder / "job.sbatch"
+        (folder / LAUNCH_SPEC).write_text(json.dumps(spec.to_json(), indent=2, sort_keys=True))
+        script = folder / SLURM_SCRIPT
         script.write_text(rendered)
         out = _run(["sbatch", "--parsable", str(script)], self.env)
         if out.returncode != 0:
@@ -157,7 +159,7 @@ class SlurmLauncher:
         job_id = out.stdout.strip().split(";")[0]
         if not job_id.isdigit():
             raise LaunchError(f"sbatch answered {out.stdout!r}, not a job id")
-        (folder / "slurm-job-id").write_text(job_id)
+        (folder / SLURM_JOB_ID).write_text(job_id)
         return JobHandle(backend=self.name, job_id=job_id, run_dir=str(spec.run_dir))
 
     def _slurm_state(self, job_id: str) -> tuple[str, str, str]:
@@ -190,7 +192,8 @@ class SlurmLauncher:
             return JobStatus(state="RUNNING")
         if state == "COMPLETED":
             return JobStatus(state="SUCCEEDED")
-        detail = f"Slurm state {state}" + (f", exit {exit_code}" if exit_code else "") + (f", reason {reason}" if reason and reason != "None" else "")
+        detail = (f"Slurm state {state}" + (f", exit {exit_code}" if exit_code else "")
+                  + (f", reason {reason}" if reason and reason != "None" else ""))
         if state.startswith("CANCELLED"):
             return JobStatus(state="CANCELLED", reason=detail)
         return JobStatus(state="FAILED", reason=detail)
@@ -201,7 +204,7 @@ class SlurmLauncher:
             raise LaunchError(f"scancel {handle.job_id} failed: {out.stderr.strip()}")
 
     def logs(self, handle: JobHandle, offset: int = 0) -> tuple[str, int]:
-        path = Path(handle.run_dir) / ".launch" / f"slurm-{handle.job_id}.log"
+        path = Path(handle.run_dir) / LAUNCH_SUBDIR / slurm_log(handle.job_id)
         try:
             with open(path, "rb") as fh:
                 fh.seek(offset)
@@ -219,7 +222,7 @@ class SlurmLauncher:
 
 def excluded_nodes(run_dir: str | Path) -> tuple[str, ...]:
     """Nodes a straggler action excluded for this run dir (``resubmit_excluding``), oldest first."""
-    path = Path(run_dir) / ".launch" / EXCLUDED_NODES_FILE
+    path = Path(run_dir) / LAUNCH_SUBDIR / SLURM_EXCLUDED_NODES
     try:
         nodes = json.loads(path.read_text())
     except FileNotFoundError:
@@ -245,7 +248,7 @@ def resubmit_excluding(launcher: SlurmLauncher, handle: JobHandle, node: str, *,
     if not _NAME_OK.match(node):
         raise ConfigError(f"slurm node name must be a plain Slurm name, got {node!r}")
     try:
-        spec = LaunchSpec.from_json(json.loads((Path(handle.run_dir) / ".launch" / "spec.json").read_text()))
+        spec = LaunchSpec.from_json(json.loads((Path(handle.run_dir) / LAUNCH_SUBDIR / LAUNCH_SPEC).read_text()))
     except (OSError, ValueError) as exc:
         raise LaunchError(f"cannot resubmit slurm job {handle.job_id}: its spec.json is unreadable ({exc})") from exc
     launcher.cancel(handle)
@@ -255,7 +258,7 @@ def resubmit_excluding(launcher: SlurmLauncher, handle: JobHandle, node: str, *,
             raise LaunchError(f"slurm job {handle.job_id} still {state} {timeout_s:.0f} s after scancel; not resubmitting")
         time.sleep(poll_s)
     recorded = tuple(dict.fromkeys((*excluded_nodes(handle.run_dir), node)))
-    path = Path(handle.run_dir) / ".launch" / EXCLUDED_NODES_FILE
+    path = Path(handle.run_dir) / LAUNCH_SUBDIR / SLURM_EXCLUDED_NODES
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(list(recorded)))
     os.replace(tmp, path)

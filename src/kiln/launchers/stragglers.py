@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from kiln.errors import ConfigError
+from kiln.runs import METRICS_JSONL
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -195,7 +196,7 @@ class StragglerWatch:
     excluded: list[str] = field(default_factory=list)
 
     def poll(self) -> list[StragglerAction]:
-        events, self.offset = straggler_events(Path(self.run_dir) / "metrics.jsonl", self.offset)
+        events, self.offset = straggler_events(Path(self.run_dir) / METRICS_JSONL, self.offset)
         return [self.decide(event) for event in events]
 
     def decide(self, event: StragglerEvent) -> StragglerAction:

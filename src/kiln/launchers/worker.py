@@ -38,6 +38,9 @@ import sys
 import time
 from pathlib import Path
 
+from kiln.launchers.base import FATAL_LINE
+from kiln.runs import FATAL_SUBDIR, LAUNCH_SUBDIR
+
 FATAL_EXIT = 2
 
 
@@ -60,12 +63,18 @@ def _run_dir(argv: list[str]) -> Path | None:
 
 
 def write_fatal_marker(run_dir: Path, rank: int, error: str) -> Path:
-    folder = run_dir / ".launch" / "fatal"
+    """``RUN/.launch/fatal/rank-N.json``; on a disk too full for its text, an empty one (a name costs
+    no data blocks), which readers take as a fatal exit whose reason is in the log."""
+    folder = run_dir / LAUNCH_SUBDIR / FATAL_SUBDIR
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / f"rank-{rank}.json"
     tmp = path.with_suffix(f".tmp{os.getpid()}")
-    tmp.write_text(json.dumps({"rank": rank, "exit_code": FATAL_EXIT, "error": error, "time": time.time()}))
-    os.replace(tmp, path)  # readers see the whole marker or none
+    try:
+        tmp.write_text(json.dumps({"rank": rank, "exit_code": FATAL_EXIT, "error": error, "time": time.time()}))
+        os.replace(tmp, path)  # readers see the whole marker or none
+    except OSError:
+        tmp.unlink(missing_ok=True)
+        os.close(os.open(path, os.O_WRONLY | os.O_CREAT, 0o644))
     return path
 
 
@@ -83,7 +92,12 @@ def main(argv: list[str] | None = None) -> int:
         code = exc.code if isinstance(exc.code, int) else 1
     run_dir = _run_dir(argv)
     if code == FATAL_EXIT and run_dir is not None:
-        write_fatal_marker(run_dir, int(os.environ.get("RANK", "0") or 0), errors.message)
+        rank = int(os.environ.get("RANK", "0") or 0)
+        print(f"{FATAL_LINE}rank {rank}: {errors.message}", file=sys.stderr, flush=True)
+        try:
+            write_fatal_marker(run_dir, rank, errors.message)
+        except OSError as exc:  # the line above still reaches the local launcher
+            print(f"[worker] rank {rank}: fatal marker not written: {exc}", file=sys.stderr, flush=True)
         if os.environ.get("TORCHELASTIC_RUN_ID"):
             # Linger so the launcher (polling every 0.2 s) ends the gang before torchrun's monitor
             # (every 1 s) sees this exit and restarts a run that can only fail the same way.
@@ -126,29 +140,32 @@ def _warm_data_path(trainer_argv: list[str]) -> None:
     here, 0.04 s the second time): read one shard of the run's manifest before forking, so each
     worker pays only its own read and sha256 check (which it still does, on every start)."""
     try:
-        from kiln_trainer.data import load_training_manifest, read_verified_texts
+        from kiln_trainer.packed import iter_training_texts
         from kiln_trainer.train import parse_args
+        from kiln_trainer.training_manifest import load_training_manifest
 
         manifest = load_training_manifest(parse_args(trainer_argv).manifest)
-        read_verified_texts(manifest.shards[0])
+        next(iter_training_texts(manifest.shards[:1]), None)
     except (Exception, SystemExit):
         pass  # a bad manifest, argument or shard is the worker's to diagnose and report (exit 2)
 
 
 def agent_main(argv: list[str]) -> int:
     """One node's torchrun agent that forks preloaded workers (see the module docstring)."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import elastic_launch
     from torch.distributed.run import config_from_args, get_args_parser
 
     args = get_args_parser().parse_args(argv)
-    if not (args.module and args.training_script == __spec__.name):  # type: ignore[name-defined]
-        raise SystemExit(f"--agent runs only -m {__spec__.name}, got {args.training_script!r}")  # type: ignore[name-defined]
+    if not (args.module and args.training_script == __spec__.name):
+        raise SystemExit(f"--agent runs only -m {__spec__.name}, got {args.training_script!r}")
     args.start_method = "fork"
     config, _cmd, _cmd_args = config_from_args(args)
     # The preload every forked worker inherits. torch._dynamo: DDP's constructor imports it (and so
     # does torch's log formatter for any traceback, e.g. the agent's report of a dead worker).
     import torch._dynamo  # noqa: F401
+
     import kiln_trainer.train  # noqa: F401
 
     _warm_data_path(list(args.training_script_args))
@@ -158,6 +175,9 @@ def agent_main(argv: list[str]) -> int:
     except ChildFailedError as exc:
         print(f"[agent] worker group failed and the restarts are spent: {exc}", file=sys.stderr, flush=True)
         return 1
+    except SignalException as exc:  # the launcher ending the job (torch has stopped the workers)
+        print(f"[agent] stopped by signal {exc.sigval}", file=sys.stderr, flush=True)
+        return 1  # the status an uncaught exception gave, which is what the launcher reads
     return 0
 
 

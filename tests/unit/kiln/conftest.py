@@ -7,12 +7,18 @@ once and the poisoned one is validated once; tests only read these results.
 from __future__ import annotations
 
 import argparse
+import sys
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
 
-from kiln.corpus import POISON_KINDS
+# The trainer tests' helpers (``trainer_fixtures``: real shards, TrainingManifests, the trainer's
+# environment) serve the CLI tests of ``kiln train`` and ``kiln evaluate`` too.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "training"))
+
+from kiln.data.corpus import POISON_KINDS
 
 ALL_POISONS = tuple(POISON_KINDS)
 POISONED_SHARDS = 20
@@ -21,28 +27,28 @@ POISONED_SHARDS = 20
 
 @pytest.fixture(scope="session")
 def stdlib_contract():
-    from kiln.contracts import load_contract
+    from kiln.data.contracts import load_contract
 
     return load_contract("stdlib-py@1")
 
 
 @pytest.fixture(scope="session")
 def clean_corpus(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    from kiln.corpus import build_corpus
+    from kiln.data.corpus import build_corpus
 
     return build_corpus(tmp_path_factory.mktemp("clean") / "corpus")
 
 
 @pytest.fixture(scope="session")
 def poisoned_corpus(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    from kiln.corpus import build_corpus
+    from kiln.data.corpus import build_corpus
 
     return build_corpus(tmp_path_factory.mktemp("poisoned") / "corpus", shards=POISONED_SHARDS, seed=7, poison=ALL_POISONS)
 
 
 @pytest.fixture(scope="session")
 def poisoned_reports(poisoned_corpus: dict[str, Any], stdlib_contract):
-    from kiln.validation import validate_directory
+    from kiln.data.validation import validate_directory
 
     return validate_directory(poisoned_corpus["out"], stdlib_contract)
 

@@ -38,8 +38,9 @@ def test_unknown_subcommand_is_a_usage_error(capsys):
 
 
 def test_corpus_build_help_lists_poison_kinds():
-    out = subprocess.run([sys.executable, "-m", "kiln.cli", "corpus", "build", "--help"], capture_output=True, text=True, check=True).stdout
-    from kiln.corpus import POISON_KINDS
+    out = subprocess.run([sys.executable, "-m", "kiln.cli", "corpus", "build", "--help"],
+                         capture_output=True, text=True, check=True).stdout
+    from kiln.data.corpus import POISON_KINDS
 
     for kind in POISON_KINDS:
         assert kind in out

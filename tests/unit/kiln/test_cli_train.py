@@ -15,7 +15,7 @@ from kiln.policy import RECIPES_DIR
 
 # The trainer tests' fixtures (real parquet shards, a TrainingManifest in kiln's wire format).
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "training"))
-from trainer_fixtures import REPO, stdlib_sources, trainer_env, write_shard, write_training_manifest  # noqa: E402
+from trainer_fixtures import REPO, stdlib_sources, trainer_env, write_shard, write_training_manifest
 
 FAST = ("train.steps=8", "checkpoint.every_steps=4", "optim.warmup_steps=2", "train.log_every=4")
 
@@ -40,10 +40,40 @@ def test_unknown_recipe_is_a_clear_error(tmp_path: Path, capsys: pytest.CaptureF
     manifest = tmp_path / "m.json"
     manifest.write_text("{}")
     argv = ["train", "--recipe", "no-such-recipe", "--manifest", str(manifest), "--run-dir", str(tmp_path / "run")]
-    assert main(argv) == 1
+    assert main(argv) == 2  # a usage error (kiln.cli: 2), like every other bad recipe
     err = capsys.readouterr().err
     assert "unknown recipe 'no-such-recipe'" in err and "tiny" in err
     assert not (tmp_path / "run").exists()  # refused before anything was launched
+
+
+@pytest.mark.parametrize(("content", "named"), [
+    ("", "not JSON"),
+    ("{}", "kind is not 'kiln.TrainingManifest'"),
+    ('{"kind": "kiln.TrainingManifest", "sha256": "0"}', "content hash mismatch"),
+])
+def test_a_manifest_the_trainer_would_refuse_is_a_usage_error_before_any_agent(
+        content: str, named: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    manifest = tmp_path / "m.json"
+    manifest.write_text(content)
+    argv = ["train", "--recipe", "tiny", "--manifest", str(manifest), "--run-dir", str(tmp_path / "run")]
+    assert main(argv) == 2
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line.startswith("kiln train: error: --manifest ") and str(manifest) in line and named in line, line
+    assert not (tmp_path / "run").exists()  # refused before anything was launched
+
+
+def test_the_local_launcher_refuses_a_tampered_manifest_before_any_agent(small_manifest: Path, tmp_path: Path) -> None:
+    from kiln.errors import ManifestError
+    from kiln.launchers import LaunchSpec, launch_local
+
+    doc = json.loads(small_manifest.read_text())
+    doc["shards"][0]["rows"] += 1  # edited after kiln issued it: the content hash no longer matches
+    tampered = tmp_path / "tampered.json"
+    tampered.write_text(json.dumps(doc))
+    spec = LaunchSpec(run_dir=tmp_path / "run", manifest=tampered, recipe=RECIPES_DIR / "tiny.toml", run_key="tampered")
+    with pytest.raises(ManifestError, match="content hash mismatch") as info:
+        launch_local(spec, log=lambda _line: None)
+    assert info.value.retryable is False and not spec.run_dir.exists()
 
 
 def test_evaluate_of_a_non_checkpoint_is_a_clear_error(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -98,3 +128,30 @@ def test_train_then_evaluate_end_to_end(small_manifest: Path, tmp_path: Path, ca
     capsys.readouterr()
     assert main(["evaluate", "--checkpoint", str(checkpoint), "--report", str(tmp_path / "e3.json")]) == 1
     assert "pass the right --manifest" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_tokenize_writes_a_manifest_that_train_reads_without_packing_again(small_manifest: Path, tmp_path: Path,
+                                                                            capsys: pytest.CaptureFixture[str]) -> None:
+    named = tmp_path / "tokenized.json"
+    argv = ["tokenize", "--recipe", "tiny", "--manifest", str(small_manifest), "--out", str(tmp_path / "tokens"),
+            "--manifest-out", str(named)]
+    assert main(argv) == 0
+    summary = json.loads(capsys.readouterr().out)
+    doc = json.loads(named.read_text())
+    assert doc["tokens"] == {"manifest": summary["token_manifest"], "sha256": summary["token_manifest_sha256"]}
+    assert doc["shards"] == json.loads(small_manifest.read_text())["shards"] and doc["sha256"] == summary["manifest_sha256"]
+    assert summary["tokenizer_kind"] == "byte" and summary["samples"] > 0
+    assert main(argv) == 0 and json.loads(capsys.readouterr().out) == summary, "a second run reuses the packed shards"
+
+    run_dir = tmp_path / "run"
+    cmd = [sys.executable, "-m", "kiln.cli", "train", "--recipe", "tiny", "--manifest", str(named), "--run-dir", str(run_dir)]
+    for item in FAST:
+        cmd += ["--set", item]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180, env=trainer_env(), cwd=REPO)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    result = json.loads(proc.stdout)
+    checkpoint = json.loads((Path(result["checkpoint"]) / "manifest.json").read_text())
+    assert checkpoint["token_manifest_sha256"] == summary["token_manifest_sha256"]
+    assert checkpoint["tokenizer_sha256"] == summary["tokenizer_sha256"]
+    assert not (run_dir / "tokens").exists(), "the trainer packed the shards again instead of reading the named tokens"

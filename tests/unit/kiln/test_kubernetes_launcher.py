@@ -1,26 +1,29 @@
-"""The kubernetes backend without a cluster: the rendered TrainJob validates against the vendored
-Kubeflow Trainer CRD schema (and a wrong field fails it), Kueue labels and torchrun settings come from
-the spec, and TrainJob status conditions map to kiln's states."""
+"""The kubernetes backend without a cluster: the rendered TrainJob validates, strictly, against
+Kubeflow Trainer v2.3's own API types (and the upstream CRD where present: a wrong field, or the
+v2.1-only ``podTemplateOverrides``, fails it), passes the webhook's checks against kiln's
+ClusterTrainingRuntime, Kueue labels and torchrun settings come from the spec, and TrainJob status
+conditions map to kiln's states."""
 
 from __future__ import annotations
 
 import copy
+import dataclasses
 from pathlib import Path
 
 import pytest
 
 from kiln.errors import ConfigError
 from kiln.launchers import LaunchSpec, get_launcher
+from kiln.launchers.k8s_schema import crd_schema, runtime_problems, trainer_api_schema, upstream_file, validate_trainjob
 from kiln.launchers.kubernetes import (
+    PATCH_MANAGER,
     PRIORITY_LABEL,
     QUEUE_LABEL,
-    TRAINJOB_CRD,
+    RUNTIME_MANIFEST,
     KubernetesLauncher,
-    crd_schema,
     render_trainjob,
     state_from_trainjob,
     trainjob_name,
-    validate_trainjob,
 )
 from kiln.policy import PRODUCTION, SANDBOX
 
@@ -28,9 +31,17 @@ REPO = Path(__file__).resolve().parents[3]
 RECIPE = REPO / "training" / "recipes" / "production" / "small.toml"
 
 
+def upstream_crd(name: str) -> Path:
+    path = upstream_file(name)
+    if path is None:
+        pytest.skip(f"upstream CRD {name} not available (docker/k8s/README.md); checked against the API types only")
+    return path
+
+
 @pytest.fixture(scope="module")
 def schema():
-    return crd_schema()
+    """Trainer v2.3's API types (kubeflow-trainer-api), strict."""
+    return trainer_api_schema("TrainJob")
 
 
 def _spec(shared: Path, **kw) -> LaunchSpec:
@@ -49,10 +60,12 @@ def _render(tmp_path: Path, **kw):
     return render_trainjob(_spec(tmp_path), **options)
 
 
-def test_vendored_crd_is_the_trainjob_crd(schema):
-    assert TRAINJOB_CRD.is_file()
+def test_schema_is_the_strict_v2_3_trainjob(schema):
+    spec = schema["properties"]["spec"]
+    spec = schema["$defs"][spec["$ref"].rsplit("/", 1)[1]] if "$ref" in spec else spec
     assert set(schema["properties"]) == {"apiVersion", "kind", "metadata", "spec", "status"}
-    assert schema["properties"]["spec"]["additionalProperties"] is False  # strict, like --validate=strict
+    assert spec["additionalProperties"] is False  # strict, like --validate=strict
+    assert "runtimePatches" in spec["properties"] and "podTemplateOverrides" not in spec["properties"]
 
 
 def test_rendered_trainjob_validates_and_carries_policy_and_spec(tmp_path, schema):
@@ -71,9 +84,52 @@ def test_rendered_trainjob_validates_and_carries_policy_and_spec(tmp_path, schem
     assert args[args.index("--run-dir") + 1] == str(tmp_path.resolve() / "runs/kiln_production/scheduled__2026/train")
     env = {e["name"]: e["value"] for e in trainer["env"]}
     assert env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] == "1" and env["MLFLOW_RUN_ID"] == "abc"
-    override = body["spec"]["podTemplateOverrides"][0]
-    assert override["spec"]["volumes"][0]["persistentVolumeClaim"]["claimName"] == "kiln-shared"
-    assert override["spec"]["containers"][0]["volumeMounts"][0]["mountPath"] == str(tmp_path.resolve())
+    assert env["KILN_HOME"] == str(tmp_path.resolve())
+    assert "podTemplateOverrides" not in body["spec"]  # Trainer v2.1 only; v2.2+ refuse it
+    (patch,) = body["spec"]["runtimePatches"]
+    assert patch["manager"] == PATCH_MANAGER
+    (job,) = patch["trainingRuntimeSpec"]["template"]["spec"]["replicatedJobs"]
+    pod = job["template"]["spec"]["template"]["spec"]
+    assert job["name"] == "node"
+    assert pod["volumes"][0]["persistentVolumeClaim"]["claimName"] == "kiln-shared"
+    assert pod["containers"][0]["volumeMounts"][0]["mountPath"] == str(tmp_path.resolve())
+
+
+def test_rendered_trainjob_passes_the_webhook_checks_against_kilns_runtime(tmp_path):
+    import yaml
+
+    runtime = yaml.safe_load(RUNTIME_MANIFEST.read_text())
+    body = _render(tmp_path)
+    assert body["spec"]["runtimeRef"]["name"] == runtime["metadata"]["name"] == "kiln-torch"
+    assert runtime_problems(body, runtime) == []
+    broken = copy.deepcopy(body)
+    pod = broken["spec"]["runtimePatches"][0]["trainingRuntimeSpec"]["template"]["spec"]["replicatedJobs"][0]
+    pod["template"]["spec"]["template"]["spec"]["containers"][0]["env"] = [{"name": "X", "value": "1"}]
+    pod["name"] = "launcher"
+    broken["spec"]["runtimePatches"][0]["manager"] = "kiln"
+    problems = "\n".join(runtime_problems(broken, runtime))
+    assert "job 'launcher' is not in the runtime" in problems and "domain-prefixed" in problems
+
+
+def test_reserved_torch_env_is_refused(tmp_path):
+    spec = dataclasses.replace(_spec(tmp_path), env={"PET_MASTER_ADDR": "elsewhere"})
+    with pytest.raises(ConfigError, match="PET_MASTER_ADDR"):
+        render_trainjob(spec, namespace="ml", queue="q", priority_class=None, shared_root=tmp_path, checkpoint_claim="c")
+
+
+def test_rendered_trainjob_validates_against_the_upstream_v2_3_crd(tmp_path):
+    """The whole upstream CRD also has the patterns, enums and list limits the API types lack."""
+    crd = crd_schema(upstream_crd("kubeflow-trainer/v2.3.0/trainer.kubeflow.org_trainjobs.yaml"))
+    body = _render(tmp_path)
+    validate_trainjob(body, crd)
+    old = copy.deepcopy(body)
+    old["spec"]["podTemplateOverrides"] = [{"targetJobs": [{"name": "node"}], "spec": {"volumes": []}}]
+    with pytest.raises(ConfigError, match="'podTemplateOverrides' was unexpected"):
+        validate_trainjob(old, crd)
+    typo = copy.deepcopy(body)
+    _patched_pod(typo)["volumes"][0]["pvc"] = {}
+    with pytest.raises(ConfigError, match="'pvc' was unexpected"):
+        validate_trainjob(typo, crd)
 
 
 def test_render_is_stable_for_a_run(tmp_path):
@@ -82,11 +138,19 @@ def test_render_is_stable_for_a_run(tmp_path):
     assert len(name) <= 63 and name.startswith("kiln-kiln-production-scheduled")
 
 
+def _patched_pod(body):
+    return body["spec"]["runtimePatches"][0]["trainingRuntimeSpec"]["template"]["spec"]["replicatedJobs"][0][
+        "template"]["spec"]["template"]["spec"]
+
+
 @pytest.mark.parametrize("mutate,field", [
+    # What kiln rendered before Trainer v2.2: the CRD of v2.2 and v2.3 refuses it.
+    (lambda b: b["spec"].__setitem__("podTemplateOverrides", [{"targetJobs": [{"name": "node"}]}]), "podTemplateOverrides"),
     (lambda b: b["spec"]["trainer"].__setitem__("numNode", 2), "numNode"),  # a typo'd field
     (lambda b: b["spec"]["trainer"].__setitem__("numNodes", "two"), "numNodes"),  # a wrong type
     (lambda b: b["spec"].pop("runtimeRef"), "runtimeRef"),  # a required field missing
-    (lambda b: b["spec"]["podTemplateOverrides"][0]["spec"]["volumes"][0].__setitem__("pvc", {}), "pvc"),
+    (lambda b: _patched_pod(b)["volumes"][0].__setitem__("pvc", {}), "pvc"),
+    (lambda b: b["spec"]["runtimePatches"][0].pop("manager"), "manager"),
     (lambda b: b["spec"]["trainer"]["resourcesPerNode"]["limits"].__setitem__("cpu", "lots"), "cpu"),
     (lambda b: b["metadata"].__setitem__("name", "Kiln_Run"), "metadata.name"),
 ])
@@ -138,7 +202,8 @@ def _cond(kind: str, reason: str, message: str = "", status: str = "True") -> di
      "TrainJob tj failed: BackoffLimitExceeded: node-1 exited 1"),
     # A job preempted by a higher-priority workload is suspended again by Kueue: pending, not failed.
     ({"conditions": [_cond("Suspended", "Preempted")],
-      "jobsStatus": [{"name": "node", "active": 0, "ready": 0, "succeeded": 0, "failed": 0, "suspended": 1}]}, "PENDING", "Preempted"),
+      "jobsStatus": [{"name": "node", "active": 0, "ready": 0, "succeeded": 0, "failed": 0, "suspended": 1}]},
+     "PENDING", "Preempted"),
 ])
 def test_state_from_trainjob_conditions(status, state, reason):
     got = state_from_trainjob({"metadata": {"name": "tj", "labels": {QUEUE_LABEL: "q1"}}, "status": status})

@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -10,6 +11,7 @@ from kiln.errors import ConfigError, LaunchError
 from kiln.launchers import (
     JobHandle,
     JobStatus,
+    LaunchPlan,
     LaunchSpec,
     LocalLauncher,
     SlurmLauncher,
@@ -20,13 +22,14 @@ from kiln.launchers import (
     render_sbatch,
 )
 from kiln.launchers.base import fatal_markers, result_for
-from kiln.launchers.local import kill_tagged
+from kiln.launchers.local import kill_tagged, record_status
 from kiln.launchers.stragglers import StragglerDetector, StragglerPolicy, detect, rank_step_times_from_metrics
 from kiln.launchers.worker import write_fatal_marker
 
 
 def _spec(tmp_path: Path, **kw) -> LaunchSpec:
-    return LaunchSpec(run_dir=tmp_path, manifest=tmp_path / "m.json", recipe=tmp_path / "r.toml", run_key="kiln_sandbox/manual__2026", **kw)
+    return LaunchSpec(run_dir=tmp_path, manifest=tmp_path / "m.json", recipe=tmp_path / "r.toml",
+                      run_key="kiln_sandbox/manual__2026", **kw)
 
 
 def test_agent_argv_forms_one_multi_node_gang(tmp_path):
@@ -102,7 +105,6 @@ def test_worker_fatal_marker_is_read_back(tmp_path):
 
 def test_worker_marks_exit_2_and_only_exit_2(tmp_path, monkeypatch):
     import kiln_trainer.train as trainer
-
     from kiln.launchers import worker
 
     monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
@@ -184,7 +186,7 @@ def test_clean_run_and_interrupted_streak_raise_no_flag():
     assert detect([(s, [0.10, 0.11, 0.12, 0.10]) for s in range(10, 200, 10)], policy) == []
     # slow, slow, recovered, slow, slow: never 3 in a row
     pattern = [[0.1, 0.2], [0.1, 0.2], [0.1, 0.1], [0.1, 0.2], [0.1, 0.2]]
-    assert detect(list(zip(range(5), pattern)), policy) == []
+    assert detect(list(zip(range(5), pattern, strict=True)), policy) == []
 
 
 def test_a_second_slow_streak_flags_again():
@@ -210,7 +212,7 @@ def test_rank_step_times_are_read_from_metrics_jsonl(tmp_path):
 def test_trigger_serializes_to_json_and_rebuilds(tmp_path):
     from airflow.sdk.module_loading import import_string
 
-    from kiln.launchers.triggers import LaunchedJobTrigger
+    from kiln.airflow.triggers import LaunchedJobTrigger
 
     trigger = LaunchedJobTrigger(handle={"backend": "slurm", "job_id": "42", "run_dir": str(tmp_path)}, backend="slurm",
                                  options={"partition": "kiln", "qos": None, "env": {"SLURM_CONF": "/x/slurm.conf"}}, poll_s=2)
@@ -225,10 +227,9 @@ def test_trigger_waits_while_the_job_runs_and_fires_once_with_reason_and_log_tai
     no event while it runs, one event with the launcher's reason and the log tail when it ends."""
     import asyncio
     import subprocess
-
-    from kiln.launchers.triggers import LaunchedJobTrigger
-
     import sys
+
+    from kiln.airflow.triggers import LaunchedJobTrigger
 
     # The local backend recognises its supervisor by "kiln.launchers.local" in the command line.
     sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)", "kiln.launchers.local"],
@@ -296,7 +297,7 @@ def test_trigger_turns_an_exclude_node_flag_into_one_straggler_event(tmp_path):
     import subprocess
     import sys
 
-    from kiln.launchers.triggers import LaunchedJobTrigger
+    from kiln.airflow.triggers import LaunchedJobTrigger
 
     sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)", "kiln.launchers.local"],
                                start_new_session=True)
@@ -338,16 +339,17 @@ def test_trigger_turns_an_exclude_node_flag_into_one_straggler_event(tmp_path):
 
 
 def test_excluded_nodes_are_kept_per_run_and_reach_every_later_batch_script(tmp_path):
-    from kiln.launchers.slurm import EXCLUDED_NODES_FILE, SlurmLauncher, excluded_nodes
+    from kiln.launchers.slurm import SlurmLauncher, excluded_nodes
+    from kiln.runs import SLURM_EXCLUDED_NODES
 
     spec = LaunchSpec(run_dir=tmp_path / "run", manifest=tmp_path / "m.json", recipe=tmp_path / "r.toml",
                       run_key="dag/run", nodes=2)
     assert excluded_nodes(spec.run_dir) == ()
     spec.launch_dir.mkdir(parents=True)
-    (spec.launch_dir / EXCLUDED_NODES_FILE).write_text('["node2"]')
+    (spec.launch_dir / SLURM_EXCLUDED_NODES).write_text('["node2"]')
     script = SlurmLauncher(exclude=("node9",)).render(spec)
     assert "#SBATCH --exclude=node9,node2" in script
-    (spec.launch_dir / EXCLUDED_NODES_FILE).write_text('["node2; rm -rf /"]')
+    (spec.launch_dir / SLURM_EXCLUDED_NODES).write_text('["node2; rm -rf /"]')
     with pytest.raises(LaunchError, match="list of Slurm node names"):
         excluded_nodes(spec.run_dir)
 
@@ -360,3 +362,133 @@ def test_straggler_action_is_a_deployment_setting_and_exclude_node_needs_slurm()
     assert moved.straggler_action == "exclude_node"
     with pytest.raises(PolicyError, match="needs launcher 'slurm'"):
         SANDBOX.with_launcher('{"straggler_action": "exclude_node"}', "test")
+
+
+# ------------------------------------------------------------------------------------ a full disk
+def _fill(disk: Path) -> None:
+    fd = os.open(disk / "ballast", os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+    try:
+        while os.write(fd, b"\0" * 4096):
+            pass
+    except OSError:
+        pass  # ENOSPC: full
+    finally:
+        os.close(fd)
+
+
+def test_status_json_reaches_its_final_state_on_a_full_disk(tmpfs):
+    folder = tmpfs("64k")
+    record_status(folder, {"state": "RUNNING", "reason": "", "supervisor": 1})
+    _fill(folder)
+    reason = "rank 0 exited 2 (trainer fault, not retried): StorageError: x: No space left on device " * 80
+    record_status(folder, {"state": "FATAL", "reason": reason, "supervisor": 1})
+    status = json.loads((folder / "status.json").read_text())
+    assert status["state"] == "FATAL" and status["reason"].startswith("rank 0 exited 2")
+    assert sorted(p.name for p in folder.iterdir()) == ["ballast", "status.json"]  # no torn temp file
+
+
+def test_a_dead_supervisor_on_a_full_disk_is_failed_never_running(tmpfs):
+    run_dir = tmpfs("64k")
+    (run_dir / ".launch").mkdir()
+    (run_dir / ".launch" / "status.json").write_text(json.dumps({"state": "RUNNING", "restarts": 1}))
+    _fill(run_dir)
+    handle = JobHandle(backend="local", job_id=str(2**22 + 12345), run_dir=str(run_dir))
+    for _ in range(2):  # and stays so: the next reader sees the same
+        status = LocalLauncher().poll(handle)
+        assert status.state == "FAILED" and "died without a final status" in status.reason
+        assert "has no space left" in status.reason and status.restarts == 1
+    assert json.loads((run_dir / ".launch" / "status.json").read_text())["state"] == "FAILED"
+    assert sorted(p.name for p in (run_dir / ".launch").iterdir()) == ["status.json"]
+
+
+def test_a_supervisor_that_dies_is_failed_with_how_it_ended_and_its_last_log_lines(tmp_path, monkeypatch):
+    import signal
+    import subprocess
+    import sys
+
+    from kiln.launchers import local
+
+    (tmp_path / ".launch").mkdir()
+    (tmp_path / ".launch" / "status.json").write_text(json.dumps({"state": "RUNNING", "restarts": 0}))
+    (tmp_path / ".launch" / "job.log").write_text("[launcher] submit x\n[node 0] step 12 loss 3.1\n")
+    # A stand-in supervisor: its cmdline names the module, as the real one's does.
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)  # kiln.launchers.local"])
+    monkeypatch.setitem(local._SUPERVISORS, proc.pid, proc)
+    handle = JobHandle(backend="local", job_id=str(proc.pid), run_dir=str(tmp_path))
+    try:
+        assert LocalLauncher().poll(handle).state == "RUNNING"
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        status = LocalLauncher().poll(handle)
+    finally:
+        proc.kill()
+        proc.wait()
+    assert status.state == "FAILED"
+    assert f"supervisor {proc.pid} died without a final status (killed by SIGKILL)" in status.reason
+    assert status.reason.endswith("last lines of its log: [launcher] submit x | [node 0] step 12 loss 3.1")
+
+
+def test_a_fatal_exit_on_a_full_disk_still_leaves_a_marker(tmpfs):
+    run_dir = tmpfs("64k")
+    (run_dir / ".launch" / "fatal").mkdir(parents=True)
+    _fill(run_dir)
+    write_fatal_marker(run_dir, 1, "StorageError: /x: No space left on device")
+    assert fatal_markers(run_dir) == [{"rank": "1", "exit_code": 2, "error": ""}]  # the reason is in the log
+    assert sorted(p.name for p in (run_dir / ".launch" / "fatal").iterdir()) == ["rank-1.json"]
+
+
+# ------------------------------------------------------------------------------------ bad recipes
+@pytest.mark.parametrize("overrides, field", [
+    (("train.no_such_field=1",), "train.no_such_field"),
+    (("model.n_layer=four",), "model.n_layer"),
+    (("optim.lr=-1",), "optim.lr"),
+    (("train",), "override 'train'"),
+])
+@pytest.mark.parametrize("backend", ["local", "slurm", "kubernetes"])
+def test_a_bad_recipe_is_refused_at_submit_before_anything_starts(tmp_path, overrides, field, backend):
+    """Every backend: no sbatch, no TrainJob, no agent for a recipe the trainer would refuse."""
+    from kiln.policy import RECIPES_DIR
+
+    launcher = {
+        "local": LocalLauncher,
+        "slurm": lambda: SlurmLauncher(partition="p"),
+        "kubernetes": lambda: get_launcher("kubernetes", namespace="kiln", queue="q", shared_root=tmp_path,
+                                           checkpoint_claim="kiln-shared", kubeconfig=str(tmp_path / "no-kubeconfig")),
+    }[backend]()
+
+    recipe = RECIPES_DIR / "tiny.toml"
+    spec = LaunchSpec(run_dir=tmp_path / "run", manifest=tmp_path / "m.json", recipe=recipe, run_key="k/r",
+                      overrides=overrides)
+    with pytest.raises(ConfigError, match=rf"recipe {re.escape(str(recipe))}: .*{re.escape(field)}") as info:
+        launcher.submit(spec)
+    assert info.value.retryable is False  # the DAG's train stage fails it without retry
+    assert not spec.run_dir.exists()
+
+
+def test_the_dag_train_stage_refuses_a_bad_recipe_without_retry(tmp_path):
+    """``submit_train`` is what the DAG's train task calls with the planned spec."""
+    from kiln.stages import submit_train
+
+    recipe = tmp_path / "bad.toml"
+    recipe.write_text("[train]\nsteps = 'many'\n")
+    spec = LaunchSpec(run_dir=tmp_path / "run", manifest=tmp_path / "m.json", recipe=recipe, run_key="kiln_sandbox/r")
+    plan = LaunchPlan(spec=spec, backend="local", mlflow_run_id="x")
+    with pytest.raises(ConfigError, match=rf"recipe {re.escape(str(recipe))}: train.steps: expected int") as info:
+        submit_train(plan)
+    assert info.value.retryable is False
+    assert not spec.run_dir.exists()
+
+
+def test_a_launch_plan_crosses_a_deferral_as_json_and_a_malformed_one_is_named(tmp_path):
+    from kiln.errors import LaunchError
+
+    spec = LaunchSpec(run_dir=tmp_path / "run", manifest=tmp_path / "m.json", recipe=tmp_path / "r.toml",
+                      run_key="kiln_sandbox/r", nodes=2, overrides=("train.steps=5",))
+    plan = LaunchPlan(spec=spec, backend="slurm", options={"partition": "gpu"}, mlflow_run_id="abc")
+    wire = json.loads(json.dumps(plan.to_json()))
+    assert LaunchPlan.from_json(wire) == plan
+    moved = plan.with_options(exclude=["node2"])
+    assert moved.options == {"partition": "gpu", "exclude": ["node2"]} and plan.options == {"partition": "gpu"}
+    for broken in ({}, {"spec": {}, "backend": "slurm"}, {"spec": spec.to_json()}, []):
+        with pytest.raises(LaunchError, match="not a launch plan"):
+            LaunchPlan.from_json(broken)  # type: ignore[arg-type]

@@ -48,3 +48,14 @@ def test_policies_differ_where_they_must():
     assert get_policy("sandbox") is SANDBOX
     with pytest.raises(PolicyError, match="unknown policy"):
         get_policy("staging")
+
+
+def test_doc_lists_the_coded_settings_and_where_each_run_time_override_is_read():
+    from kiln.policy import SANDBOX
+
+    assert "read at run time" not in SANDBOX.doc_md()
+    doc = SANDBOX.doc_md([("kiln_sandbox_launcher", "where training runs", "`train`: log line `launcher in force: …`")])
+    assert "| `launcher` | `local` |" in doc and "(as coded)" in doc
+    assert ("| `kiln_sandbox_launcher` (or `AIRFLOW_VAR_KILN_SANDBOX_LAUNCHER`) | where training runs | "
+            "`train`: log line `launcher in force: …` |") in doc
+    assert "never when this file is parsed" in doc and "without retry" in doc

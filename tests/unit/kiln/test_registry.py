@@ -18,6 +18,7 @@ from kiln import registry
 from kiln.errors import ConfigError, PolicyError, RegistryError
 from kiln.policy import PRODUCTION, PRODUCTION_MODEL, SANDBOX, GatePolicy
 from kiln.refs import Decision, EvalReport
+from kiln.runs import RUN_KEY_TAG, split_run_key
 
 GATE = GatePolicy(max_bits_per_byte=7.5, max_regression=0.05)
 
@@ -47,7 +48,7 @@ def test_first_model_within_threshold_is_promoted_with_reasons():
     # Every check says why it passed, so a reviewer reads the same list for promote and hold.
     assert [r.split(" ")[0] for r in decision.reasons] == [
         "sanity.split", "sanity.finite", "sanity.tokens", "threshold", "regression",
-    ]  # fmt: skip
+    ]
     assert all(" passed: " in r for r in decision.reasons)
     assert any("first model" in r for r in decision.reasons)
 
@@ -124,7 +125,7 @@ def no_mlflow_requests(monkeypatch):
     def explode():
         raise AssertionError("an MLflow client was created: a request would have been sent")
 
-    monkeypatch.setattr(registry, "_client", explode)
+    monkeypatch.setattr(registry.mlflow_io, "_client", explode)
 
 
 def test_sandbox_rollback_of_production_model_refused_before_any_request(no_mlflow_requests):
@@ -135,19 +136,21 @@ def test_sandbox_rollback_of_production_model_refused_before_any_request(no_mlfl
 def test_sandbox_policy_cannot_even_be_built_with_the_production_model():
     with pytest.raises(PolicyError):
         dataclasses.replace(SANDBOX, target_model=PRODUCTION_MODEL,
-                            writable_models=(*SANDBOX.writable_models, PRODUCTION_MODEL))  # fmt: skip
+                            writable_models=(*SANDBOX.writable_models, PRODUCTION_MODEL))
 
 
 def test_hold_decision_is_never_promoted(no_mlflow_requests):
     hold = registry.decide(report(9.0), None, GATE)
     with pytest.raises(PolicyError, match="held"):
-        registry.promote(policy=PRODUCTION, candidate_version="1", decision=hold, approver="alice", run_key="d/r")
+        registry.promote(policy=PRODUCTION, candidate_version="1", decision=hold, run_key="d/r")
+    with pytest.raises(PolicyError, match="held"):
+        registry.promote(policy=PRODUCTION, candidate_version="1", decision=hold, run_key="d/r", manual_approver="alice")
 
 
-def test_promotion_needs_an_approver(no_mlflow_requests):
+def test_a_manual_promotion_needs_a_named_approver(no_mlflow_requests):
     ok = registry.decide(report(3.0), None, GATE)
-    with pytest.raises(PolicyError, match="approver"):
-        registry.promote(policy=PRODUCTION, candidate_version="1", decision=ok, approver=" ", run_key="d/r")
+    with pytest.raises(PolicyError, match="named approver"):
+        registry.promote(policy=PRODUCTION, candidate_version="1", decision=ok, run_key="d/r", manual_approver=" ")
 
 
 def test_cli_sandbox_promote_of_production_model_refused_before_any_request(no_mlflow_requests):
@@ -162,22 +165,22 @@ def test_cli_sandbox_promote_of_production_model_refused_before_any_request(no_m
 
 
 def test_run_key_must_name_dag_and_run():
-    assert registry.split_run_key("kiln_production/manual__2026-11-29T16:00:00+00:00") == (
+    assert split_run_key("kiln_production/manual__2026-11-29T16:00:00+00:00") == (
         "kiln_production", "manual__2026-11-29T16:00:00+00:00",
-    )  # fmt: skip
+    )
     with pytest.raises(ConfigError):
-        registry.split_run_key("no-slash")
+        split_run_key("no-slash")
 
 
 def test_filter_values_with_quotes_are_refused():
     with pytest.raises(ConfigError):
-        registry._quote("a'b", "run_key")
+        registry.mlflow_io._quote("a'b", "run_key")
 
 
 def test_importing_registry_stays_cheap():
     # DAG files import kiln: a fresh interpreter importing these modules must not load mlflow/torch/airflow.
     code = (
-        "import sys, kiln.registry, kiln.mlflow_server, kiln.cli.registry;"
+        "import sys, kiln.registry, kiln.stack.mlflow_server, kiln.cli.registry;"
         "print(sorted({m.split('.')[0] for m in sys.modules} & {'mlflow', 'torch', 'airflow'}))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
@@ -186,7 +189,40 @@ def test_importing_registry_stays_cheap():
 
 def test_record_review_refuses_an_unknown_outcome_before_any_request(no_mlflow_requests):
     with pytest.raises(ConfigError, match="outcome"):
-        registry.record_review(policy=PRODUCTION, candidate_version="1", outcome="approved-ish", reviewer="a", at="")
+        registry.record_review(policy=PRODUCTION, candidate_version="1", run_key="d/r", outcome="approved-ish",
+                               reviewer="a", at="")
+
+
+@pytest.mark.parametrize("record", ["promotion", "rollback"])
+def test_an_approval_by_someone_who_is_not_a_reviewer_is_never_recorded(no_mlflow_requests, record):
+    """The HITL endpoint answers only assigned users, but an auth manager may be configured to let
+    anyone answer (SimpleAuthManager's ``simple_auth_manager_all_admins``): kiln checks again."""
+    at = "2026-12-01T12:00:00+00:00"
+    calls = {
+        "promotion": lambda who, when: registry.record_review(
+            policy=PRODUCTION, candidate_version="1", run_key="kiln_production/r", outcome="approved", reviewer=who,
+            at=when),
+        "rollback": lambda who, when: registry.record_rollback_review(
+            policy=PRODUCTION, from_version="3", to_version="2", run_key="kiln_champion_watch/r", outcome="approved",
+            reviewer=who, at=when),
+    }
+    assert "sandbox-user" not in PRODUCTION.reviewers
+    with pytest.raises(PolicyError, match="'sandbox-user' answered Approve, but is not one of policy 'production'"):
+        calls[record]("sandbox-user", at)
+    with pytest.raises(ConfigError, match="time it was given"):
+        calls[record]("reviewer", "")
+    with pytest.raises(ConfigError, match="run_key"):
+        registry.record_review(policy=PRODUCTION, candidate_version="1", run_key="no-run", outcome="rejected",
+                               reviewer="reviewer", at=at)
+
+
+def test_review_subjects_name_exactly_what_was_asked():
+    assert registry.promotion_subject("m.candidates", "7") == "promote m.candidates version 7"
+    assert registry.promotion_subject("m.candidates", "7") != registry.promotion_subject("m.candidates", "17")
+    assert registry.rollback_subject("m", "champion", "3", "2") == "roll m@champion back from version 3 to version 2"
+    assert registry.REVIEW_TAGS["promotion"]["outcome"] == "kiln.review"
+    # A promoted copy carries its candidate's review tags: a rollback review never shares their keys.
+    assert not set(registry.REVIEW_TAGS["promotion"].values()) & set(registry.REVIEW_TAGS["rollback"].values())
 
 
 # ------------------------------------------------------------------------------ retry with backoff
@@ -208,7 +244,7 @@ def test_retry_policy_from_env_defaults_and_capped_exponential_delays(monkeypatc
     ("name", "value"),
     [("KILN_REGISTRY_RETRIES", "three"), ("KILN_REGISTRY_RETRIES", "-1"), ("KILN_REGISTRY_BACKOFF_S", "nan"),
      ("KILN_REGISTRY_BACKOFF_MAX_S", "0.1")],
-)  # fmt: skip
+)
 def test_bad_retry_settings_name_the_variable(monkeypatch, name, value):
     monkeypatch.setenv(name, value)
     with pytest.raises(ConfigError, match=name):
@@ -220,9 +256,9 @@ def _mlflow_errors():
     from mlflow.exceptions import MlflowException, RestException
 
     down = MlflowException("API request to http://127.0.0.1:1/api/2.0/mlflow/model-versions/get failed with "
-                           "exception HTTPConnectionPool(host='127.0.0.1', port=1): Max retries exceeded")  # fmt: skip
+                           "exception HTTPConnectionPool(host='127.0.0.1', port=1): Max retries exceeded")
     bad_gateway = MlflowException("API request to endpoint /api/2.0/mlflow/x failed with error code 502 != 200. "
-                                  "Response body: 'Bad Gateway'")  # fmt: skip
+                                  "Response body: 'Bad Gateway'")
     transient = {
         "connection refused": down,
         "HTTP 502": bad_gateway,
@@ -261,7 +297,7 @@ def _flaky(failures: list[BaseException], result: str = "done"):
 @pytest.fixture
 def sleeps(monkeypatch) -> list[float]:
     recorded: list[float] = []
-    monkeypatch.setattr(registry, "_sleep", recorded.append)
+    monkeypatch.setattr(registry.mlflow_io, "_sleep", recorded.append)
     monkeypatch.setenv("KILN_REGISTRY_RETRIES", "3")
     monkeypatch.setenv("KILN_REGISTRY_BACKOFF_S", "1")
     monkeypatch.delenv("KILN_REGISTRY_BACKOFF_MAX_S", raising=False)
@@ -271,7 +307,7 @@ def sleeps(monkeypatch) -> list[float]:
 def test_transient_failures_are_retried_with_backoff_until_success(sleeps):
     transient, _ = _mlflow_errors()
     body, calls = _flaky([transient["connection refused"], transient["server error"]])
-    assert registry._with_retries("promoting x", body) == "done"
+    assert registry.mlflow_io._with_retries("promoting x", body) == "done"
     assert len(calls) == 3 and sleeps == [1.0, 2.0]
 
 
@@ -279,7 +315,7 @@ def test_retries_are_bounded_then_a_retryable_registry_error(sleeps):
     transient, _ = _mlflow_errors()
     body, calls = _flaky([transient["connection refused"]] * 10)
     with pytest.raises(RegistryError, match=r"after 4 attempt\(s\)") as err:
-        registry._with_retries("promoting x", body)
+        registry.mlflow_io._with_retries("promoting x", body)
     assert err.value.retryable and err.value.__cause__ is transient["connection refused"]
     assert len(calls) == 4 and sleeps == [1.0, 2.0, 4.0]
 
@@ -288,13 +324,13 @@ def test_refusals_and_kiln_errors_are_not_retried(sleeps):
     _, permanent = _mlflow_errors()
     body, calls = _flaky([permanent["not found"]])
     with pytest.raises(RegistryError, match="no such version"):
-        registry._with_retries("reading x", body)
+        registry.mlflow_io._with_retries("reading x", body)
     body, policy_calls = _flaky([PolicyError("no")])
     with pytest.raises(PolicyError):
-        registry._with_retries("promoting x", body)
+        registry.mlflow_io._with_retries("promoting x", body)
     body, bug_calls = _flaky([ValueError("bug")])
     with pytest.raises(ValueError):
-        registry._with_retries("promoting x", body)
+        registry.mlflow_io._with_retries("promoting x", body)
     assert (len(calls), len(policy_calls), len(bug_calls)) == (1, 1, 1) and sleeps == []
 
 
@@ -335,8 +371,8 @@ def test_loss_curve_png_when_matplotlib_is_installed():
 
 
 def test_report_compares_candidate_and_champion_and_escapes_html():
-    tags = {registry.RUN_KEY_TAG: "kiln_production/<run>", registry.TAGS["dvc"]: "outs: []",
-            registry.TAGS["decision_champion_version"]: "4", "kiln.note": "<script>"}  # fmt: skip
+    tags = {RUN_KEY_TAG: "kiln_production/<run>", registry.TAGS["dvc"]: "outs: []",
+            registry.TAGS["decision_champion_version"]: "4", "kiln.note": "<script>"}
     decision = registry.decide(report(2.9), report(3.0), GATE)
     curve = registry.LossCurve(points=[], source="none (no loss was logged)", rollbacks=[])
     page = registry.report_html(report(2.9), report(3.0), decision, tags, curve, None, None)
@@ -358,17 +394,17 @@ def test_server_refusals_become_non_retryable_kiln_errors(monkeypatch):
     from mlflow.exceptions import MlflowException
 
     monkeypatch.setenv("MLFLOW_TRACKING_USERNAME", "kiln-sandbox")
-    forbidden = registry._refusal(MlflowException(
+    forbidden = registry.mlflow_io._refusal(MlflowException(
         "API request to endpoint /api/2.0/mlflow/model-versions/create failed with error code 403 != 200. "
-        "Response body: 'Permission denied'"))  # fmt: skip
+        "Response body: 'Permission denied'"))
     assert isinstance(forbidden, PolicyError) and "'kiln-sandbox'" in str(forbidden) and not forbidden.retryable
     from mlflow.protos.databricks_pb2 import PERMISSION_DENIED
 
-    assert isinstance(registry._refusal(MlflowException("x", error_code=PERMISSION_DENIED)), PolicyError)
-    unauthenticated = registry._refusal(MlflowException("request failed with error code 401 != 200"))
+    assert isinstance(registry.mlflow_io._refusal(MlflowException("x", error_code=PERMISSION_DENIED)), PolicyError)
+    unauthenticated = registry.mlflow_io._refusal(MlflowException("request failed with error code 401 != 200"))
     assert isinstance(unauthenticated, ConfigError) and not unauthenticated.retryable
-    assert registry._refusal(MlflowException("failed with error code 503 != 200")) is None
-    assert registry._refusal(ValueError("403")) is None
+    assert registry.mlflow_io._refusal(MlflowException("failed with error code 503 != 200")) is None
+    assert registry.mlflow_io._refusal(ValueError("403")) is None
 
 
 # ----------------------------------------------------------------------------------------- audit
@@ -400,7 +436,7 @@ def test_audit_table_says_who_when_what():
          "from_version": "1", "to_version": "2", "run_key": "kiln_production/r2"},
         {"event": "rollback", "at": "2026-01-03T10:00:00+00:00", "model": "m", "version": "1", "actor": "carol",
          "from_version": "2", "to_version": "1", "reason": "INC-7"},
-    ])  # fmt: skip
+    ])
     lines = table.splitlines()
     assert lines[0].split()[:4] == ["WHEN", "(UTC)", "EVENT", "MODEL/VERSION"]
     assert "review: rejected — loss curve spikes" in lines[1] and "reviewer" in lines[1]
@@ -436,7 +472,7 @@ def test_use_identity_sets_aside_the_workers_identity_and_restores_it(monkeypatc
     monkeypatch.setenv("MLFLOW_TRACKING_PASSWORD", "production-password")
     with use_identity(MlflowIdentity("kiln-sandbox", "sandbox-password")):
         assert (os.environ["MLFLOW_TRACKING_USERNAME"], os.environ["MLFLOW_TRACKING_PASSWORD"]) == (
-            "kiln-sandbox", "sandbox-password")  # fmt: skip
+            "kiln-sandbox", "sandbox-password")
     with use_identity(None):  # anonymous: never the worker's (production) identity
         assert "MLFLOW_TRACKING_USERNAME" not in os.environ and "MLFLOW_TRACKING_PASSWORD" not in os.environ
     with pytest.raises(RuntimeError), use_identity(MlflowIdentity("kiln-sandbox", "sandbox-password")):
@@ -448,8 +484,8 @@ def test_use_identity_sets_aside_the_workers_identity_and_restores_it(monkeypatc
 def test_dag_tasks_take_their_policys_identity_from_the_stacks_connections(tmp_path, monkeypatch):
     """The stack's generated connections (as the scheduler's environment carries them) are what
     the DAG adapter resolves per policy; no connection → the KILN_MLFLOW_<POLICY>_* variables."""
-    from kiln import dagfactory
-    from kiln import stack as kiln_stack
+    from kiln.airflow import dagfactory
+    from kiln.stack import embedded as kiln_stack
 
     monkeypatch.setenv("KILN_HOME", str(tmp_path))
     conns = kiln_stack.mlflow_connections()
@@ -468,21 +504,3 @@ def test_dag_tasks_take_their_policys_identity_from_the_stacks_connections(tmp_p
     monkeypatch.setenv("KILN_MLFLOW_SANDBOX_USERNAME", "someone")
     monkeypatch.setenv("KILN_MLFLOW_SANDBOX_PASSWORD", "from-a-secret-store")
     assert dagfactory._mlflow_identity(SANDBOX).source == "environment"
-
-
-# --------------------------------------------------------------------------- review timeout setting
-
-
-def test_review_timeout_is_an_operator_setting_with_bounds(monkeypatch):
-    from kiln import dagfactory
-
-    monkeypatch.setenv("AIRFLOW_VAR_KILN_PRODUCTION_APPROVAL_TIMEOUT_S", "90")
-    dag = dagfactory.build_dag(PRODUCTION)
-    assert dag.get_task("approval").response_timeout.total_seconds() == 90
-    assert "| `approval_timeout_s` | `90` |" in dag.doc_md
-    for bad, message in (("0", r"within \[60, 2592000\]"), ("1 day", "whole number of seconds")):
-        monkeypatch.setenv("AIRFLOW_VAR_KILN_PRODUCTION_APPROVAL_TIMEOUT_S", bad)
-        with pytest.raises(PolicyError, match=f"kiln_production_approval_timeout_s must be .*{message}"):
-            dagfactory.build_dag(PRODUCTION)
-    monkeypatch.delenv("AIRFLOW_VAR_KILN_PRODUCTION_APPROVAL_TIMEOUT_S")
-    assert dagfactory.build_dag(PRODUCTION).get_task("approval").response_timeout.total_seconds() == 24 * 3600

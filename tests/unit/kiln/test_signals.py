@@ -10,14 +10,14 @@ import json
 import os
 import re
 import time
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import requests
 
-from kiln import signals
+from kiln import runs, signals
 from kiln.errors import ConfigError
 from kiln.policy import PRODUCTION, SANDBOX
 
@@ -35,8 +35,13 @@ def config(tmp_path: Path) -> signals.SignalsConfig:
     return signals.SignalsConfig(home=tmp_path, stale_after_s=60.0, report_window_s=3600.0)
 
 
+def _run_dir(config: signals.SignalsConfig, dag: str, run: str) -> Path:
+    """The run directory as the pipeline makes it (``kiln.runs``: name, identity record)."""
+    return runs.run_dir(runs.run_key(dag, run), config.runs_dir)
+
+
 def _run(config: signals.SignalsConfig, dag: str, run: str, prom: str = TRAINER_PROM, *, age_s: float = 0.0) -> Path:
-    train = config.runs_dir / dag / run / "train"
+    train = _run_dir(config, dag, run) / "train"
     (train / "checkpoints" / "step-00000010").mkdir(parents=True)
     (train / "metrics.prom").write_text(prom)
     os.utime(train / "metrics.prom", (T0 - age_s, T0 - age_s))
@@ -100,6 +105,25 @@ def test_finished_and_stale_runs_are_not_exported(config):
     assert runs == {'kiln_train_up{dag="kiln_production",run="live"}'}
 
 
+def test_labels_are_the_exact_ids_the_run_directory_records(config):
+    for run_id in ("probe:col", "probe_col", "probe+col"):  # one directory, one label each
+        _run(config, "kiln_sandbox", run_id)
+    up = {k for k in _series(signals.render(config, now=T0)) if k.startswith("kiln_train_up")}
+    assert up == {f'kiln_train_up{{dag="kiln_sandbox",run="{r}"}}' for r in ("probe:col", "probe_col", "probe+col")}
+
+
+def test_a_directory_without_an_identity_record_is_not_a_run_and_a_torn_record_is_counted(config):
+    stray = config.runs_dir / "kiln_sandbox" / "manual__1" / "train"  # not made by kiln.runs: no run.json
+    stray.mkdir(parents=True)
+    (stray / "metrics.prom").write_text(TRAINER_PROM)
+    os.utime(stray / "metrics.prom", (T0, T0))
+    torn = _run(config, "kiln_sandbox", "torn").parent
+    (torn / runs.RUN_RECORD).write_text('{"kind": "kiln.Run", "dag_id": ')
+    got = _series(signals.render(config, now=T0))
+    assert not any(k.startswith("kiln_train_up") for k in got)
+    assert got['kiln_signals_parse_errors{source="training"}'] == 1
+
+
 @pytest.mark.parametrize(
     ("metrics", "expected"),
     [
@@ -123,8 +147,7 @@ def test_malformed_trainer_file_is_counted_not_fatal(config):
 
 # ---------------------------------------------------------------------------------- quarantine
 def _report(config, dag: str, run: str, share: float, *, age_s: float = 0.0, snapshot: str = "abc.dir") -> Path:
-    path = config.runs_dir / dag / run / signals.QUARANTINE_JSON
-    path.parent.mkdir(parents=True, exist_ok=True)
+    path = _run_dir(config, dag, run) / signals.QUARANTINE_JSON
     path.write_text(json.dumps({"kind": "kiln.QuarantineReport", "shards": 8, "quarantined": ["a"] * int(share * 8),
                                 "quarantined_share": share, "snapshot_id": snapshot}))
     os.utime(path, (T0 - age_s, T0 - age_s))
@@ -153,7 +176,7 @@ def test_unreadable_quarantine_report_is_counted(config):
 
 
 def test_report_file_name_matches_validation():
-    from kiln.validation import QUARANTINE_JSON
+    from kiln.data.validation.report import QUARANTINE_JSON
 
     assert signals.QUARANTINE_JSON == QUARANTINE_JSON
 
@@ -211,7 +234,7 @@ def _fake_ti(*, start: datetime, run_after: datetime, upstream=("gate",), end: d
 
 
 def test_queue_event_reads_a_runtime_task_instance():
-    t = datetime(2026, 11, 29, 12, 0, tzinfo=timezone.utc)
+    t = datetime(2026, 11, 29, 12, 0, tzinfo=UTC)
     ti = _fake_ti(start=t + timedelta(seconds=50), run_after=t, end=t + timedelta(seconds=90))
     running = signals.queue_event("running", ti, now=T0)
     assert running | {"at": 0} == {
@@ -231,11 +254,13 @@ def test_queue_events_file_round_trip_and_histogram(config):
         fh.write('{"kind": "running", "dag_id": "torn')  # a task appending right now
     got = _series(signals.render(config, now=T0))
     def bucket(le: str) -> float:
-        return got[f'kiln_airflow_queue_latency_seconds_bucket{{dag="kiln_sandbox",le="{le}",mapped="false",pool="kiln_sandbox",run_type="manual"}}']
+        return got['kiln_airflow_queue_latency_seconds_bucket'
+                   f'{{dag="kiln_sandbox",le="{le}",mapped="false",pool="kiln_sandbox",run_type="manual"}}']
 
     assert [bucket(le) for le in ("1.0", "2.5", "5.0", "45.0", "60.0", "+Inf")] == [1, 1, 2, 2, 3, 3]
-    assert got['kiln_airflow_queue_latency_seconds_count{dag="kiln_sandbox",mapped="false",pool="kiln_sandbox",run_type="manual"}'] == 3
-    assert got['kiln_airflow_queue_latency_seconds_sum{dag="kiln_sandbox",mapped="false",pool="kiln_sandbox",run_type="manual"}'] == 54
+    labels = '{dag="kiln_sandbox",mapped="false",pool="kiln_sandbox",run_type="manual"}'
+    assert got["kiln_airflow_queue_latency_seconds_count" + labels] == 3
+    assert got["kiln_airflow_queue_latency_seconds_sum" + labels] == 54
     assert got['kiln_signals_parse_errors{source="queue"}'] == 1
 
 
@@ -312,7 +337,7 @@ def test_runbook_cites_only_tests_that_exist():
 
 # ------------------------------------------------------------------------------------ run view
 def test_run_view_reads_the_run_directory_of_a_real_run_id(config):
-    run = config.runs_dir / "kiln_production" / "scheduled__2026-11-30T03_00_00_00_00"
+    run = _run_dir(config, "kiln_production", "scheduled__2026-11-30T03:00:00+00:00")
     (run / "train").mkdir(parents=True)
     (run / signals.QUARANTINE_JSON).write_text(json.dumps({"quarantined_share": 0.5, "snapshot_id": "s.dir", "gate": "fail"}))
     (run / "train" / "metrics.jsonl").write_text('{"step": 1, "loss": 3.0}\n{"step": 1, "event": "rollback"}\n{"torn')

@@ -1,4 +1,4 @@
-"""``kiln.pipeline.snapshot_stage``: the production corpus policy and the asset-announced id check."""
+"""``kiln.stages.snapshot_stage``: the production corpus policy and the asset-announced id check."""
 
 from __future__ import annotations
 
@@ -7,10 +7,10 @@ from pathlib import Path
 import pytest
 
 from kiln import settings as kiln_settings
-from kiln import snapshot
+from kiln.data import snapshot
 from kiln.errors import ConfigError, SnapshotError
-from kiln.pipeline import snapshot_stage
 from kiln.policy import PRODUCTION, SANDBOX
+from kiln.stages import snapshot_stage
 
 
 def _corpus(name: str, tag: bytes = b"") -> Path:
@@ -25,21 +25,23 @@ def _corpus(name: str, tag: bytes = b"") -> Path:
 
 def test_production_refuses_a_corpus_that_is_not_registered(home):
     _corpus("scratch-corpus")
-    with pytest.raises(ConfigError, match=r"production runs snapshot only the registered corpus 'stdlib-py', not 'scratch-corpus'"):
+    with pytest.raises(ConfigError,
+                       match=r"production runs snapshot only the registered corpus 'stdlib-py', not 'scratch-corpus'"):
         snapshot_stage(PRODUCTION, "scratch-corpus")
     assert not (kiln_settings.load().dvc_repo / ".kiln-snapshots").exists(), "something was snapshotted"
 
 
 def test_sandbox_may_snapshot_another_corpus(home):
     _corpus("scratch-corpus")
-    assert snapshot_stage(SANDBOX, "scratch-corpus")["corpus"] == "scratch-corpus"
+    assert snapshot_stage(SANDBOX, "scratch-corpus").corpus == "scratch-corpus"
 
 
 def test_announced_snapshot_id_that_differs_from_the_bytes_found_fails(home):
     corpus = _corpus(PRODUCTION.corpus)
     announced = snapshot.create_snapshot(corpus).id
     (corpus / "train" / "shard-00001.parquet").write_bytes(b"rebuilt after the announcement")
-    with pytest.raises(SnapshotError, match=rf"triggered for corpus snapshot\(s\) {announced} .*refusing to train on other bytes"):
+    with pytest.raises(SnapshotError,
+                       match=rf"triggered for corpus snapshot\(s\) {announced} .*refusing to train on other bytes"):
         snapshot_stage(PRODUCTION, None, [announced])
     assert not (kiln_settings.load().home / "snapshots").exists(), "the run pinned bytes it must not train on"
 
@@ -57,8 +59,23 @@ def test_matching_announced_id_passes_and_pins_those_bytes(home):
     corpus = _corpus(PRODUCTION.corpus)
     announced = snapshot.create_snapshot(corpus).id
     result = snapshot_stage(PRODUCTION, None, ["0" * 32 + ".dir", announced])  # coalesced events: any one
-    assert result["id"] == announced
-    assert result["shards"] == ["train/shard-00000.parquet", "train/shard-00001.parquet"]
-    pinned = Path(result["path"])
+    assert result.id == announced
+    assert result.shards == ["train/shard-00000.parquet", "train/shard-00001.parquet"]
+    pinned = Path(result.path)
     assert pinned == kiln_settings.load().home / "snapshots" / announced.removesuffix(".dir")
     assert (pinned / "train" / "shard-00000.parquet").read_bytes() == (corpus / "train" / "shard-00000.parquet").read_bytes()
+
+
+def test_the_dag_lists_the_shards_validate_lists_and_names_the_rest(home):
+    """The DAG's shard plan is ``train/*.parquet``, as ``kiln validate`` sees it: a stray file is
+    named as skipped (never quarantined as unreadable Parquet) and a subfolder is named too (never
+    dropped in silence)."""
+    corpus = _corpus("scratch-corpus")
+    (corpus / "train" / "NOTES.txt").write_text("not a shard")
+    (corpus / "train" / "extra").mkdir()
+    (corpus / "train" / "extra" / "shard-00009.parquet").write_bytes(b"nested")
+    result = snapshot_stage(SANDBOX, "scratch-corpus")
+    assert result.shards == ["train/shard-00000.parquet", "train/shard-00001.parquet"]
+    skipped = {Path(e["path"]).name: e["reason"] for e in result.skipped}
+    assert set(skipped) == {"NOTES.txt", "extra"} and all(skipped.values())
+    assert all(Path(e["path"]).is_relative_to(result.path) for e in result.skipped)

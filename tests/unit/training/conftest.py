@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+
 from trainer_fixtures import stdlib_sources, write_shard, write_training_manifest
 
 

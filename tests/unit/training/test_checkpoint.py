@@ -9,6 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+
 from kiln_trainer.checkpoint import (
     CheckpointIdentity,
     CheckpointWriter,
@@ -20,13 +21,15 @@ from kiln_trainer.checkpoint import (
 )
 from kiln_trainer.checkpoint_manifest import CheckpointError, checkpoint_dirs, latest_committed, verify_checkpoint
 from kiln_trainer.config import ModelConfig, Recipe
+from kiln_trainer.errors import StorageError
 from kiln_trainer.model import GPT
+
 from trainer_fixtures import write_checkpoints
 
 
 def test_weights_hash_is_deterministic_and_sensitive() -> None:
     torch.manual_seed(0)
-    a = GPT(ModelConfig(n_layer=1, n_head=1, n_embd=8, block_size=8)).state_dict()
+    a = GPT(ModelConfig(n_layer=1, n_head=1, n_embd=8, block_size=8, vocab_size=257)).state_dict()
     b = {k: v.clone() for k, v in reversed(list(a.items()))}  # other order, other storage
     assert weights_sha256(a) == weights_sha256(b)
     b["lm_head.weight"][0, 0] += 1e-7
@@ -50,15 +53,26 @@ def test_full_state_round_trip_with_weights_only(tmp_path: Path) -> None:
     state = ck.optimizer["state"]
     # The Adam moments come back (a fresh optimizer's state_dict would have none).
     assert state and all({"exp_avg", "exp_avg_sq", "step"} <= set(s) for s in state.values())
-    model = GPT(ModelConfig(n_layer=1, n_head=1, n_embd=8, block_size=8))
+    model = GPT(ModelConfig(n_layer=1, n_head=1, n_embd=8, block_size=8, vocab_size=257))
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
     model.load_state_dict(ck.model)
     optimizer.load_state_dict(ck.optimizer)
     assert torch.equal(optimizer.state_dict()["state"][0]["exp_avg"], state[0]["exp_avg"])
     assert weights_sha256(model.state_dict()) == ck.manifest["weights_sha256"]
-    assert ck.trainer_state == {"step": 3}
-    with pytest.raises(CheckpointError, match="rank 1"):
-        load_checkpoint(tmp_path / "checkpoints" / "step-00000003", rank=1)
+    assert ck.trainer_state == {"step": 3} and ck.rng is not None
+    # A rank the checkpoint's world did not have (a resume at a larger world size) gets no RNG state.
+    assert load_checkpoint(tmp_path / "checkpoints" / "step-00000003", rank=1).rng is None
+
+
+def test_checkpoint_holds_the_tokenizer_and_its_identity(tmp_path: Path) -> None:
+    from kiln_trainer.tokenizer import ByteTokenizer, load_tokenizer
+
+    write_checkpoints(tmp_path, [2])
+    step_dir = tmp_path / "checkpoints" / "step-00000002"
+    manifest = verify_checkpoint(step_dir)
+    assert manifest["format"] == 2 and "tokenizer.json" in manifest["files"]
+    assert manifest["tokenizer_sha256"] == ByteTokenizer().sha256 == load_tokenizer(step_dir / "tokenizer.json").sha256
+    assert manifest["tokenizer"] == ByteTokenizer().describe() and manifest["token_manifest_sha256"] == "1" * 64
 
 
 def test_retention_keeps_last_k_and_never_the_newest(tmp_path: Path) -> None:
@@ -87,7 +101,7 @@ def test_async_writer_snapshots_state_before_training_continues(tmp_path: Path) 
         keep_last=3,
         async_save=True,
     )
-    model = GPT(ModelConfig(n_layer=1, n_head=1, n_embd=8, block_size=8))
+    model = GPT(ModelConfig(n_layer=1, n_head=1, n_embd=8, block_size=8, vocab_size=257))
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda i: 1.0)
     expected = weights_sha256(model.state_dict())
@@ -104,7 +118,7 @@ def test_async_writer_snapshots_state_before_training_continues(tmp_path: Path) 
 def test_writer_refuses_to_overwrite_a_commit_and_reports_failures(tmp_path: Path) -> None:
     writer = write_checkpoints(tmp_path, [1])
     writer = CheckpointWriter(tmp_path, writer.identity, keep_last=3, async_save=True)
-    model = GPT(ModelConfig(n_layer=1, n_head=1, n_embd=8, block_size=8))
+    model = GPT(ModelConfig(n_layer=1, n_head=1, n_embd=8, block_size=8, vocab_size=257))
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda i: 1.0)
     writer.save(step=1, model=model, optimizer=optimizer, scheduler=scheduler, trainer_state={}, rng_blobs=[b"x"])
@@ -123,7 +137,7 @@ def test_writer_moves_a_damaged_commit_aside_and_writes_the_step_again(tmp_path:
     data[len(data) // 2] ^= 0x01  # one flipped bit: the manifest still parses, the hash does not match
     model_file.write_bytes(bytes(data))
     writer = CheckpointWriter(tmp_path, writer.identity, keep_last=3, async_save=True)
-    model = GPT(ModelConfig(n_layer=1, n_head=1, n_embd=8, block_size=8))
+    model = GPT(ModelConfig(n_layer=1, n_head=1, n_embd=8, block_size=8, vocab_size=257))
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda i: 1.0)
     with caplog.at_level("WARNING"):
@@ -134,3 +148,20 @@ def test_writer_moves_a_damaged_commit_aside_and_writes_the_step_again(tmp_path:
     assert len(aside) == 1 and (aside[0] / "model.pt").read_bytes() == bytes(data)
     assert "fails verification" in caplog.text and "moved aside" in caplog.text
     assert [d.name for _, d in checkpoint_dirs(tmp_path)] == ["step-00000001"]
+
+
+def test_a_checkpoint_that_does_not_fit_on_the_disk_is_a_storage_error_and_leaves_no_step_dir(tmpfs) -> None:
+    """A full disk is a fault the trainer reports (exit 2) naming the file, not a crash torchrun
+    restarts into the same wall; the partial step is removed, the committed one before it kept."""
+    run_dir = tmpfs("256k")  # step 1 of the fixture model (~90 kB) fits; the wider model's step 2 (~1.4 MB) does not
+    committed = write_checkpoints(run_dir, [1])
+    writer = CheckpointWriter(run_dir, committed.identity, keep_last=3, async_save=True)
+    model = GPT(ModelConfig(n_layer=2, n_head=1, n_embd=64, block_size=8, vocab_size=257))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda i: 1.0)
+    writer.save(step=2, model=model, optimizer=optimizer, scheduler=scheduler, trainer_state={}, rng_blobs=[b"x"])
+    with pytest.raises(StorageError, match=r"checkpoint of step 2 not written: .*step-00000002/\S+: No space left on device"):
+        writer.wait()
+    writer.close()
+    assert [d.name for _, d in checkpoint_dirs(run_dir)] == ["step-00000001"]
+    verify_checkpoint(latest_committed(run_dir))

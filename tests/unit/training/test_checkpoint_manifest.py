@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+
 from kiln_trainer.checkpoint_manifest import (
     CheckpointError,
     checkpoint_dirs,
@@ -19,6 +20,7 @@ from kiln_trainer.checkpoint_manifest import (
     verify_checkpoint,
 )
 from kiln_trainer.config import load_recipe
+
 from trainer_fixtures import FIXTURE_MODEL, write_checkpoints
 
 
@@ -43,6 +45,7 @@ def test_committed_checkpoint_verifies(committed: Path) -> None:
         "scheduler.pt",
         "trainer_state.pt",
         "rng-rank00000.pt",
+        "tokenizer.json",
     }
     assert len(manifest["weights_sha256"]) == 64 and manifest["snapshot_id"] == "abc.dir"
     recipe = load_recipe(None, FIXTURE_MODEL)
@@ -94,6 +97,26 @@ def test_partial_state_in_manifest(committed: Path) -> None:
         verify_checkpoint(committed)
 
 
+def test_a_swapped_tokenizer_artifact_is_refused(committed: Path) -> None:
+    from kiln_trainer.tokenizer import ByteTokenizer
+
+    (committed / "tokenizer.json").write_bytes(ByteTokenizer(eos_id=0).to_bytes())
+    with pytest.raises(CheckpointError, match="'tokenizer.json' sha256 mismatch"):
+        verify_checkpoint(committed)
+
+
+def test_a_format_1_checkpoint_still_verifies_with_its_own_file_set(committed: Path) -> None:
+    """Checkpoints written before the token data path keep their lineage (registry checks verify them)."""
+    manifest = json.loads((committed / "manifest.json").read_text())
+    for key in ("token_manifest_sha256", "tokenizer_sha256", "tokenizer"):
+        manifest.pop(key)
+    manifest["format"] = 1
+    del manifest["files"]["tokenizer.json"]
+    (committed / "tokenizer.json").unlink()
+    (committed / "manifest.json").write_text(json.dumps(seal({k: v for k, v in manifest.items() if k != "seal_sha256"})))
+    assert verify_checkpoint(committed)["format"] == 1
+
+
 def test_world_size_demands_one_rng_file_per_rank(committed: Path) -> None:
     manifest = json.loads((committed / "manifest.json").read_text())
     manifest["world_size"] = 2
@@ -109,6 +132,9 @@ def test_world_size_demands_one_rng_file_per_rank(committed: Path) -> None:
         (lambda m: m.update(step=6), "directory is step-00000005"),
         (lambda m: m.pop("weights_sha256"), "weights_sha256"),
         (lambda m: m.update(step=True), "'step'"),
+        (lambda m: m.pop("tokenizer_sha256"), "tokenizer_sha256"),
+        (lambda m: m.pop("token_manifest_sha256"), "token_manifest_sha256"),
+        (lambda m: m.update(format=3), "unsupported checkpoint format 3"),
     ],
 )
 def test_bad_manifest_fields(committed: Path, edit, message: str) -> None:

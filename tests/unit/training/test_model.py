@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from kiln_trainer.config import ModelConfig
 from kiln_trainer.model import GPT
 
-CFG = ModelConfig(n_layer=1, n_head=2, n_embd=32, block_size=16)
+CFG = ModelConfig(n_layer=1, n_head=2, n_embd=32, block_size=16, vocab_size=256)
 
 
 def test_forward_shapes_and_loss() -> None:

@@ -7,12 +7,15 @@ import json
 from pathlib import Path
 
 import pytest
-from kiln_trainer import train as train_module
-from kiln_trainer.metrics import PrometheusTextfileSink
-from kiln_trainer.stragglers import StragglerMonitor, slow_ranks
+import torch
 
 from kiln.errors import ConfigError
 from kiln.launchers.stragglers import StragglerPolicy, StragglerWatch, straggler_events
+from kiln_trainer.errors import TrainerError
+from kiln_trainer.faults import SlowRankFault
+from kiln_trainer.metrics import PrometheusTextfileSink
+from kiln_trainer.stragglers import StragglerMonitor, slow_ranks
+from kiln_trainer.timing import StepClock, StepMarks
 
 
 def test_slow_ranks_compares_each_rank_with_the_others_median():
@@ -36,8 +39,8 @@ def test_monitor_flags_after_k_windows_reports_current_and_clears():
 
 
 def test_step_marks_subtract_the_time_blocked_in_collectives():
-    clock = train_module.StepClock(train_module.torch.device("cpu"))
-    marks = train_module.StepMarks(start=10.0, ready=10.3, reduced=10.8, end=11.0)
+    clock = StepClock(torch.device("cpu"))
+    marks = StepMarks(start=10.0, ready=10.3, reduced=10.8, end=11.0)
     compute, wall = marks.compute_and_wall(clock)
     assert (round(compute, 6), round(wall, 6)) == (0.5, 1.0)
 
@@ -45,31 +48,31 @@ def test_step_marks_subtract_the_time_blocked_in_collectives():
 def test_slow_rank_fault_is_off_unless_asked_and_checks_its_settings(monkeypatch):
     for name in ("KILN_FAULT_SLOW_RANK", "KILN_FAULT_SLOW_S", "KILN_FAULT_SLOW_FROM_STEP"):
         monkeypatch.delenv(name, raising=False)
-    assert train_module.SlowRankFault.from_env() is None
+    assert SlowRankFault.from_env() is None
     monkeypatch.setenv("KILN_FAULT_SLOW_RANK", "1")
     monkeypatch.setenv("KILN_FAULT_SLOW_FROM_STEP", "7")
-    assert train_module.SlowRankFault.from_env() == train_module.SlowRankFault(rank=1, seconds=0.2, from_step=7)
+    assert SlowRankFault.from_env() == SlowRankFault(rank=1, seconds=0.2, from_step=7)
     monkeypatch.setenv("KILN_FAULT_SLOW_S", "0")
-    with pytest.raises(train_module.TrainerError, match="KILN_FAULT_SLOW_S"):
-        train_module.SlowRankFault.from_env()
+    with pytest.raises(TrainerError, match="KILN_FAULT_SLOW_S"):
+        SlowRankFault.from_env()
     monkeypatch.setenv("KILN_FAULT_SLOW_S", "fast")
-    with pytest.raises(train_module.TrainerError, match="KILN_FAULT_SLOW_RANK"):
-        train_module.SlowRankFault.from_env()
+    with pytest.raises(TrainerError, match="KILN_FAULT_SLOW_RANK"):
+        SlowRankFault.from_env()
 
 
 def test_slow_node_fault_follows_the_node_not_the_rank(monkeypatch):
     for name in ("KILN_FAULT_SLOW_RANK", "KILN_FAULT_SLOW_S", "KILN_FAULT_SLOW_FROM_STEP", "KILN_NODE_NAME"):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("KILN_FAULT_SLOW_NODE", "node2")
-    fault = train_module.SlowRankFault.from_env()
-    assert fault == train_module.SlowRankFault(rank=-1, seconds=0.2, from_step=1, node="node2")
+    fault = SlowRankFault.from_env()
+    assert fault == SlowRankFault(rank=-1, seconds=0.2, from_step=1, node="node2")
     monkeypatch.setenv("KILN_NODE_NAME", "node2")
     assert fault.hits(0) and fault.hits(5)
     monkeypatch.setenv("KILN_NODE_NAME", "node3")
     assert not fault.hits(0) and not fault.hits(1)
     monkeypatch.setenv("KILN_FAULT_SLOW_RANK", "1")
-    with pytest.raises(train_module.TrainerError, match="not both"):
-        train_module.SlowRankFault.from_env()
+    with pytest.raises(TrainerError, match="not both"):
+        SlowRankFault.from_env()
 
 
 def test_prometheus_textfile_keeps_each_latest_value_and_labels_ranks(tmp_path):

@@ -5,6 +5,7 @@ Imported by the tests as ``trainer_fixtures`` (pytest puts this directory on sys
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -131,14 +132,20 @@ FIXTURE_MODEL = ("model.n_layer=1", "model.n_head=1", "model.n_embd=8", "model.b
 """The recipe of the checkpoints write_checkpoints makes (a model small enough to write in ms)."""
 
 
-def write_checkpoints(run_dir: Path, steps: list[int], world_size: int = 1, keep_last: int = 10) -> Any:
-    """Real checkpoints of a tiny model, written synchronously by the production writer."""
+def write_checkpoints(
+    run_dir: Path, steps: list[int], world_size: int = 1, keep_last: int = 10, *, tokenizer: Any = None,
+    overrides: tuple[str, ...] = (),
+) -> Any:
+    """Real checkpoints of a tiny model, written synchronously by the production writer (the byte
+    tokenizer unless ``tokenizer`` is given, with ``overrides`` naming it in the recipe)."""
     import torch
+
     from kiln_trainer.checkpoint import CheckpointIdentity, CheckpointWriter, _torch_save_bytes, capture_rng_state
     from kiln_trainer.config import load_recipe
     from kiln_trainer.model import GPT
+    from kiln_trainer.tokenizer import ByteTokenizer
 
-    recipe = load_recipe(None, FIXTURE_MODEL)
+    recipe = load_recipe(None, (*FIXTURE_MODEL, *overrides))
     writer = CheckpointWriter(
         run_dir,
         CheckpointIdentity(
@@ -147,6 +154,8 @@ def write_checkpoints(run_dir: Path, steps: list[int], world_size: int = 1, keep
             recipe_sha256=recipe.sha256,
             snapshot_id="abc.dir",
             training_manifest_sha256="0" * 64,
+            token_manifest_sha256="1" * 64,
+            tokenizer=tokenizer or ByteTokenizer(),
         ),
         keep_last=keep_last,
         async_save=False,
@@ -206,8 +215,6 @@ def sigkill_tree(proc: subprocess.Popen) -> None:
 
     victims = [proc.pid, *descendants(proc.pid)]
     for pid in victims:
-        try:
+        with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
     proc.wait(timeout=30)

@@ -1,0 +1,5 @@
+import sys
+
+from kiln_devtools.chaos.runner import main
+
+sys.exit(main())

@@ -1,5 +1,0 @@
-import sys
-
-from kiln.chaos.runner import main
-
-sys.exit(main())

@@ -1,0 +1,183 @@
+"""Data contracts: versioned Great Expectations suites under ``data_contracts/<name>/v<N>.json``.
+
+The suite JSON *is* the contract. Rules that need a value GE cannot compute per row cheaply
+(share of control characters, membership in the eval split) are GE expectations on derived
+columns; the suite's ``meta.kiln.derived_columns`` says how kiln computes each one before
+validation, so nothing about the contract lives only in code. Rules over a whole snapshot
+(``meta.kiln.snapshot_rules``: doc ids unique across shards) are checked by
+``kiln.data.validation.cross_shard_duplicates``.
+
+Loading is pure JSON (no great_expectations import); GE itself parses the suite on first use in
+``kiln.data.validation.suite`` and any error it finds there is also a ``ContractError``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from kiln.errors import ContractError
+from kiln.refs import canonical_json
+from kiln.shipped import CONTRACTS_DIR
+
+# CONTRACTS_DIR (kiln.shipped) is the default home of the contracts; ``KILN_CONTRACTS_DIR`` overrides it.
+
+DERIVED_COLUMN_KINDS = frozenset({"char_share", "in_eval_split"})
+"""Derived-column kinds this kiln can compute (see ``kiln.data.validation.frames``)."""
+SNAPSHOT_RULES = frozenset({"doc_id_unique_across_shards"})
+
+_NAME = re.compile(r"^[a-z0-9][a-z0-9._-]*$")
+_VERSION_FILE = re.compile(r"^v([1-9][0-9]*)\.json$")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Contract:
+    """One loaded contract version."""
+
+    name: str
+    """Corpus / contract name, the folder under ``data_contracts/``."""
+    version: int
+    suite: dict[str, Any]
+    """The GE expectation suite exactly as stored (``name``, ``expectations``, ``meta``, ...)."""
+    settings: dict[str, Any]
+    """``suite["meta"]["kiln"]``: derived columns, snapshot-level rules."""
+    path: Path
+
+    @property
+    def ref(self) -> str:
+        """``name@version``, as recorded in every ShardReport and TrainingManifest."""
+        return f"{self.name}@{self.version}"
+
+    @property
+    def sha256(self) -> str:
+        return hashlib.sha256(canonical_json(self.suite)).hexdigest()
+
+    @property
+    def expectations(self) -> list[dict[str, Any]]:
+        return list(self.suite["expectations"])
+
+    @property
+    def derived_columns(self) -> dict[str, dict[str, Any]]:
+        return dict(self.settings.get("derived_columns", {}))
+
+    @property
+    def snapshot_rules(self) -> list[dict[str, Any]]:
+        return list(self.settings.get("snapshot_rules", []))
+
+    @property
+    def secret_patterns(self) -> tuple[str, ...]:
+        """Regexes of every ``expect_column_values_to_not_match_regex_list``: also used to redact."""
+        patterns: list[str] = []
+        for exp in self.suite["expectations"]:
+            if exp["type"] == "expect_column_values_to_not_match_regex_list":
+                patterns.extend(exp["kwargs"].get("regex_list", []))
+        return tuple(patterns)
+
+
+def contracts_dir() -> Path:
+    return Path(os.environ.get("KILN_CONTRACTS_DIR", CONTRACTS_DIR))
+
+
+def parse_contract_ref(spec: str) -> tuple[str, int | None]:
+    """``"stdlib-py@1"`` → ``("stdlib-py", 1)``; ``"stdlib-py"`` → ``("stdlib-py", None)`` (latest)."""
+    name, sep, version = spec.strip().partition("@")
+    if not _NAME.match(name):
+        raise ContractError(f"bad contract name {name!r} in {spec!r}: expected NAME[@VERSION], e.g. stdlib-py@1")
+    if not sep:
+        return name, None
+    digits = version[1:] if version.startswith("v") else version
+    if not digits.isdigit() or int(digits) < 1:
+        raise ContractError(f"bad contract version {version!r} in {spec!r}: expected a positive integer")
+    return name, int(digits)
+
+
+def available_versions(name: str, root: Path | None = None) -> list[int]:
+    folder = (root or contracts_dir()) / name
+    if not folder.is_dir():
+        return []
+    return sorted(int(m.group(1)) for p in folder.iterdir() if (m := _VERSION_FILE.match(p.name)))
+
+
+def available_contracts(root: Path | None = None) -> list[str]:
+    base = root or contracts_dir()
+    if not base.is_dir():
+        return []
+    return sorted(p.name for p in base.iterdir() if p.is_dir() and available_versions(p.name, base))
+
+
+def load_contract(spec: str, contracts_root: Path | None = None) -> Contract:
+    """Load ``NAME[@VERSION]`` (no version: the latest). Every problem is a ``ContractError``."""
+    root = Path(contracts_root) if contracts_root is not None else contracts_dir()
+    name, version = parse_contract_ref(spec)
+    versions = available_versions(name, root)
+    if not versions:
+        known = ", ".join(available_contracts(root)) or "none"
+        raise ContractError(f"unknown contract {name!r} under {root} (known: {known})")
+    if version is None:
+        version = versions[-1]
+    elif version not in versions:
+        raise ContractError(
+            f"contract {name!r} has no version {version} (known: {', '.join(str(v) for v in versions)})"
+        )
+    path = root / name / f"v{version}.json"
+    try:
+        suite = json.loads(path.read_text(encoding="utf-8"))
+    except OSError as exc:
+        raise ContractError(f"cannot read contract {path}: {exc}") from exc
+    except ValueError as exc:
+        raise ContractError(f"contract {path} is not valid JSON: {exc}") from exc
+    _check_suite(suite, name, version, path)
+    return Contract(name=name, version=version, suite=suite, settings=suite["meta"]["kiln"], path=path)
+
+
+def _check_suite(suite: Any, name: str, version: int, path: Path) -> None:
+    """Structural checks GE would report late or obscurely; GE parses the details on first use."""
+
+    def bad(why: str) -> ContractError:
+        return ContractError(f"malformed contract {path}: {why}")
+
+    if not isinstance(suite, dict):
+        raise bad("top level must be a JSON object (a GE expectation suite)")
+    if suite.get("name") != name:
+        raise bad(f"suite name {suite.get('name')!r} does not match the contract name {name!r}")
+    expectations = suite.get("expectations")
+    if not isinstance(expectations, list) or not expectations:
+        raise bad("'expectations' must be a non-empty list")
+    for i, exp in enumerate(expectations):
+        if not isinstance(exp, dict) or not str(exp.get("type", "")).startswith("expect_"):
+            raise bad(f"expectations[{i}] needs a 'type' starting with 'expect_'")
+        if not isinstance(exp.get("kwargs"), dict):
+            raise bad(f"expectations[{i}] ({exp['type']}) needs a 'kwargs' object")
+    kiln = suite.get("meta", {}).get("kiln") if isinstance(suite.get("meta"), dict) else None
+    if not isinstance(kiln, dict):
+        raise bad("'meta.kiln' (kiln settings: version, derived columns, snapshot rules) is missing")
+    if kiln.get("version") != version:
+        raise bad(f"meta.kiln.version {kiln.get('version')!r} does not match the file version {version}")
+    derived = kiln.get("derived_columns", {})
+    if not isinstance(derived, dict):
+        raise bad("meta.kiln.derived_columns must be an object")
+    for column, spec in derived.items():
+        if not isinstance(spec, dict) or spec.get("kind") not in DERIVED_COLUMN_KINDS:
+            raise bad(f"derived column {column!r}: kind must be one of {sorted(DERIVED_COLUMN_KINDS)}")
+        if not isinstance(spec.get("column"), str):
+            raise bad(f"derived column {column!r} needs the source 'column'")
+        if spec["kind"] == "char_share":
+            try:
+                re.compile(spec["pattern"])
+            except (KeyError, TypeError, re.error) as exc:
+                raise bad(f"derived column {column!r}: bad 'pattern': {exc}") from exc
+    for rule in kiln.get("snapshot_rules", []):
+        if not isinstance(rule, dict) or rule.get("rule") not in SNAPSHOT_RULES:
+            raise bad(f"snapshot rule {rule!r}: 'rule' must be one of {sorted(SNAPSHOT_RULES)}")
+    for exp in expectations:
+        if exp["type"] == "expect_column_values_to_not_match_regex_list":
+            for pattern in exp["kwargs"].get("regex_list", []):
+                try:
+                    re.compile(pattern)
+                except (TypeError, re.error) as exc:
+                    raise bad(f"secret pattern {pattern!r} does not compile: {exc}") from exc

@@ -1,0 +1,110 @@
+"""The audit trail: review, promotion and rollback events as tags, and their history."""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import logging
+from typing import TYPE_CHECKING, Any
+
+from kiln.errors import ConfigError, RegistryError
+from kiln.policy import Policy
+
+if TYPE_CHECKING:
+    from mlflow.entities.model_registry import ModelVersion
+
+from kiln.registry import mlflow_io
+from kiln.registry.mlflow_io import _is_not_found, _quote, _with_retries
+from kiln.registry.tags import TAGS, _parse_time
+
+log = logging.getLogger("kiln.registry")
+
+# -------------------------------------------------------------------------------------------- audit
+
+AUDIT_PREFIX = "kiln.audit."
+"""Version tags ``kiln.audit.<YYYYmmddTHHMMSSZ>.<event>`` = JSON: one per approval/review,
+promotion and rollback. The other ``kiln.*`` tags say how things stand; these say what happened,
+and are never overwritten by a later event."""
+AUDIT_EVENTS = ("review", "promotion", "rollback")
+AUDIT_TEXT_MAX = 1000
+"""Longest reason/comment kept (MLflow tag values are bounded)."""
+
+
+def audit_tag(event: str, at: str, **fields: str) -> dict[str, str]:
+    """One audit event as a version tag: the key holds time and kind (so retries write the same key)."""
+    if event not in AUDIT_EVENTS:
+        raise ConfigError(f"audit event must be one of {AUDIT_EVENTS}, got {event!r}")
+    when = _parse_time(at)
+    if when is None:
+        raise ConfigError(f"audit time must be ISO 8601, got {at!r}")
+    stamp = when.astimezone(dt.UTC).strftime("%Y%m%dT%H%M%SZ")
+    body = {"event": event, "at": at, **{k: (v[:AUDIT_TEXT_MAX] if isinstance(v, str) else v) for k, v in fields.items()}}
+    return {f"{AUDIT_PREFIX}{stamp}.{event}": json.dumps(body, sort_keys=True)}
+
+
+def _events_of(mv: ModelVersion) -> list[dict[str, Any]]:
+    events = []
+    for key, value in mv.tags.items():
+        if not key.startswith(AUDIT_PREFIX):
+            continue
+        try:
+            event = json.loads(value)
+        except ValueError:
+            log.warning("%s version %s: unreadable audit tag %s", mv.name, mv.version, key)
+            continue
+        if isinstance(event, dict) and event.get("event") in AUDIT_EVENTS:
+            events.append(event)
+    if events:
+        return events
+    # Versions written before audit events existed: what their state tags still tell.
+    tags = mv.tags
+    if tags.get(TAGS["review"]):
+        events.append({"event": "review", "at": tags.get(TAGS["reviewed_at"], ""), "actor": tags.get(TAGS["reviewer"], ""),
+                       "model": mv.name, "version": str(mv.version), "decision": tags[TAGS["review"]],
+                       "comment": tags.get(TAGS["review_comment"], "")})
+    if tags.get(TAGS["approver"]):
+        events.append({"event": "promotion", "at": tags.get(TAGS["approved_at"], ""), "actor": tags[TAGS["approver"]],
+                       "model": mv.name, "version": str(mv.version), "from_version": tags.get(TAGS["previous_version"], ""),
+                       "to_version": str(mv.version), "run_key": tags.get(TAGS["promotion_run_key"], "")})
+    if tags.get(TAGS["rollback_actor"]):
+        events.append({"event": "rollback", "at": tags.get(TAGS["rollback_at"], ""), "actor": tags[TAGS["rollback_actor"]],
+                       "model": mv.name, "version": str(mv.version), "from_version": tags.get(TAGS["rollback_from_version"], ""),
+                       "to_version": str(mv.version), "reason": tags.get(TAGS["rollback_reason"], "")})
+    return events
+
+
+def audit_history(model: str, policy: Policy | None = None) -> list[dict[str, Any]]:
+    """Every review, promotion and rollback recorded on ``model``'s versions, oldest first.
+
+    When ``model`` is ``policy``'s target model, the reviews on its candidate model are included
+    (a rejected or timed-out candidate never reaches the target model). Read-only: any identity
+    with READ may audit.
+    """
+    models = [model]
+    if policy is not None and model == policy.target_model and policy.candidate_model != model:
+        models.append(policy.candidate_model)
+
+    def attempt() -> list[dict[str, Any]]:
+        client = mlflow_io._client()
+        events: list[dict[str, Any]] = []
+        for name in models:
+            try:
+                client.get_registered_model(name)
+            except Exception as exc:
+                if _is_not_found(exc):
+                    if name == model:
+                        raise RegistryError(f"registered model {model!r} does not exist") from exc
+                    continue
+                raise
+            for mv in client.search_model_versions(f"name = {_quote(name, 'model name')}"):
+                for event in _events_of(mv):
+                    if name != model and event["event"] != "review":
+                        continue
+                    events.append({"model": mv.name, "version": str(mv.version), **event})
+        # A promoted copy carries its candidate's tags: the same event twice is one event.
+        unique = {json.dumps(e, sort_keys=True): e for e in events}
+        events = list(unique.values())
+        far_past = dt.datetime.min.replace(tzinfo=dt.UTC)
+        return sorted(events, key=lambda e: (_parse_time(e.get("at")) or far_past, e["event"], int(e["version"])))
+
+    return _with_retries(f"reading the audit trail of {model}", attempt)

@@ -1,0 +1,202 @@
+"""``make demo``: one production run end to end on the embedded stack, as a user would drive it.
+
+1. build the sample corpus (stdlib source, a few poisoned shards) into the DVC workspace;
+2. start Airflow + MLflow (idempotent);
+3. trigger the production DAG through the Airflow REST API;
+4. answer its approval through the HITL REST endpoint the UI uses, as the *demo reviewer*
+   (``demo-reviewer``, an explicitly named demo identity);
+5. wait with a progress line per stage and print the summary, checked against MLflow.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+from kiln import settings as kiln_settings
+from kiln.errors import DemoError, KilnError
+from kiln.policy import PRODUCTION
+from kiln.stack.airflow_client import AirflowClient
+
+DEMO_REVIEWER = "demo-reviewer"
+DEMO_POISON = ("secret", "truncated")
+"""Two of eight shards poisoned: within production's 25% quarantine threshold, so the run proceeds."""
+
+TERMINAL = {"success", "failed", "skipped", "upstream_failed", "removed"}
+
+
+def say(msg: str) -> None:
+    print(msg, flush=True)
+
+
+def follow_run(
+    client: AirflowClient, dag_id: str, run_id: str, *, timeout: float = 1200.0,
+    on_awaiting_input: Callable[[dict[str, Any]], None] | None = None, progress: Callable[[str], None] = say,
+    settle_s: float = 5.0,
+) -> dict[str, Any]:
+    """Poll a DAG run until it ends; one progress line per task state change; returns the final run.
+
+    ``on_awaiting_input`` is called once per task try that waits for a human, but only after it has
+    waited ``settle_s`` seconds: Airflow 3.3 marks a HITL task up_for_retry when the answer lands
+    before the scheduler has processed the task's own "paused" event (an answer within ~1 s, which
+    only a script can give), and then asks again.
+    """
+    seen: dict[tuple[str, int], str] = {}
+    waiting_since: dict[tuple[str, int, int], float] = {}
+    answered: set[tuple[str, int, int]] = set()
+    started = time.monotonic()
+    while True:
+        for ti in sorted(client.task_instances(dag_id, run_id), key=lambda t: (t.get("start_date") or "~", t["task_id"])):
+            ident = (ti["task_id"], ti.get("map_index", -1))
+            state = ti.get("state") or "none"
+            mapped_unrendered = ident[1] >= 0 and not ti.get("rendered_map_index")
+            if seen.get(ident) != state and not mapped_unrendered:
+                seen[ident] = state
+                if state not in ("none", "scheduled", "queued"):
+                    label = ti["task_id"] + (f"[{ti['rendered_map_index']}]" if ident[1] >= 0 else "")
+                    took = f" ({ti['duration']:.1f}s)" if ti.get("duration") and state in TERMINAL else ""
+                    progress(f"  {time.monotonic() - started:6.0f}s  {label:<44} {state}{took}")
+            attempt = (*ident, int(ti.get("try_number") or 0))
+            if state in ("awaiting_input", "deferred") and on_awaiting_input and attempt not in answered:
+                since = waiting_since.setdefault(attempt, time.monotonic())
+                if time.monotonic() - since >= settle_s:
+                    answered.add(attempt)
+                    on_awaiting_input(ti)
+        run = client.get_run(dag_id, run_id)
+        if run["state"] in ("success", "failed"):
+            return run
+        if time.monotonic() - started > timeout:
+            raise DemoError(f"run {dag_id}/{run_id} still {run['state']} after {timeout:.0f}s")
+        time.sleep(2)
+
+
+def build_demo_corpus() -> dict[str, Any]:
+    from kiln.data.corpus import build_corpus
+
+    s = kiln_settings.load()
+    return build_corpus(s.corpus_root / PRODUCTION.corpus, shards=8, seed=0, poison=DEMO_POISON)
+
+
+def run_demo() -> int:
+    from kiln.stack import embedded
+
+    t0 = time.monotonic()
+    s = kiln_settings.load()
+    say("[1/5] building the sample corpus (Python stdlib sources, 2 poisoned shards)")
+    corpus = build_demo_corpus()
+    for shard, kind in sorted((corpus.get("poisoned") or {}).items()):
+        say(f"      poisoned on purpose: {shard} <- {kind}")
+    say("[2/5] starting the embedded stack (Airflow + MLflow under .kiln/)")
+    embedded.up(quiet=True)
+    t_stack = time.monotonic()
+    pw = embedded.passwords(s)
+    operator = AirflowClient(s.airflow_url, "admin", pw["admin"])
+    reviewer = AirflowClient(s.airflow_url, DEMO_REVIEWER, pw[DEMO_REVIEWER])
+    dag_id = PRODUCTION.dag_id
+    operator.wait_for_dag(dag_id)
+    operator.unpause(dag_id)
+    run = operator.trigger(dag_id, conf={"reason": "make demo"})
+    run_id = run["dag_run_id"]
+    say(f"[3/5] triggered {dag_id} run {run_id} through the Airflow REST API; following it:")
+
+    def approve(ti: dict[str, Any]) -> None:
+        if ti["task_id"] != "approval":
+            return
+        reviewer.answer_hitl(dag_id, run_id, "approval", ["Approve"])
+        say(f"[4/5] approval answered 'Approve' through the HITL REST endpoint as the DEMO REVIEWER "
+            f"'{DEMO_REVIEWER}' (a named demo identity standing in for a human reviewer)")
+
+    final = follow_run(operator, dag_id, run_id, on_awaiting_input=approve)
+    t_run = time.monotonic()
+    if final["state"] != "success":
+        failed = [ti for ti in operator.task_instances(dag_id, run_id) if ti.get("state") == "failed"]
+        for ti in failed:
+            say(f"--- log of failed task {ti['task_id']} ---")
+            say(operator.task_log(dag_id, run_id, ti["task_id"], ti.get("try_number") or 1, ti.get("map_index", -1))[-3000:])
+        raise DemoError(f"run {run_id} ended {final['state']}")
+    summary = collect_summary(operator, dag_id, run_id)
+    summary["timings_s"] = {
+        "setup": round(t_stack - t0, 1), "run": round(t_run - t_stack, 1), "total": round(time.monotonic() - t0, 1)
+    }
+    print_summary(summary, s)
+    from kiln.runs import run_key
+    from kiln.stages import write_summary
+
+    write_summary(run_key(dag_id, run_id), summary)
+    return 0
+
+
+def collect_summary(client: AirflowClient, dag_id: str, run_id: str) -> dict[str, Any]:
+    """What the run produced, read back through Airflow's API (each task's XCom as the ref it carries)
+    and checked against MLflow's registry."""
+    import mlflow
+
+    from kiln.refs import DataGateResult, PinnedSnapshot, PromotionRecord, RegisteredCandidate, RunOutcome, TrainResult
+
+    s = kiln_settings.load()
+    snap = PinnedSnapshot.from_json(client.xcom(dag_id, run_id, "snapshot"))
+    data = DataGateResult.from_json(client.xcom(dag_id, run_id, "data_gate"))
+    tokenized = DataGateResult.from_json(client.xcom(dag_id, run_id, "tokens"))
+    train = TrainResult.from_json(client.xcom(dag_id, run_id, "train"))
+    candidate = RegisteredCandidate.from_json(client.xcom(dag_id, run_id, "register_candidate"))
+    promotion = PromotionRecord.from_json(client.xcom(dag_id, run_id, "promote"))
+    outcome = RunOutcome.from_json(client.xcom(dag_id, run_id, "outcome"))
+    registry = mlflow.MlflowClient(tracking_uri=s.mlflow_uri, registry_uri=s.mlflow_uri)
+    champion = registry.get_model_version_by_alias(promotion.registered_model, promotion.alias)
+    return {
+        "dag_id": dag_id,
+        "run_id": run_id,
+        "snapshot_id": snap.id,
+        "snapshot_files": snap.files,
+        "quarantined": [q.to_json() for q in data.quarantined],
+        "healthy_shards": data.healthy,
+        "tokens": tokenized.tokens.to_json() if tokenized.tokens is not None else None,
+        "final_loss": train.metrics.get("final_loss"),
+        "tokens_per_s": train.metrics.get("tokens_per_s"),
+        "weights_sha256": train.weights_sha256,
+        "candidate": candidate.to_json(),
+        "promotion": promotion.to_json(),
+        "outcome": outcome.message,
+        "champion_version": champion.version,
+        "champion_snapshot_tag": champion.tags.get("kiln.snapshot_id"),
+        "champion_tokenizer_tag": champion.tags.get("kiln.tokenizer_sha256"),
+        "task_durations_s": {
+            (ti["task_id"] + (f"[{ti['map_index']}]" if ti.get("map_index", -1) >= 0 else "")): ti.get("duration")
+            for ti in client.task_instances(dag_id, run_id)
+        },
+    }
+
+
+def print_summary(summary: dict[str, Any], s: kiln_settings.Settings) -> None:
+    promo = summary["promotion"]
+    say("[5/5] done. Summary")
+    say(f"  snapshot id        : {summary['snapshot_id']}  ({summary['snapshot_files']} files, DVC)")
+    say(f"  healthy shards     : {summary['healthy_shards']}")
+    say(f"  quarantined shards : {len(summary['quarantined'])}")
+    for q in summary["quarantined"]:
+        say(f"    - {q['path']}: {'; '.join(q['reasons'])[:160]}")
+    tokens = summary["tokens"]
+    if tokens:
+        say(f"  tokenizer          : {tokens['tokenizer_kind']}, {tokens['vocab_size']} ids, sha256 "
+            f"{tokens['tokenizer_sha256'][:16]}…  ({tokens['samples']} packed samples of {tokens['block_size'] + 1} tokens)")
+    say(f"  final loss         : {summary['final_loss']:.4f}   tokens/s: {summary['tokens_per_s']:.0f}")
+    say(f"  model version      : {promo['registered_model']} version {promo['version']}  alias '{promo['alias']}'"
+        f"  (approved by {promo['approver']})")
+    say(f"  MLflow tag kiln.snapshot_id on the champion: {summary['champion_snapshot_tag']}")
+    say(f"  MLflow tag kiln.tokenizer_sha256 on the champion: {summary['champion_tokenizer_tag']}")
+    say(f"  outcome            : {summary['outcome']}")
+    timings = summary["timings_s"]
+    say(f"  wall time          : {timings['total']:.0f}s (setup {timings['setup']:.0f}s, run {timings['run']:.0f}s)")
+    say(f"  Airflow UI         : {s.airflow_url}/dags/{summary['dag_id']}/runs/{summary['run_id']}")
+    say(f"  MLflow UI          : {s.mlflow_uri}/#/models/{promo['registered_model']}/versions/{promo['version']}")
+    say("  logins             : `make up` prints them; the stack keeps running — `make down` stops it")
+
+
+def main() -> int:
+    try:
+        return run_demo()
+    except KilnError as exc:
+        print(f"kiln demo: error: {exc}", file=sys.stderr)
+        return 1

@@ -1,0 +1,63 @@
+"""What a run asks for: its conf checked in its first task, and the training inputs its params make."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from kiln.errors import ConfigError
+from kiln.policy import Policy
+
+
+def check_run_conf(policy: Policy, conf: dict[str, Any], allowed: set[str], params: dict[str, Any] | None = None) -> None:
+    """Refuse, in the run's first task, a run configuration that could not train.
+
+    Airflow validates the values of known params but accepts unknown keys; a typo (``max_step``)
+    or an attempt to override a pinned input (``recipe`` on production) must not pass silently.
+    With ``params`` (the form's values, as Airflow resolved them) the recipe they ask for is
+    resolved too: values the form allows one by one may still not make a recipe (``max_steps``
+    below the recipe's warm-up), and that is refused here rather than after validation.
+    """
+    unknown = sorted(set(conf or {}) - allowed)
+    if unknown:
+        raise ConfigError(
+            f"{policy.dag_id} does not take run parameter(s) {', '.join(unknown)}; "
+            f"allowed: {', '.join(sorted(allowed)) or 'none'}"
+        )
+    if params is not None:
+        recipe, _nodes, overrides = train_inputs(policy, params)
+        asked = {k: conf[k] for k in sorted(conf or {}) if k in TRAIN_PARAMS}
+        try:
+            load_run_recipe(recipe, overrides)
+        except ConfigError as exc:
+            raise ConfigError(f"{policy.dag_id}: run parameters {asked or 'as defaulted'} do not make a valid "
+                              f"recipe: {exc}") from exc
+
+
+TRAIN_PARAMS = ("recipe", "nodes", "seed", "max_steps")
+"""The run parameters ``train_inputs`` reads."""
+
+
+def train_inputs(policy: Policy, params: dict[str, Any]) -> tuple[Path, int, list[str]]:
+    """What a run's params (the DAG's form, validated by Airflow) ask training for: the recipe (one
+    the policy allows, else ``PolicyError``), the node count and the recipe overrides."""
+    recipe = policy.resolve_recipe(params.get("recipe"))
+    nodes = int(params.get("nodes") or policy.nodes)
+    overrides = []
+    if params.get("seed") is not None:
+        overrides.append(f"train.seed={int(params['seed'])}")
+    if params.get("max_steps") is not None:
+        overrides.append(f"train.steps={int(params['max_steps'])}")
+    return recipe, nodes, overrides
+
+
+def load_run_recipe(recipe: Path, overrides: list[str]):  # -> kiln_trainer.config.Recipe
+    """The recipe with a run's overrides, as the trainer will resolve it; ``ConfigError`` naming the
+    field the trainer would refuse."""
+    from kiln_trainer.config import load_recipe
+    from kiln_trainer.errors import RecipeError
+
+    try:
+        return load_recipe(recipe, overrides)
+    except RecipeError as exc:
+        raise ConfigError(f"recipe {recipe} with {overrides or 'no overrides'}: {exc}") from exc

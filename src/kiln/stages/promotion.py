@@ -1,0 +1,160 @@
+"""Registration, the model gate, the review, promotion and how the run ended."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any
+
+from kiln import runs
+from kiln import settings as kiln_settings
+from kiln.errors import RunMismatchError
+from kiln.policy import Policy
+from kiln.refs import (
+    ApprovalAnswer,
+    DataGateResult,
+    Decision,
+    EvalReport,
+    PinnedSnapshot,
+    PromotionRecord,
+    RegisteredCandidate,
+    Review,
+    ReviewOutcome,
+    RunOutcome,
+    TrainResult,
+)
+from kiln.runs import run_dir
+from kiln.stages.records import (
+    own_eval_report,
+    own_train_result,
+    own_training_manifest,
+    recorded_snapshot,
+    refuse_a_disagreeing_xcom,
+)
+from kiln.util.fs import atomic_write_text
+
+
+def register_stage(
+    policy: Policy, snapshot: PinnedSnapshot, data: DataGateResult, train: TrainResult, evaluation: EvalReport,
+    key: str, lineage: dict[str, str],
+) -> RegisteredCandidate:
+    """Register run ``key``'s checkpoint as a candidate version (``kiln.registry.register_candidate``)
+    from the run's own records: its training manifest, quarantine report, training result and
+    evaluation, and kiln's pinned snapshot. ``snapshot``, ``data``, ``train`` and ``evaluation`` (the
+    upstream XComs) that disagree with those records are refused before any request to MLflow.
+    ``lineage``: more tags for the version."""
+    from kiln.registry import register_candidate
+
+    manifest_path, manifest = own_training_manifest(key, data)
+    refuse_a_disagreeing_xcom("snapshot", key, manifest_path, {"id": manifest.snapshot_id}, snapshot, ("id",))
+    report_path = run_dir(key) / runs.QUARANTINE_JSON
+    try:
+        quarantine = json.loads(report_path.read_text())
+    except (OSError, ValueError) as exc:
+        raise RunMismatchError(f"run {key} has no readable quarantine report {report_path}: {exc}") from exc
+    pinned = recorded_snapshot(manifest.snapshot_id)
+    candidate = register_candidate(
+        policy=policy,
+        train=own_train_result(key, train),
+        eval_report=own_eval_report(key, evaluation),
+        snapshot=pinned,
+        manifest=manifest,
+        run_key=key,
+        lineage={
+            "quarantine_report": str(report_path),
+            "quarantine_rate": str(round(float(quarantine["quarantined_share"]), 4)),
+            **lineage,
+        },
+    )
+    ui = kiln_settings.load().mlflow_uri
+    return RegisteredCandidate.from_json(
+        {**candidate, "ui_url": f"{ui}/#/models/{candidate['model_name']}/versions/{candidate['version']}"})
+
+
+def model_gate_stage(candidate: RegisteredCandidate) -> Decision:
+    """The promotion decision (a value, not an error): the one ``decide`` made against the champion
+    when the candidate was registered, and that is tagged on its model version."""
+    return candidate.decision
+
+
+def promote_stage(policy: Policy, candidate: RegisteredCandidate, decision: Decision, key: str) -> PromotionRecord:
+    """Promote run ``key``'s candidate. Neither the approval nor the gate's verdict is taken from the
+    arguments: the registry reads the review this run's approval task recorded on the candidate
+    (refused without one, under a policy that requires approval) and the decision its registration
+    recorded there; ``decision`` (the model gate's XCom) that says otherwise is refused. A re-run
+    after a rollback of this version is refused by the registry."""
+    from kiln.registry import promote
+
+    return promote(policy=policy, candidate_version=candidate.version, decision=decision, run_key=key)
+
+
+def review_in_words(policy: Policy, answer: ApprovalAnswer) -> tuple[ReviewOutcome, str, str]:
+    """An approval task's answer (chosen options, responder, time, timed out) as kiln records it:
+    ``(outcome, reviewer, at)``. Pure. The responder is named as the policy lists its reviewers
+    (by name, else by id: FAB's ids are row numbers); a timeout names who was asked."""
+    at = answer.responded_at
+    if answer.timed_out:
+        return "timed out", f"nobody (assigned: {', '.join(policy.reviewers)})", at
+    user = answer.responded_by_user
+    name, user_id = str(user.get("name") or ""), str(user.get("id") or "")
+    reviewer = next((u for u in (name, user_id) if u and u in policy.reviewers), name or user_id or "unknown")
+    return ("approved" if answer.chosen_options == ["Approve"] else "rejected"), reviewer, at
+
+
+def review_stage(policy: Policy, candidate: RegisteredCandidate, answer: ApprovalAnswer, key: str) -> Review:
+    """Record run ``key``'s review of its candidate: called inside the approval task, with the answer
+    Airflow handed it, this is the one approval ``promote_stage`` accepts. An Approve from someone
+    who is not a reviewer, or for another run's version, is refused (``PolicyError``)."""
+    from kiln.registry import record_review
+
+    outcome, reviewer, at = review_in_words(policy, answer)
+    return record_review(policy=policy, candidate_version=candidate.version, run_key=key, outcome=outcome,
+                         reviewer=reviewer, at=at, comment=answer.comment or "")
+
+
+def outcome_stage(
+    policy: Policy, candidate: RegisteredCandidate, promotion: PromotionRecord | None, key: str,
+) -> RunOutcome:
+    """Say how the run ended for the model: promoted (where, by whom) or not (and why); also the
+    run's ``summary.json``.
+
+    The review is told as the registry recorded it for this run (not as an XCom says it was).
+    """
+    decision = candidate.decision
+    review = None
+    if policy.requires_approval and decision.action == "promote":
+        from kiln.registry import recorded_review
+
+        review = recorded_review(policy, candidate.version, key)
+    if promotion is not None:
+        message = (f"promoted {candidate.model_name} v{candidate.version} to "
+                   f"{promotion.registered_model}@{promotion.alias} (version {promotion.version})")
+    elif decision.action != "promote":
+        message = f"NOT promoted: the model gate said hold: {'; '.join(decision.reasons)}"
+    elif review is not None and review.outcome == "timed out":
+        message = (f"NOT promoted: the review timed out: {review.reviewer} answered within "
+                   f"{policy.approval_timeout_s} s, so the default (Reject) applied")
+    elif review is not None:
+        message = f"NOT promoted: the review was {review.outcome} by {review.reviewer}"
+    else:
+        message = "NOT promoted: the review was not given by nobody"
+    outcome = RunOutcome(
+        candidate_model=candidate.model_name, candidate_version=candidate.version, decision=decision.action,
+        decision_reasons=decision.reasons, promoted=promotion is not None, message=message,
+    )
+    if review is not None:
+        outcome = dataclasses.replace(outcome, review=review.outcome, reviewer=review.reviewer, reviewed_at=review.at,
+                                      review_comment=review.comment)
+    if promotion is not None:
+        outcome = dataclasses.replace(outcome, model=promotion.registered_model, version=promotion.version,
+                                      alias=promotion.alias, approver=promotion.approver)
+    write_summary(key, outcome.to_json())
+    return outcome
+
+
+def write_summary(key: str, summary: dict[str, Any]) -> Path:
+    """The run's outcome in its own directory (``summary.json``), with the run it is about."""
+    dag_id, run_id = runs.split_run_key(key)
+    body = {**summary, "dag_id": dag_id, "run_id": run_id}
+    return atomic_write_text(run_dir(key) / runs.SUMMARY, json.dumps(body, indent=2, sort_keys=True, default=str) + "\n")

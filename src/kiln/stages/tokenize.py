@@ -1,0 +1,198 @@
+"""The tokenize stage: the data gate's healthy shards as packed token shards the trainer streams.
+
+    data_gate ─► tokenizer ─► tokenize (mapped over batches of shards) ─► tokens ─► train
+
+* ``tokenizer_stage``: the tokenizer the run's recipe asks for (``[tokenizer]``: byte, a BPE trained
+  on the run's healthy training shards, or a file), as an artifact in ``KILN_HOME/tokenizers/``
+  named by its sha256. Training it twice on the same shards gives the same bytes, so a retry, or
+  another run of the same snapshot and recipe, finds it there.
+* ``tokenize_stage``: one batch of shards packed (part ``i`` is shard ``i`` of the manifest, as the
+  trainer packs them: the content address names the same bytes whoever packs), idempotent.
+* ``tokens_stage``: the parts joined into ``token_manifest.json`` (written last), optionally
+  published to S3 (``KILN_TOKENS_REMOTE``), and the run's training manifest rewritten to name it:
+  the manifest the trainer, evaluation and registration read from then on.
+
+Packed corpora live in ``KILN_HOME/tokens/<shard set>/<token_shards_key>/``: the shard set (the
+sha256 of the healthy shards' hashes) and the content address of snapshot, tokenizer, EOS and block
+size. Another run of the same shards with the same recipe tokenizer reuses them; a run whose gate
+kept other shards of the same snapshot gets its own.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+from kiln import settings as kiln_settings
+from kiln.errors import ConfigError, ManifestError, RunMismatchError
+from kiln.policy import Policy
+from kiln.refs import DataGateResult, PackedPart, PackedTokensRef, TokenizerRef, TrainingManifest, canonical_json
+from kiln.stages.inputs import load_run_recipe, train_inputs
+from kiln.stages.records import own_training_manifest
+from kiln.util.fs import atomic_write_bytes
+
+log = logging.getLogger("kiln.stages.tokenize")
+
+TOKENS_REMOTE_ENV = "KILN_TOKENS_REMOTE"
+"""An ``s3://bucket/prefix`` to publish packed tokens to; the training manifest then names the
+remote copy, and ranks stream it into a bounded local cache (``kiln_trainer.remote``). The
+endpoint is ``KILN_DVC_REMOTE_ENDPOINT`` (the moto server in tests). Unset: ranks read the local
+copy, which must then be on a filesystem every node sees."""
+
+
+def _recipe(policy: Policy, params: dict[str, Any]):  # -> (kiln_trainer.config.Recipe, recipe path)
+    recipe_path, _nodes, overrides = train_inputs(policy, params)
+    return load_run_recipe(recipe_path, overrides), recipe_path
+
+
+def _shard_set(manifest: TrainingManifest) -> str:
+    """The healthy shards, by content: what a packed corpus was made of besides its tokenizer."""
+    return hashlib.sha256(canonical_json([s["sha256"] for s in manifest.shards])).hexdigest()[:16]
+
+
+def _entries(manifest: TrainingManifest) -> list[Any]:
+    from kiln_trainer.training_manifest import ShardEntry
+
+    return [ShardEntry(path=s["path"], sha256=s["sha256"], rows=int(s["rows"])) for s in manifest.shards]
+
+
+def _gate_manifest(key: str, data: DataGateResult) -> TrainingManifest:
+    """The run's training manifest as its data gate made it (without tokens): what is packed."""
+    _path, manifest = own_training_manifest(key, data)
+    return manifest.with_tokens("", None) if manifest.tokens is not None else manifest
+
+
+def _load_tokenizer(ref: TokenizerRef):  # -> kiln_trainer.tokenizer.Tokenizer
+    from kiln_trainer.errors import TokenizerError
+    from kiln_trainer.tokenizer import load_tokenizer
+
+    try:
+        tokenizer = load_tokenizer(ref.path)
+    except TokenizerError as exc:
+        raise ManifestError(f"tokenizer {ref.path}: {exc}") from exc
+    if tokenizer.sha256 != ref.sha256:
+        raise ManifestError(f"tokenizer {ref.path} hashes to {tokenizer.sha256}, not the {ref.sha256} the run chose")
+    return tokenizer
+
+
+def _out_dir(manifest: TrainingManifest, tokenizer: Any, block_size: int) -> Path:
+    from kiln_trainer.packed import token_shards_key
+
+    key = token_shards_key(snapshot_id=manifest.snapshot_id, tokenizer_sha256=tokenizer.sha256,
+                           eos_id=tokenizer.eos_id, block_size=block_size)
+    return kiln_settings.load().home / "tokens" / _shard_set(manifest) / key
+
+
+def tokenizer_stage(policy: Policy, data: DataGateResult, params: dict[str, Any], key: str) -> TokenizerRef:
+    """The run's tokenizer, built (or found) and stored by its sha256."""
+    from kiln_trainer.errors import TokenizerError
+    from kiln_trainer.packed import iter_training_texts
+    from kiln_trainer.tokenizer import build_tokenizer
+
+    manifest = _gate_manifest(key, data)
+    recipe, recipe_path = _recipe(policy, params)
+    cfg = recipe.tokenizer
+    store = kiln_settings.load().home / "tokenizers"
+    inputs = {"shards": _shard_set(manifest), "tokenizer": {"vocab_size": cfg.vocab_size, "eos_token": cfg.eos_token,
+                                                            "max_train_chars": cfg.max_train_chars}}
+    trained = store / f"bpe-{hashlib.sha256(canonical_json(inputs)).hexdigest()[:32]}.json"
+    try:
+        if cfg.kind == "bpe" and trained.is_file():  # trained before on exactly these shards
+            tokenizer = _load_tokenizer(TokenizerRef.from_json(json.loads(trained.read_text())))
+        else:
+            tokenizer = build_tokenizer(cfg, recipe_path=recipe_path,
+                                        training_texts=lambda: iter_training_texts(_entries(manifest)))
+    except TokenizerError as exc:
+        raise ConfigError(f"recipe {recipe_path} [tokenizer]: {exc}") from exc
+    path = store / f"{tokenizer.sha256}.json"
+    if not (path.is_file() and path.read_bytes() == tokenizer.to_bytes()):
+        atomic_write_bytes(path, tokenizer.to_bytes())
+    ref = TokenizerRef(kind=cfg.kind, sha256=tokenizer.sha256, vocab_size=tokenizer.vocab_size, eos_id=tokenizer.eos_id,
+                       path=str(path))
+    if cfg.kind == "bpe":
+        atomic_write_bytes(trained, json.dumps(ref.to_json(), sort_keys=True).encode())
+    log.info("tokenizer %s: %s, %d ids, EOS %d (%s)", tokenizer.sha256[:16], cfg.kind, tokenizer.vocab_size,
+             tokenizer.eos_id, path)
+    return ref
+
+
+def token_parts(policy: Policy, data: DataGateResult) -> list[list[int]]:
+    """The healthy shards' indexes cut into the batches the mapped tokenize tasks take, in order
+    (the validation batches' size: a batch is one task's worth of reading)."""
+    count = data.healthy
+    size = max(policy.validation_batch_shards, -(-count // policy.validation_max_tasks))
+    return [list(range(i, min(i + size, count))) for i in range(0, count, size)]
+
+
+def tokenize_stage(policy: Policy, data: DataGateResult, tokenizer: TokenizerRef, parts: list[int],
+                   params: dict[str, Any], key: str) -> list[PackedPart]:
+    """Pack shards ``parts`` of the run's manifest (one part each); a part already packed from the
+    same inputs is kept."""
+    from kiln_trainer.packed import iter_training_texts, pack_part
+
+    manifest = _gate_manifest(key, data)
+    recipe, _recipe_path = _recipe(policy, params)
+    tok = _load_tokenizer(tokenizer)
+    entries = _entries(manifest)
+    out = _out_dir(manifest, tok, recipe.model.block_size)
+    bad = [p for p in parts if not 0 <= p < len(entries)]
+    if bad:
+        raise RunMismatchError(f"run {key}: parts {bad} are no shard of its manifest ({len(entries)} shards)")
+    packed = []
+    for part in parts:
+        record = pack_part(iter_training_texts([entries[part]]), tok, out, part=part, block_size=recipe.model.block_size)
+        packed.append(PackedPart(part=part, samples=sum(int(s["samples"]) for s in record["shards"]),
+                                 tokens=int(record["tokens"]), documents=int(record["documents"]),
+                                 dropped_tokens=int(record["dropped_tokens"])))
+    return packed
+
+
+def tokens_stage(policy: Policy, data: DataGateResult, tokenizer: TokenizerRef, params: dict[str, Any],
+                 key: str) -> DataGateResult:
+    """Join the packed parts into the token manifest and make the run's training manifest name it.
+
+    Idempotent: a committed token manifest of these inputs is reused (its shards' sizes checked),
+    and a training manifest that already names it is left as it is."""
+    from kiln_trainer.errors import TrainerError
+    from kiln_trainer.packed import TOKEN_MANIFEST_NAME, load_token_manifest, verify_token_shards, write_token_manifest
+
+    manifest = _gate_manifest(key, data)
+    recipe, _recipe_path = _recipe(policy, params)
+    tok = _load_tokenizer(tokenizer)
+    block_size = recipe.model.block_size
+    out = _out_dir(manifest, tok, block_size)
+    try:
+        if (out / TOKEN_MANIFEST_NAME).is_file():
+            packed = load_token_manifest(out)
+            verify_token_shards(packed)
+        else:
+            packed = write_token_manifest(out, snapshot_id=manifest.snapshot_id, tokenizer=tok, block_size=block_size,
+                                          parts=len(manifest.shards))
+    except TrainerError as exc:
+        raise ManifestError(f"packed tokens {out} of run {key}: {exc}") from exc
+    location = str(out / TOKEN_MANIFEST_NAME)
+    remote = os.environ.get(TOKENS_REMOTE_ENV, "").rstrip("/")
+    if remote:
+        from kiln_trainer.remote import publish_token_shards
+
+        url = publish_token_shards(packed, f"{remote}/{out.parent.name}/{out.name}",
+                                   endpoint_url=kiln_settings.load().dvc_remote_endpoint)
+        location = f"{url}/{TOKEN_MANIFEST_NAME}"
+    final = manifest.with_tokens(location, packed.sha256)
+    path, recorded = own_training_manifest(key, data)
+    if recorded.sha256 != final.sha256:
+        final.write(path)
+    log.info("run %s: %d samples of %d tokens (%d documents) at %s; training manifest %s", key, packed.samples,
+             block_size + 1, packed.documents, location, final.sha256[:16])
+    summary = PackedTokensRef(
+        token_manifest=location, token_manifest_sha256=packed.sha256, tokenizer_kind=tokenizer.kind,
+        tokenizer_sha256=tok.sha256, vocab_size=tok.vocab_size, block_size=block_size, samples=packed.samples,
+        tokens=packed.tokens, documents=packed.documents,
+    )
+    return DataGateResult.from_json({**data.to_json(), "manifest": str(path), "manifest_sha256": final.sha256,
+                                     "tokens": summary.to_json()})
+

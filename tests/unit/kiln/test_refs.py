@@ -1,0 +1,129 @@
+"""``kiln.refs``: every ref survives the trip through JSON (an XCom) unchanged, says on the wire exactly
+the keys its docstring documents (the XCom keys the DAG's templates, links and e2e tests read), and a
+malformed one is a ``ManifestError`` naming the ref."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from kiln.errors import ManifestError
+from kiln.refs import (
+    ApprovalAnswer,
+    ChampionEvaluation,
+    DataGateResult,
+    Decision,
+    JobEnded,
+    PinnedSnapshot,
+    PromotionRecord,
+    QuarantinedShard,
+    Ref,
+    RegisteredCandidate,
+    RollbackRecord,
+    RunOutcome,
+    StragglerWatchPlan,
+    VersionEvaluation,
+    WatchDecision,
+    WatchOutcome,
+)
+
+SNAPSHOT = PinnedSnapshot(id="a" * 32 + ".dir", corpus="stdlib-py", files=3, bytes=30, dvc="outs: []\n",
+                          remote="/remote", path="/snapshots/a", shards=["train/shard-00000.parquet"],
+                          skipped=[{"path": "/snapshots/a/train/NOTES.txt", "reason": "not *.parquet"}])
+DATA = DataGateResult(manifest="/runs/r/training-manifest.json", manifest_sha256="b" * 64, healthy=6,
+                      quarantined=[QuarantinedShard(path="shard-00002.parquet", reasons=["no_secrets (3 rows)"])],
+                      quarantine_rate=0.25, report="/runs/r/quarantine-report.json",
+                      report_html="/runs/r/quarantine-report.html", report_html_uri="runs:/m/quarantine/q.html",
+                      mlflow_run_id="m", contract="stdlib-py@1")
+DECISION = Decision(action="promote", reasons=["threshold: ok"], candidate_bits_per_byte=3.1, champion_bits_per_byte=3.3)
+CANDIDATE = RegisteredCandidate(model_name="kiln-stdlib-lm.candidates", version="4", run_id="m",
+                                model_uri="models:/kiln-stdlib-lm.candidates/4", source="runs:/m/model", decision=DECISION,
+                                created=True, report_uri="runs:/m/report/report.html", ui_url="http://mlflow/#/models/x")
+PROMOTION = PromotionRecord(registered_model="kiln-stdlib-lm", version="2", alias="champion", approver="reviewer",
+                            at="2026-12-01T12:00:00+00:00", previous_version="1")
+CHAMPION = VersionEvaluation(version="2", recorded_bits_per_byte=2.4, recorded_snapshot_id="s.dir",
+                             current_bits_per_byte=5.2, current_tokens=100, checkpoint="/ckpt/step-00000030")
+EVALUATION = ChampionEvaluation(model="kiln-stdlib-lm", alias="champion", champion=CHAMPION,
+                                previous=VersionEvaluation(version="1", recorded_bits_per_byte=4.0,
+                                                           recorded_snapshot_id="s.dir", current_bits_per_byte=4.1,
+                                                           current_tokens=100, checkpoint="/ckpt/step-00000020"),
+                                snapshot_id="t.dir")
+PROPOSAL = WatchDecision(model="kiln-stdlib-lm", alias="champion", tolerance=0.05, snapshot_id="t.dir",
+                         champion_version="2", previous_version="1", action="propose_rollback", reasons=["REGRESSED"],
+                         champion_current_bits_per_byte=5.2, champion_recorded_bits_per_byte=2.4,
+                         previous_current_bits_per_byte=4.1)
+
+EVERY_NEW_REF: list[Ref] = [
+    SNAPSHOT, DATA, CANDIDATE,
+    StragglerWatchPlan(action="exclude_node", offset=120, excluded=["node2"]),
+    JobEnded(state="FAILED", reason="rank 1 exited 1", log_tail="Traceback ..."),
+    ApprovalAnswer(chosen_options=["Approve"], responded_by_user={"id": "7", "name": "reviewer"},
+                   responded_at="2026-12-01T12:00:00+00:00"),
+    RunOutcome(candidate_model=CANDIDATE.model_name, candidate_version="4", decision="promote",
+               decision_reasons=["threshold: ok"], promoted=True, message="promoted", review="approved",
+               reviewer="reviewer", reviewed_at="2026-12-01T12:00:00+00:00", review_comment="", model="kiln-stdlib-lm",
+               version="2", alias="champion", approver="reviewer"),
+    EVALUATION, PROPOSAL,
+    RollbackRecord(**PROMOTION.to_json(), reason="champion watch d/r: v2 regressed"),
+    WatchOutcome(decision="ok", reasons=["ok: champion v2 holds up"], model="kiln-stdlib-lm", rolled_back=False,
+                 message="champion v2 holds up"),
+]
+
+
+@pytest.mark.parametrize("ref", EVERY_NEW_REF, ids=lambda ref: type(ref).__name__)
+def test_a_ref_comes_back_from_its_json_unchanged(ref: Ref):
+    wire = json.loads(json.dumps(ref.to_json()))
+    assert type(ref).from_json(wire) == ref
+
+
+def test_the_stage_refs_say_the_keys_the_xcoms_always_had():
+    assert set(SNAPSHOT.to_json()) == {"id", "corpus", "files", "bytes", "dvc", "remote", "path", "shards", "skipped"}
+    assert set(DATA.to_json()) == {"manifest", "manifest_sha256", "healthy", "quarantined", "quarantine_rate", "report",
+                                   "report_html", "report_html_uri", "mlflow_run_id", "contract"}
+    assert DATA.to_json()["quarantined"] == [{"path": "shard-00002.parquet", "reasons": ["no_secrets (3 rows)"]}]
+    assert set(CANDIDATE.to_json()) == {"model_name", "version", "run_id", "model_uri", "source", "decision", "created",
+                                        "report_uri", "ui_url"}
+    assert CANDIDATE.to_json()["decision"] == DECISION.to_json()
+    assert StragglerWatchPlan(action="alert").to_json() == {"action": "alert", "offset": 0, "excluded": []}
+    assert set(RollbackRecord(**PROMOTION.to_json(), reason="why").to_json()) == {*PROMOTION.to_json(), "reason"}
+
+
+def test_facts_a_ref_has_only_sometimes_are_absent_from_the_wire_not_null():
+    held = RunOutcome(candidate_model="m", candidate_version="3", decision="hold", decision_reasons=["FAILED"],
+                      promoted=False, message="NOT promoted: the model gate said hold: FAILED")
+    assert set(held.to_json()) == {"candidate_model", "candidate_version", "decision", "decision_reasons", "promoted",
+                                   "message"}
+    assert RunOutcome.from_json(held.to_json()) == held
+    assert set(ApprovalAnswer().to_json()) == {"chosen_options", "responded_by_user", "timed_out", "responded_at"}
+    nobody = ChampionEvaluation(model="m", alias="champion")
+    assert nobody.to_json() == {"model": "m", "alias": "champion", "champion": None, "previous": None}
+    no_champion = WatchDecision(model="m", alias="champion", tolerance=0.05, snapshot_id=None, champion_version=None,
+                                previous_version=None, action="no_champion", reasons=["nobody holds champion"])
+    assert set(no_champion.to_json()) == {"model", "alias", "tolerance", "snapshot_id", "champion_version",
+                                          "previous_version", "action", "reasons"}
+    assert WatchDecision.from_json(no_champion.to_json()) == no_champion
+    alone = WatchDecision(**{**PROPOSAL.to_json(), "previous_version": None, "previous_current_bits_per_byte": None,
+                             "action": "regressed_no_fallback"})
+    assert alone.to_json()["previous_current_bits_per_byte"] is None, "with a champion, every number is on the wire"
+
+
+def test_a_trigger_event_is_read_for_how_the_job_ended_only():
+    event = {"state": "FATAL", "reason": "rank 0 exited 2", "log_tail": "...", "node": "node2",
+             "handle": {"backend": "slurm", "job_id": "7", "run_dir": "/runs/r/train"}}
+    assert JobEnded.from_json(event) == JobEnded(state="FATAL", reason="rank 0 exited 2", log_tail="...")
+
+
+@pytest.mark.parametrize(("ref", "wire", "message"), [
+    (DataGateResult, ["not", "an", "object"], "DataGateResult: expected a JSON object, got list"),
+    (RegisteredCandidate, {"model_name": "m", "version": "4"}, "RegisteredCandidate: .*'decision'"),
+    (RegisteredCandidate, {**CANDIDATE.to_json(), "decision": "promote"}, "RegisteredCandidate.decision: expected a "
+                                                                           "Decision"),
+    (RegisteredCandidate, {**CANDIDATE.to_json(), "decision": {"action": "promote"}}, "Decision: .*'reasons'"),
+    (DataGateResult, {**DATA.to_json(), "quarantined": [{"path": "x"}]}, "QuarantinedShard: .*'reasons'"),
+    (ChampionEvaluation, {**EVALUATION.to_json(), "champion": 5.2}, "ChampionEvaluation.champion: expected"),
+])
+def test_a_malformed_xcom_is_refused_naming_the_ref(ref: type[Ref], wire, message: str):
+    with pytest.raises(ManifestError, match=message) as info:
+        ref.from_json(wire)
+    assert info.value.retryable is False

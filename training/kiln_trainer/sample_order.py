@@ -1,0 +1,185 @@
+"""The order samples are trained in: a seeded bijection per epoch, computed, never stored.
+
+The training stream is a sequence of *positions* 0, 1, 2, ... (position ``p`` is in epoch
+``p // N`` for ``N`` samples). ``SampleOrder.ids(positions)`` maps positions to global sample ids
+(0..N-1, the packed shards' samples in manifest order). Within one epoch the map is a permutation,
+so every sample is seen exactly once per epoch, and it depends only on (shard sizes, seed, epoch,
+window) -- never on the world size, the rank or how much was read before. Memory is O(shards),
+not O(samples): billions of samples work.
+
+The permutation is a Feistel network over ``[0, 2**k)`` (``k`` even, ``2**k < 4N``) with
+cycle walking down to ``[0, n)``: a keyed bijection computed per index, vectorised in numpy,
+with an exact inverse (``FeistelPermutation.inverse``) used by the tests.
+
+``window_shards`` trades shuffle quality for locality: 0 shuffles all samples globally; ``w > 0``
+shuffles the shard order per epoch, cuts it into windows of ``w`` shards and shuffles the samples
+inside each window, so a reader needs only about ``w`` shards at a time (what a bounded remote
+cache wants; MosaicML's ``py1b`` and litdata's chunk shuffling make the same trade).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from kiln_trainer.errors import RecipeError
+
+__all__ = ["FeistelPermutation", "SampleOrder", "round_keys"]
+
+FEISTEL_ROUNDS = 6
+"""Four rounds of a pseudo-random function already give a pseudo-random permutation (Luby-Rackoff);
+six leave a margin for the cheap round function."""
+
+_MAX_WALK = 1000
+_M1 = np.uint64(0xBF58476D1CE4E5B9)
+_M2 = np.uint64(0x94D049BB133111EB)
+
+
+def _mix64(z: np.ndarray) -> np.ndarray:
+    """splitmix64's finaliser on uint64 arrays (multiplication wraps mod 2**64, as intended)."""
+    z = (z ^ (z >> np.uint64(30))) * _M1
+    z = (z ^ (z >> np.uint64(27))) * _M2
+    return z ^ (z >> np.uint64(31))
+
+
+def round_keys(*parts: object) -> tuple[int, ...]:
+    """``FEISTEL_ROUNDS`` 64-bit keys from a stable hash of ``parts`` (not Python's ``hash``)."""
+    digest = hashlib.blake2b(":".join(map(str, ("kiln.sample-order", *parts))).encode(), digest_size=8 * FEISTEL_ROUNDS).digest()
+    return tuple(int.from_bytes(digest[8 * i : 8 * i + 8], "little") for i in range(FEISTEL_ROUNDS))
+
+
+@dataclass(frozen=True, slots=True)
+class FeistelPermutation:
+    """A keyed bijection of ``[0, n)``; ``perm(x)`` and ``perm.inverse(y)`` take int arrays."""
+
+    n: int
+    keys: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        if self.n < 1:
+            raise RecipeError(f"a permutation needs n >= 1, got {self.n}")
+        if len(self.keys) < 4:
+            raise RecipeError(f"a Feistel permutation needs >= 4 round keys, got {len(self.keys)}")
+
+    @property
+    def half_bits(self) -> int:
+        bits = max(2, (self.n - 1).bit_length())
+        return (bits + 1) // 2
+
+    def _rounds(self, x: np.ndarray, inverse: bool) -> np.ndarray:
+        half = np.uint64(self.half_bits)
+        mask = np.uint64((1 << self.half_bits) - 1)
+        left, right = x >> half, x & mask
+        keys = [np.uint64(k) for k in self.keys]
+        if not inverse:
+            for key in keys:
+                left, right = right, left ^ (_mix64(right ^ key) & mask)
+        else:
+            for key in reversed(keys):
+                left, right = right ^ (_mix64(left ^ key) & mask), left
+        return (left << half) | right
+
+    def _walk(self, x: np.ndarray, inverse: bool) -> np.ndarray:
+        if self.n == 1:
+            return np.zeros_like(x)
+        out = self._rounds(x.astype(np.uint64), inverse)
+        # Cycle walking: a value outside [0, n) is sent through again; the cycle that starts in
+        # [0, n) must come back into it, so this ends, after < 4 rounds on average (2**k < 4n).
+        outside = out >= np.uint64(self.n)
+        for _ in range(_MAX_WALK):
+            if not outside.any():
+                return out.astype(np.int64)
+            out[outside] = self._rounds(out[outside], inverse)
+            outside = out >= np.uint64(self.n)
+        # A permutation's walk leaves [n, 2**k) within a few rounds (a walk of 1000 has odds ~(3/4)**1000);
+        # only a broken round function gets here.
+        raise RuntimeError(f"cycle walking did not return into [0, {self.n}) after {_MAX_WALK} rounds: not a permutation")
+
+    def __call__(self, x: np.ndarray) -> np.ndarray:
+        return self._walk(np.asarray(x, dtype=np.int64), inverse=False)
+
+    def inverse(self, y: np.ndarray) -> np.ndarray:
+        return self._walk(np.asarray(y, dtype=np.int64), inverse=True)
+
+
+@dataclass(frozen=True, slots=True)
+class _EpochLayout:
+    """Where each window of one epoch starts (in positions) and which shards it holds, in order."""
+
+    window_starts: np.ndarray
+    """int64, len = windows + 1 (the last entry is N)."""
+    window_shards: tuple[np.ndarray, ...]
+    """Per window, the shard indices in the epoch's shard order."""
+
+
+class SampleOrder:
+    """Positions -> global sample ids, a bijection per epoch keyed by (seed, epoch[, window])."""
+
+    def __init__(self, shard_samples: Sequence[int], *, seed: int, window_shards: int = 0) -> None:
+        sizes = np.asarray(list(shard_samples), dtype=np.int64)
+        if sizes.size == 0 or (sizes < 0).any() or sizes.sum() == 0:
+            raise RecipeError(f"shard sample counts must be >= 0 with at least one sample, got {list(shard_samples)[:8]}")
+        if window_shards < 0:
+            raise RecipeError(f"window_shards = {window_shards}: must be >= 0 (0 = one global shuffle)")
+        self.seed = int(seed)
+        self.shard_samples = sizes
+        self.shard_offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
+        self.num_samples = int(self.shard_offsets[-1])
+        self.window_shards = 0 if window_shards >= len(sizes) else int(window_shards)
+        self._layouts: dict[int, _EpochLayout] = {}
+
+    def _layout(self, epoch: int) -> _EpochLayout:
+        layout = self._layouts.get(epoch)
+        if layout is not None:
+            return layout
+        count = len(self.shard_samples)
+        if self.window_shards == 0:
+            layout = _EpochLayout(np.array([0, self.num_samples], dtype=np.int64), (np.arange(count),))
+        else:
+            shard_order = FeistelPermutation(count, round_keys(self.seed, epoch, "shards"))(np.arange(count))
+            groups = tuple(shard_order[i : i + self.window_shards] for i in range(0, count, self.window_shards))
+            sizes = [int(self.shard_samples[g].sum()) for g in groups]
+            layout = _EpochLayout(np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64), groups)
+        if len(self._layouts) > 4:  # only the current and next epoch are ever hot
+            self._layouts.clear()
+        self._layouts[epoch] = layout
+        return layout
+
+    def epoch_of(self, position: int) -> int:
+        return int(position) // self.num_samples
+
+    def ids(self, positions: np.ndarray | Sequence[int]) -> np.ndarray:
+        """Global sample ids (int64) of stream positions (any ints >= 0, any order, any epoch)."""
+        pos = np.asarray(positions, dtype=np.int64)
+        if pos.size and pos.min() < 0:
+            raise RecipeError("stream positions must be >= 0")
+        out = np.empty_like(pos)
+        epochs, within = np.divmod(pos, self.num_samples)
+        for epoch in np.unique(epochs):
+            in_epoch = epochs == epoch
+            out[in_epoch] = self._ids_in_epoch(int(epoch), within[in_epoch])
+        return out
+
+    def ids_range(self, start: int, count: int) -> np.ndarray:
+        return self.ids(np.arange(start, start + count, dtype=np.int64))
+
+    def _ids_in_epoch(self, epoch: int, q: np.ndarray) -> np.ndarray:
+        layout = self._layout(epoch)
+        if self.window_shards == 0:
+            return FeistelPermutation(self.num_samples, round_keys(self.seed, epoch))(q)
+        out = np.empty_like(q)
+        windows = np.searchsorted(layout.window_starts, q, side="right") - 1
+        for window in np.unique(windows):
+            here = windows == window
+            shards = layout.window_shards[window]
+            size = int(layout.window_starts[window + 1] - layout.window_starts[window])
+            perm = FeistelPermutation(size, round_keys(self.seed, epoch, "window", window))
+            local = perm(q[here] - layout.window_starts[window])
+            # The window's samples are its shards' samples, concatenated in the epoch's shard order.
+            bounds = np.concatenate([[0], np.cumsum(self.shard_samples[shards])])
+            which = np.searchsorted(bounds, local, side="right") - 1
+            out[here] = self.shard_offsets[shards[which]] + (local - bounds[which])
+        return out
