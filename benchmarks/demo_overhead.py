@@ -1,8 +1,9 @@
 """Where the demo's wall time goes: orchestration overhead versus stage work.
 
 Baseline (measured in the same run): the production pipeline's stages called back to back in one
-Python process — snapshot, every shard's validation, data gate, torchrun training, evaluation,
-registration, gate, promotion — the work itself with no orchestrator.
+Python process — snapshot, every shard's validation, data gate, tokenizer, every batch's packing,
+the token manifest, torchrun training, evaluation, registration, gate, promotion — the work itself
+with no orchestrator.
 Measured: the same production DAG run through the real embedded Airflow (scheduler, LocalExecutor,
 mapped tasks, XCom), triggered and approved over the REST API as ``make demo`` does; the time the
 run spends waiting for the (instant) approval is reported apart.
@@ -39,7 +40,11 @@ def _in_process(policy, key: str) -> dict[str, float]:
     snap = timed("snapshot", stages.snapshot_stage, policy)
     reports = [timed("validate_shards (all)", stages.validate_stage, policy, snap, batch, key)
                for batch in stages.shard_batches(policy, snap)]
-    data = timed("data_gate", stages.data_gate_stage, policy, snap, reports, key)
+    gated = timed("data_gate", stages.data_gate_stage, policy, snap, reports, key)
+    tokenizer = timed("tokenizer", stages.tokenizer_stage, policy, gated, {}, key)
+    for parts in stages.token_parts(policy, gated):
+        timed("tokenize (all)", stages.tokenize_stage, policy, gated, tokenizer, parts, {}, key)
+    data = timed("tokens", stages.tokens_stage, policy, gated, tokenizer, {}, key)
     train = timed("train", stages.train_stage, policy, snap, data, {}, key, log_line=lambda _line: None)
     evaluation = timed("evaluate", stages.evaluate_stage, train, data, key)
     candidate = timed("register_candidate", stages.register_stage, policy, snap, data, train, evaluation, key,
