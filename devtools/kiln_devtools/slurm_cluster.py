@@ -7,7 +7,7 @@
 
 Everything except munge lives under the given directory (config, state, spool, logs, pid files), so
 two clusters never share state and ``rm -rf`` resets one. All "nodes" are this host: each slurmd has
-its own ``Port=`` and ``NodeHostname=localhost`` (FIELD-NOTES). munged is machine-wide: it is
+its own ``Port=`` and ``NodeHostname=localhost`` (checked with Slurm 22.05 here). munged is machine-wide: it is
 started as the ``munge`` user (with ``/run/munge``) only when no munged answers, and left running.
 
 Needs Debian's ``slurm-wlm`` and ``munge`` (``scripts/system/slurm.sh``) and root (slurmd runs jobs
