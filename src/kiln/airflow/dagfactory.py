@@ -264,10 +264,18 @@ class ReviewOperator(ApprovalOperator):
 
     template_fields = (*ApprovalOperator.template_fields, "review_timeout_setting")
 
-    def __init__(self, *, policy: Policy, review_of: str, **kwargs: Any) -> None:
+    def __init__(self, *, policy: Policy, review_of: str, subject: str, body: str, **kwargs: Any) -> None:
         if review_of not in ("promotion", "rollback"):
             raise ValueError(f"review_of must be 'promotion' or 'rollback', got {review_of!r}")
-        super().__init__(**kwargs)
+        super().__init__(
+            subject=subject,
+            body=body.replace("{policy.target_model}", policy.target_model).replace("{policy.alias}", policy.alias),
+            assigned_users=[{"id": user, "name": user} for user in policy.reviewers],
+            # The policy's own; execute applies the deployment's at run time.
+            response_timeout=timedelta(seconds=policy.approval_timeout_s),
+            defaults=["Reject"],  # silence is not consent: a timed-out review rejects, nothing moves
+            **kwargs,
+        )
         self.policy, self.review_of = policy, review_of
         self.review_timeout_setting = _templated_variable(review_timeout_variable(policy))
 
@@ -711,17 +719,8 @@ def build_dag(policy: Policy):  # one function, so the wiring reads top to botto
         candidate = register_candidate(snap, data, trained, evaluation)
         decision = model_gate(candidate)
         if policy.requires_approval:
-            approval = ReviewOperator(
-                task_id="approval",
-                policy=policy,
-                review_of="promotion",
-                subject=f"Promote a new {policy.target_model} to {policy.alias}?",
-                body=APPROVAL_BODY.replace("{policy.target_model}", policy.target_model).replace("{policy.alias}", policy.alias),
-                assigned_users=[{"id": user, "name": user} for user in policy.reviewers],
-                # The policy's own; ReviewOperator.execute applies the deployment's at run time.
-                response_timeout=timedelta(seconds=policy.approval_timeout_s),
-                defaults=["Reject"],  # silence is not consent: a timed-out review rejects, and says so
-            )
+            approval = ReviewOperator(task_id="approval", policy=policy, review_of="promotion",
+                                      subject=f"Promote a new {policy.target_model} to {policy.alias}?", body=APPROVAL_BODY)
             promoted = promote(candidate, decision)
             decision >> approval >> promoted
         else:
@@ -824,17 +823,9 @@ def build_champion_watch_dag(policy: Policy):
             return result.to_json()
 
         decision = decide(reevaluate())
-        approval = ReviewOperator(
-            task_id="rollback_approval",
-            policy=policy,
-            review_of="rollback",
-            subject=f"Roll {policy.target_model}@{policy.alias} back to the previous version?",
-            body=ROLLBACK_BODY.replace("{policy.target_model}", policy.target_model).replace("{policy.alias}", policy.alias),
-            assigned_users=[{"id": user, "name": user} for user in policy.reviewers],
-            # The policy's own; ReviewOperator.execute applies the deployment's at run time.
-            response_timeout=timedelta(seconds=policy.approval_timeout_s),
-            defaults=["Reject"],  # silence is not consent: nothing moves without a named approver
-        )
+        approval = ReviewOperator(task_id="rollback_approval", policy=policy, review_of="rollback",
+                                  subject=f"Roll {policy.target_model}@{policy.alias} back to the previous version?",
+                                  body=ROLLBACK_BODY)
         propose_rollback(decision) >> approval >> rollback(decision) >> watch_outcome(
             review_timeout_setting=_templated_variable(review_timeout_variable(policy)))
 
