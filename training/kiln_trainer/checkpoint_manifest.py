@@ -122,6 +122,24 @@ def canonical_json(obj: Any) -> bytes:
     return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
 
 
+def parse_json(raw: bytes, where: str, error: type[Exception]) -> Any:
+    """The JSON document in ``raw`` (read from ``where``), or ``error`` naming where it came from."""
+    try:
+        return json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise error(f"{where}: not JSON: {exc}") from exc
+
+
+def read_json(path: str | Path, what: str, error: type[Exception]) -> tuple[bytes, Any]:
+    """The bytes of ``path`` and the JSON document they hold, or ``error`` naming the path and the
+    ``what`` it should have been."""
+    try:
+        raw = Path(path).read_bytes()
+    except OSError as exc:
+        raise error(f"{path}: cannot read {what}: {exc}") from exc
+    return raw, parse_json(raw, str(path), error)
+
+
 def seal(manifest: dict[str, Any]) -> dict[str, Any]:
     """``manifest`` with ``seal_sha256``: the sha256 of the canonical JSON of every other field."""
     body = {k: v for k, v in manifest.items() if k != SEAL_KEY}

@@ -50,7 +50,14 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from kiln_trainer.checkpoint_manifest import TOKENIZER_FILE, atomic_write_bytes, canonical_json, fsync_dir, sha256_file
+from kiln_trainer.checkpoint_manifest import (
+    TOKENIZER_FILE,
+    atomic_write_bytes,
+    canonical_json,
+    fsync_dir,
+    parse_json,
+    sha256_file,
+)
 from kiln_trainer.errors import (
     BlockSizeMismatchError,
     RecipeError,
@@ -226,10 +233,7 @@ def _shard_entries(raw: Any, where: str) -> tuple[TokenShardEntry, ...]:
 
 def parse_token_manifest(raw_bytes: bytes, where: str) -> TokenManifest:
     """Parse and hash-check token manifest bytes (from a file or a remote object)."""
-    try:
-        data = json.loads(raw_bytes)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise TokenManifestError(f"{where}: not JSON: {exc}") from exc
+    data = parse_json(raw_bytes, where, TokenManifestError)
     if not isinstance(data, dict) or data.get("kind") != TOKEN_MANIFEST_KIND:
         raise TokenManifestError(f"{where}: kind is not {TOKEN_MANIFEST_KIND!r}")
     body = {k: v for k, v in data.items() if k not in ("kind", "sha256")}

@@ -24,7 +24,6 @@ choices). Nothing here downloads anything.
 from __future__ import annotations
 
 import hashlib
-import json
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
@@ -32,7 +31,7 @@ from typing import Any
 
 import numpy as np
 
-from kiln_trainer.checkpoint_manifest import atomic_write_bytes, canonical_json
+from kiln_trainer.checkpoint_manifest import atomic_write_bytes, canonical_json, read_json
 from kiln_trainer.config import BYTE_EOS_OWN_ID, DEFAULT_EOS_TOKEN, MAX_VOCAB, TokenizerConfig
 from kiln_trainer.errors import TokenizerError
 
@@ -265,14 +264,7 @@ def load_tokenizer(path: str | Path, *, eos_token: str = EOS_TOKEN) -> Tokenizer
     A HF file that kiln trained comes back as kind ``bpe``; any other as ``file``.
     """
     where = str(path)
-    try:
-        raw = Path(path).read_bytes()
-    except OSError as exc:
-        raise TokenizerError(f"{where}: cannot read tokenizer file: {exc}") from exc
-    try:
-        doc = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise TokenizerError(f"{where}: not JSON: {exc}") from exc
+    raw, doc = read_json(path, "tokenizer file", TokenizerError)
     if isinstance(doc, dict) and doc.get("kind") == BYTE_TOKENIZER_KIND:
         tok = ByteTokenizer(doc.get("eos_id", 256))
         if tok.to_bytes() != raw:

@@ -16,12 +16,11 @@ and the trainer parses the same way on every rank.
 from __future__ import annotations
 
 import hashlib
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kiln_trainer.checkpoint_manifest import canonical_json
+from kiln_trainer.checkpoint_manifest import canonical_json, read_json
 from kiln_trainer.errors import TrainingManifestError
 
 TRAINING_MANIFEST_KIND = "kiln.TrainingManifest"
@@ -101,14 +100,7 @@ def _tokens_ref(raw: Any, where: str) -> TokensRef | None:
 def load_training_manifest(path: str | Path) -> TrainingManifest:
     """Read a TrainingManifest JSON and check its content hash; raise TrainingManifestError otherwise."""
     where = str(path)
-    try:
-        raw_bytes = Path(path).read_bytes()
-    except OSError as exc:
-        raise TrainingManifestError(f"{where}: cannot read training manifest: {exc}") from exc
-    try:
-        data = json.loads(raw_bytes)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise TrainingManifestError(f"{where}: not JSON: {exc}") from exc
+    _raw, data = read_json(path, "training manifest", TrainingManifestError)
     if not isinstance(data, dict) or data.get("kind") != TRAINING_MANIFEST_KIND:
         raise TrainingManifestError(f"{where}: kind is not {TRAINING_MANIFEST_KIND!r}")
     declared = data.get("sha256")
