@@ -32,7 +32,7 @@ from kiln.policy import POLICIES
 from kiln.runs import ALLOWED_RUN_ID_PATTERN
 from kiln.shipped import DAGS_DIR, PLUGINS_DIR
 from kiln.stack.mlflow_server import server_command
-from kiln.util.fs import atomic_write_text
+from kiln.util.fs import write_private
 from kiln.util.procs import end_recorded, record_start, recorded_pid
 
 AIRFLOW_USERS = {
@@ -74,24 +74,22 @@ def airflow_home(s: kiln_settings.Settings) -> Path:
     return s.home / "airflow"
 
 
+def _generated(path: Path, names: list[str], nbytes: int) -> dict[str, str]:
+    """``name -> secret`` kept in ``path``, 0600 from its first byte: made once, a secret for each new
+    name added, the existing ones kept."""
+    known = json.loads(path.read_text()) if path.is_file() else {}
+    if set(known) != set(names):
+        known = {name: known.get(name) or secrets.token_urlsafe(nbytes) for name in names}
+        write_private(path, json.dumps(known, indent=2))
+    return known
+
+
 def _secrets(s: kiln_settings.Settings) -> dict[str, str]:
     """Per-install secrets: JWT signing key shared by all Airflow components, and user passwords."""
     home = airflow_home(s)
     home.mkdir(parents=True, exist_ok=True)
-    path = home / "secrets.json"
-    if path.is_file():
-        data = json.loads(path.read_text())
-    else:
-        data = {"jwt_secret": secrets.token_urlsafe(32), "secret_key": secrets.token_urlsafe(32)}
-        atomic_write_text(path, json.dumps(data))
-        path.chmod(0o600)
-    pw_path = home / "passwords.json"
-    passwords = json.loads(pw_path.read_text()) if pw_path.is_file() else {}
-    if set(passwords) != set(AIRFLOW_USERS):
-        passwords = {u: passwords.get(u) or secrets.token_urlsafe(12) for u in AIRFLOW_USERS}
-        atomic_write_text(pw_path, json.dumps(passwords, indent=2))
-        pw_path.chmod(0o600)
-    return data
+    _generated(home / "passwords.json", list(AIRFLOW_USERS), 12)
+    return _generated(home / "secrets.json", ["jwt_secret", "secret_key"], 32)
 
 
 def passwords(s: kiln_settings.Settings | None = None) -> dict[str, str]:
@@ -114,14 +112,7 @@ def mlflow_passwords(s: kiln_settings.Settings | None = None) -> dict[str, str]:
     auth_dir = s.home / "mlflow" / "auth"
     auth_dir.mkdir(parents=True, exist_ok=True)
     auth_dir.chmod(0o700)
-    path = auth_dir / "identities.json"
-    users = [MLFLOW_ADMIN, MLFLOW_READER, *MLFLOW_IDENTITIES.values()]
-    known = json.loads(path.read_text()) if path.is_file() else {}
-    if set(known) != set(users):
-        known = {u: known.get(u) or secrets.token_urlsafe(18) for u in users}
-        atomic_write_text(path, json.dumps(known, indent=2))
-        path.chmod(0o600)
-    return known
+    return _generated(auth_dir / "identities.json", [MLFLOW_ADMIN, MLFLOW_READER, *MLFLOW_IDENTITIES.values()], 18)
 
 
 def mlflow_connections(s: kiln_settings.Settings | None = None) -> dict[str, str]:
