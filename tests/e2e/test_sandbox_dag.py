@@ -57,6 +57,12 @@ def test_sandbox_run_end_to_end(stack, admin):
     assert version.tags["kiln.airflow.run_id"] == run["dag_run_id"]
     train = admin.xcom(SANDBOX.dag_id, run["dag_run_id"], "train")
     assert version.tags["kiln.weights_sha256"] == train["weights_sha256"]
+    # The champion a DAG run promoted is an MLflow pyfunc text model: prompts in, generated text out.
+    import mlflow.pyfunc
+
+    generator = mlflow.pyfunc.load_model(f"models:/{SANDBOX.target_model}@{SANDBOX.alias}")
+    texts = generator.predict(["def main("], params={"max_new_tokens": 16})
+    assert isinstance(texts, list) and len(texts) == 1 and isinstance(texts[0], str), texts
     for model in (PRODUCTION_MODEL, f"{PRODUCTION_MODEL}.candidates"):  # the stack is shared with production tests
         leaked = client.search_model_versions(f"name = '{model}' AND tags.`kiln.airflow.run_id` = '{run['dag_run_id']}'")
         assert not leaked, f"a sandbox run wrote a version of {model}"
