@@ -40,10 +40,23 @@ def _isolate_mlflow_global_tracking_uri():
         utils._tracking_uri = before
 
 
+def fill_disk(disk: Path) -> None:
+    """Take every free block of ``disk`` (a file ``ballast``): the next write there gets ENOSPC."""
+    fd = os.open(disk / "ballast", os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+    try:
+        while os.write(fd, b"\0" * 4096):
+            pass
+    except OSError:
+        pass  # ENOSPC: full
+    finally:
+        os.close(fd)
+
+
 @pytest.fixture()
 def tmpfs():
     """``tmpfs(size="256k", read_only=False) -> Path``: a real, small file system for the test, so a
-    full or a read-only disk is the kernel's answer rather than a faked call; unmounted afterwards."""
+    full or a read-only disk is the kernel's answer rather than a faked call; unmounted afterwards.
+    ``tmpfs.fill(path)`` fills the one ``path`` is on."""
     import subprocess
 
     mounted: list[Path] = []
@@ -57,6 +70,7 @@ def tmpfs():
         mounted.append(where)
         return where
 
+    mount.fill = fill_disk
     try:
         yield mount
     finally:

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import subprocess
 import sys
 import time
@@ -48,18 +47,6 @@ def assert_one_error(proc: subprocess.CompletedProcess[str], command: str, code:
         assert name in errors[0], errors[0]
     assert proc.returncode == code, (proc.returncode, proc.stderr[-2000:])
     return errors[0]
-
-
-def fill(disk: Path) -> None:
-    """Take every free block of ``disk`` (a file ``ballast``)."""
-    fd = os.open(disk / "ballast", os.O_WRONLY | os.O_CREAT | os.O_APPEND)
-    try:
-        while os.write(fd, b"\0" * 4096):
-            pass
-    except OSError:
-        pass  # ENOSPC: full
-    finally:
-        os.close(fd)
 
 
 def tree_hashes(root: Path) -> dict[str, str]:
@@ -139,7 +126,7 @@ def test_evaluate_onto_a_full_disk_writes_no_report(manifest, tmp_path, tmpfs):
     assert trained.returncode == 0, trained.stderr[-3000:]
     checkpoint = json.loads(trained.stdout)["checkpoint"]
     disk = tmpfs("256k")
-    fill(disk)  # no room left for the report
+    tmpfs.fill(disk)  # no room left for the report
     report = disk / "eval.json"
     proc = kiln("evaluate", "--checkpoint", checkpoint, "--report", str(report), "--max-windows", "4")
     assert_one_error(proc, "evaluate", 1, str(report), FULL)
@@ -248,7 +235,7 @@ def test_a_disk_already_full_leaves_every_record_truthful(manifest, tmpfs):
         while not (status_file.is_file() and "RUNNING" in status_file.read_text()):
             assert time.monotonic() < deadline and proc.poll() is None, "the job never reached RUNNING"
             time.sleep(0.05)
-        fill(disk)  # before the trainer writes a byte
+        tmpfs.fill(disk)  # before the trainer writes a byte
         out, err = proc.communicate(timeout=180)
     finally:
         if proc.poll() is None:

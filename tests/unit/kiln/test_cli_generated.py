@@ -179,9 +179,7 @@ def sandbox(tmp_path: Path, tmpfs, sample_corpus: Path, monkeypatch: pytest.Monk
     root = tmp_path / "sandbox"
     root.mkdir()
     full = tmpfs("64k")
-    with contextlib.suppress(OSError), open(full / "ballast", "wb") as ballast:
-        while ballast.write(b"\0" * 4096):
-            ballast.flush()
+    tmpfs.fill(full)
     (root / "full").symlink_to(full)
     (root / "ro").symlink_to(tmpfs("64k", read_only=True))
     populate(root, sample_corpus)

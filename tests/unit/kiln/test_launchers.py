@@ -365,21 +365,11 @@ def test_straggler_action_is_a_deployment_setting_and_exclude_node_needs_slurm()
 
 
 # ------------------------------------------------------------------------------------ a full disk
-def _fill(disk: Path) -> None:
-    fd = os.open(disk / "ballast", os.O_WRONLY | os.O_CREAT | os.O_APPEND)
-    try:
-        while os.write(fd, b"\0" * 4096):
-            pass
-    except OSError:
-        pass  # ENOSPC: full
-    finally:
-        os.close(fd)
-
 
 def test_status_json_reaches_its_final_state_on_a_full_disk(tmpfs):
     folder = tmpfs("64k")
     record_status(folder, {"state": "RUNNING", "reason": "", "supervisor": 1})
-    _fill(folder)
+    tmpfs.fill(folder)
     reason = "rank 0 exited 2 (trainer fault, not retried): StorageError: x: No space left on device " * 80
     record_status(folder, {"state": "FATAL", "reason": reason, "supervisor": 1})
     status = json.loads((folder / "status.json").read_text())
@@ -391,7 +381,7 @@ def test_a_dead_supervisor_on_a_full_disk_is_failed_never_running(tmpfs):
     run_dir = tmpfs("64k")
     (run_dir / ".launch").mkdir()
     (run_dir / ".launch" / "status.json").write_text(json.dumps({"state": "RUNNING", "restarts": 1}))
-    _fill(run_dir)
+    tmpfs.fill(run_dir)
     handle = JobHandle(backend="local", job_id=str(2**22 + 12345), run_dir=str(run_dir))
     for _ in range(2):  # and stays so: the next reader sees the same
         status = LocalLauncher().poll(handle)
@@ -431,7 +421,7 @@ def test_a_supervisor_that_dies_is_failed_with_how_it_ended_and_its_last_log_lin
 def test_a_fatal_exit_on_a_full_disk_still_leaves_a_marker(tmpfs):
     run_dir = tmpfs("64k")
     (run_dir / ".launch" / "fatal").mkdir(parents=True)
-    _fill(run_dir)
+    tmpfs.fill(run_dir)
     write_fatal_marker(run_dir, 1, "StorageError: /x: No space left on device")
     assert fatal_markers(run_dir) == [{"rank": "1", "exit_code": 2, "error": ""}]  # the reason is in the log
     assert sorted(p.name for p in (run_dir / ".launch" / "fatal").iterdir()) == ["rank-1.json"]
