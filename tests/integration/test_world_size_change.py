@@ -124,6 +124,13 @@ def test_the_global_sample_sequence_is_the_same_at_every_world_size_and_across_r
     for name, world in (("2to1", 1), ("1to2", 2)):
         result = json.loads((runs[name][0] / "result.json").read_text())
         assert result["completed"] and result["world_size"] == world
+        [change] = [e for e in result["events"] if e["kind"] == "world_size_change"]
+        assert change == {"kind": "world_size_change", "from_world_size": 3 - world, "to_world_size": world,
+                          "at_step": RESUME_AT, "accum_steps": 4 // world}
+        logged = [json.loads(line) for line in (runs[name][0] / "metrics.jsonl").read_text().splitlines()]
+        [at] = [i for i, r in enumerate(logged) if r.get("event") == "world_size_change"]
+        assert logged[at]["at_step"] == RESUME_AT
+        assert {r["world_size"] for r in logged[at:] if "loss" in r} == {world}  # the gauge after the change
         made_at = json.loads((runs[name][0] / "checkpoints" / f"step-{RESUME_AT:08d}" / "manifest.json").read_text())
         assert made_at["world_size"] == 3 - world  # the checkpoint records the world size it was written at
 

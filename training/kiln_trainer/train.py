@@ -477,7 +477,7 @@ class Run:
                 self.writer.last_committed_dir = step_dir
             log.info("resumed from %s (step %d)", step_dir, self.state.step)
             if made_at != self.env.world_size:
-                log.info("resumed at world size %d from a checkpoint of world size %d", self.env.world_size, made_at)
+                self._record_world_size_change(made_at)
             self.resumed_from = self.state.step
         else:
             self._keep_initial_state()
@@ -486,6 +486,18 @@ class Run:
             # After the resume check, so a refused manifest never replaces the run's own copy.
             atomic_write_bytes(self.run_dir / TRAINING_MANIFEST_COPY, Path(self.args.manifest).read_bytes())
         self.startup["resumed"] = time.time()
+
+    def _record_world_size_change(self, made_at: int) -> None:
+        """A resume at another world size (a deliberate one, or an elastic shrink or grow after a lost
+        node: the launcher says which): a log line, a ``world_size_change`` event in metrics.jsonl,
+        every later checkpoint and result.json, and the MLflow tag ``kiln.world_size_change``."""
+        step, world = self.state.step, self.env.world_size
+        log.info("resumed at world size %d from a checkpoint of world size %d", world, made_at)
+        event = {"kind": "world_size_change", "from_world_size": made_at, "to_world_size": world, "at_step": step,
+                 "accum_steps": self.accum_steps}
+        self.state.events = [*self.state.events, event]
+        self.metrics.log(step, {"event": "world_size_change", **event})
+        self.metrics.tag({"kiln.world_size_change": f"{made_at} -> {world} ranks at step {step}"})
 
     def _newest_committed_step_dir(self) -> Path | None:
         """Rank 0 picks (and verifies) the newest committed checkpoint; every rank learns its path."""
@@ -773,6 +785,7 @@ class Run:
             "busy_frac": max(0.0, elapsed - interval.data_s - interval.ckpt_s) / elapsed if elapsed > 0 else 0.0,
             "ckpt_block_s": interval.ckpt_s,
             "checkpoint_lag_steps": step - (committed or 0),
+            "world_size": self.env.world_size,
             "train_tokens": self.state.train_tokens,
         }
         if peak:
