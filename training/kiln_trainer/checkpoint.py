@@ -1,7 +1,10 @@
 """Saving and restoring the full training state (model, optimizer, scheduler, loader position, RNGs),
-with the tokenizer artifact the model was trained with.
+with the tokenizer artifact the model was trained with: the ``ddp`` strategy's checkpoints (format
+2, this module) and what both formats share (``prepare_step_dir``, ``write_side_state``,
+``commit``, ``load_side_state``, ``weights_sha256``). The ``fsdp`` strategy's sharded checkpoints
+(format 3) are ``kiln_trainer.sharded_checkpoint``.
 
-Save protocol (see ``checkpoint_manifest`` for the on-disk format and the commit rule):
+Save protocol of format 2 (see ``checkpoint_manifest`` for the on-disk format and the commit rule):
 
 1. Every rank serialises its RNG states (``torch.save`` of plain tensors/ints) and the bytes are
    gathered on rank 0 with a collective. Gathering avoids the trap where per-rank state written
@@ -50,6 +53,7 @@ from kiln_trainer.checkpoint_manifest import (
     CHECKPOINTS_SUBDIR,
     FORMAT_VERSION,
     MANIFEST_NAME,
+    SHARDED_FORMAT,
     TOKENIZER_FILE,
     atomic_write_bytes,
     checkpoint_dirs,
@@ -260,9 +264,11 @@ class CheckpointWriter:
         optimizer: torch.optim.Optimizer,
         scheduler: Any,
         trainer_state: dict[str, Any],
-        rng_blobs: list[bytes],
+        rng_blobs: list[bytes] | None,
     ) -> float:
         """Snapshot the state and write it (in the background when async). Returns the blocking seconds."""
+        if rng_blobs is None:
+            raise CheckpointError("the format-2 writer runs on rank 0, which has every rank's RNG state")
         t0 = time.perf_counter()
         self.wait()
         snapshot = _Snapshot(
@@ -300,65 +306,16 @@ class CheckpointWriter:
             raise StorageError(f"checkpoint of step {snap.step} not written: {os_error_text(exc)}") from exc
 
     def _write_step(self, snap: _Snapshot, step_dir: Path) -> Path:
-        ident = self.identity
-        if len(snap.rng_blobs) != ident.world_size:
-            raise CheckpointError(f"got RNG state of {len(snap.rng_blobs)} ranks, world size is {ident.world_size}")
-        root = step_dir.parent
-        root.mkdir(parents=True, exist_ok=True)
-        if step_dir.exists():
-            if _is_committed_cheap(step_dir):
-                try:
-                    verify_checkpoint(step_dir)
-                except CheckpointError as exc:
-                    # A damaged checkpoint that resume skipped (truncated or flipped file): the run
-                    # has come back to its step. Keep it for forensics, out of the step-NNNNNNNN
-                    # namespace that resume, retention and promotion read, and write the step anew.
-                    stamp = dt.datetime.now(dt.UTC).strftime("%Y%m%dT%H%M%S%f")
-                    aside = root / f"{step_dir.name}.damaged-{stamp}"
-                    log.warning("%s fails verification (%s); moved aside to %s, writing step %d again",
-                                step_dir, exc, aside.name, snap.step)
-                    os.replace(step_dir, aside)
-                    fsync_dir(root)
-                else:
-                    raise CheckpointError(f"{step_dir} is already committed; refusing to overwrite it")
-            else:
-                # A leftover of a save that was interrupted before its commit: never a checkpoint.
-                shutil.rmtree(step_dir)
-        step_dir.mkdir()
-        files: dict[str, str] = {}
-        payloads = {
-            "model.pt": snap.model,
-            "optimizer.pt": snap.optimizer,
-            "scheduler.pt": snap.scheduler,
-            "trainer_state.pt": snap.trainer_state,
+        prepare_step_dir(step_dir)
+        files = {
+            name: _write_file(step_dir / name, _torch_save_bytes(obj))
+            for name, obj in (("model.pt", snap.model), ("optimizer.pt", snap.optimizer))
         }
-        for name, obj in payloads.items():
-            files[name] = _write_file(step_dir / name, _torch_save_bytes(obj))
-        for rank, blob in enumerate(snap.rng_blobs):
-            files[rng_file_name(rank)] = _write_file(step_dir / rng_file_name(rank), blob)
-        files[TOKENIZER_FILE] = _write_file(step_dir / TOKENIZER_FILE, ident.tokenizer.to_bytes())
-        delay = float(os.environ.get(_WRITE_DELAY_ENV, "0") or 0)
-        if delay > 0:
-            time.sleep(delay)
+        files |= write_side_state(step_dir, self.identity, scheduler=snap.scheduler,
+                                  trainer_state=snap.trainer_state, rng_blobs=snap.rng_blobs)
         weights = weights_sha256(snap.model)
-        manifest = {
-            "kind": CHECKPOINT_KIND,
-            "format": FORMAT_VERSION,
-            "step": snap.step,
-            "world_size": ident.world_size,
-            "recipe_sha256": ident.recipe_sha256,
-            "recipe": ident.recipe,
-            "snapshot_id": ident.snapshot_id,
-            "training_manifest_sha256": ident.training_manifest_sha256,
-            "token_manifest_sha256": ident.token_manifest_sha256,
-            "tokenizer_sha256": ident.tokenizer.sha256,
-            "tokenizer": ident.tokenizer.describe(),
-            "files": files,
-            "weights_sha256": weights,
-            "created_at": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
-        }
-        fsync_dir(step_dir)
-        atomic_write_bytes(step_dir / MANIFEST_NAME, json.dumps(seal(manifest), indent=1, sort_keys=True).encode("utf-8"))
+        commit(step_dir, self.identity, step=snap.step, files=files, weights=weights, strategy="ddp",
+               format_version=FORMAT_VERSION)
         with self._lock:
             self.last_committed_step = snap.step
             self.last_committed_dir = step_dir
@@ -366,6 +323,84 @@ class CheckpointWriter:
         for removed in apply_retention(self.run_dir, self.keep_last):
             log.info("retention removed %s", removed)
         return step_dir
+
+
+# --------------------------------------------------------------------------- the steps of a save, both formats
+
+
+def prepare_step_dir(step_dir: Path) -> None:
+    """Rank 0, before a checkpoint of this step is written: an empty ``step_dir``. A leftover of a
+    save interrupted before its commit is removed (never a checkpoint); a committed one that fails
+    verification (resume passed over it) is moved aside, kept for forensics out of the
+    step-NNNNNNNN namespace that resume, retention and promotion read; a whole committed one is
+    never overwritten (CheckpointError)."""
+    root = step_dir.parent
+    root.mkdir(parents=True, exist_ok=True)
+    if step_dir.exists():
+        if _is_committed_cheap(step_dir):
+            try:
+                verify_checkpoint(step_dir)
+            except CheckpointError as exc:
+                stamp = dt.datetime.now(dt.UTC).strftime("%Y%m%dT%H%M%S%f")
+                aside = root / f"{step_dir.name}.damaged-{stamp}"
+                log.warning("%s fails verification (%s); moved aside to %s, writing its step again",
+                            step_dir, exc, aside.name)
+                os.replace(step_dir, aside)
+                fsync_dir(root)
+            else:
+                raise CheckpointError(f"{step_dir} is already committed; refusing to overwrite it")
+        else:
+            shutil.rmtree(step_dir)
+    step_dir.mkdir()
+
+
+def write_side_state(
+    step_dir: Path, ident: CheckpointIdentity, *, scheduler: dict[str, Any], trainer_state: dict[str, Any],
+    rng_blobs: list[bytes],
+) -> dict[str, str]:
+    """Rank 0: the files besides the model and optimizer state, the same in both formats (scheduler,
+    trainer state, every rank's RNG, the tokenizer); returns their sha256 by name."""
+    if len(rng_blobs) != ident.world_size:
+        raise CheckpointError(f"got RNG state of {len(rng_blobs)} ranks, world size is {ident.world_size}")
+    files = {
+        "scheduler.pt": _write_file(step_dir / "scheduler.pt", _torch_save_bytes(scheduler)),
+        "trainer_state.pt": _write_file(step_dir / "trainer_state.pt", _torch_save_bytes(trainer_state)),
+    }
+    for rank, blob in enumerate(rng_blobs):
+        files[rng_file_name(rank)] = _write_file(step_dir / rng_file_name(rank), blob)
+    files[TOKENIZER_FILE] = _write_file(step_dir / TOKENIZER_FILE, ident.tokenizer.to_bytes())
+    return files
+
+
+def commit(
+    step_dir: Path, ident: CheckpointIdentity, *, step: int, files: dict[str, str], weights: str, strategy: str,
+    format_version: int,
+) -> None:
+    """Rank 0, once every file of the step is written and synced: the sealed manifest, written last
+    and atomically -- the commit point of the checkpoint."""
+    delay = float(os.environ.get(_WRITE_DELAY_ENV, "0") or 0)
+    if delay > 0:
+        time.sleep(delay)
+    manifest = {
+        "kind": CHECKPOINT_KIND,
+        "format": format_version,
+        "strategy": strategy,
+        "step": step,
+        "world_size": ident.world_size,
+        "recipe_sha256": ident.recipe_sha256,
+        "recipe": ident.recipe,
+        "snapshot_id": ident.snapshot_id,
+        "training_manifest_sha256": ident.training_manifest_sha256,
+        "token_manifest_sha256": ident.token_manifest_sha256,
+        "tokenizer_sha256": ident.tokenizer.sha256,
+        "tokenizer": ident.tokenizer.describe(),
+        "files": files,
+        "weights_sha256": weights,
+        "created_at": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
+    }
+    fsync_dir(step_dir)
+    # LAST: the commit point.
+    atomic_write_bytes(step_dir / MANIFEST_NAME, json.dumps(seal(manifest), indent=1, sort_keys=True).encode("utf-8"))
 
 
 # --------------------------------------------------------------------------- loading
@@ -405,7 +440,28 @@ def load_checkpoint(step_dir: str | Path, *, rank: int | None, verify: bool = Tr
     )
 
 
+@dataclass(kw_only=True, slots=True)
+class SideState:
+    """What a checkpoint holds besides the model and optimizer state, the same in both formats."""
+
+    scheduler: dict[str, Any]
+    trainer_state: dict[str, Any]
+    rng: dict[str, Any] | None
+    """This rank's RNG state; None for a rank the checkpoint's world did not have."""
+
+
+def load_side_state(step_dir: Path, manifest: dict[str, Any], *, rank: int) -> SideState:
+    rng = _load(step_dir / rng_file_name(rank)) if rank < manifest["world_size"] else None
+    return SideState(scheduler=_load(step_dir / "scheduler.pt"), trainer_state=_load(step_dir / "trainer_state.pt"),
+                     rng=rng)
+
+
 def load_model_weights(step_dir: str | Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
-    """(verified manifest, model state_dict) for evaluation and export."""
+    """(verified manifest, the whole model state_dict) for evaluation and export, in one process:
+    ``model.pt`` of a format-2 checkpoint, or a format-3 checkpoint's shards consolidated."""
     manifest = verify_checkpoint(step_dir)
+    if manifest.get("format") == SHARDED_FORMAT:
+        from kiln_trainer.sharded_checkpoint import load_full_model_state
+
+        return manifest, load_full_model_state(Path(step_dir), manifest)
     return manifest, _load(Path(step_dir) / "model.pt")

@@ -1,6 +1,7 @@
 """The checkpoint commit protocol, readable without torch (standard library only).
 
-A checkpoint is one directory per step, ``RUN_DIR/checkpoints/step-00000050/``, holding::
+A checkpoint is one directory per step, ``RUN_DIR/checkpoints/step-00000050/``. Format 2 (the
+``ddp`` strategy: replicated state, rank 0 writes all of it) holds::
 
     model.pt            state_dict of the bare model (plain tensors)
     optimizer.pt        full optimizer state_dict (tensors, ints, floats, lists, dicts)
@@ -9,6 +10,18 @@ A checkpoint is one directory per step, ``RUN_DIR/checkpoints/step-00000050/``, 
     rng-rank00000.pt    python / numpy / torch CPU / CUDA RNG states of rank 0 (one file per rank)
     tokenizer.json      the tokenizer artifact the model was trained with (a checkpoint alone evaluates and serves)
     manifest.json       written LAST, atomically: the commit record
+
+Format 3 (the ``fsdp`` strategy: sharded state, ``torch.distributed.checkpoint``) holds instead of
+``model.pt`` and ``optimizer.pt``::
+
+    __0_0.distcp ...    each rank's shards of the model and optimizer state, written by that rank
+    .metadata           DCP's index of the shards (written by rank 0 once every rank has written)
+    scheduler.pt, trainer_state.pt, rng-rankNNNNN.pt, tokenizer.json, manifest.json   as in format 2
+
+and its manifest says ``"strategy": "fsdp"``. The DCP files are listed in ``files`` with their
+sha256 like every other file, so the commit rule is the same: DCP's ``.metadata`` is not the
+commit, kiln's sealed manifest written last is. Both formats load at any world size and into
+either strategy (``kiln_trainer.sharded_checkpoint``).
 
 ``manifest.json`` (``kind == "kiln.CheckpointManifest"``)::
 
@@ -21,9 +34,11 @@ A checkpoint is one directory per step, ``RUN_DIR/checkpoints/step-00000050/``, 
      "created_at": "2026-11-29T17:00:00+00:00", "seal_sha256": "<hex>"}
 
 ``world_size`` is the world size the checkpoint was written at (one RNG file per rank); the model
-and optimizer state are the replicated DDP state, so it loads at any world size. Format 1 (before
-the token data path: no tokenizer, no loader state) still verifies, so older checkpoints keep their
-lineage; the trainer and evaluation refuse it.
+and optimizer state load at any world size (format 2: replicated; format 3: DCP reshards).
+``weights_sha256`` is the hash of the whole model state dict in both formats (``weights_sha256`` in
+``kiln_trainer.checkpoint``), so a ddp and an fsdp checkpoint of the same weights carry the same
+hash. Format 1 (before the token data path: no tokenizer, no loader state) still verifies, so older
+checkpoints keep their lineage; the trainer and evaluation refuse it.
 
 ``seal_sha256`` is the sha256 of the canonical JSON of every other field (``seal``): the files'
 hashes cover the state, the seal covers the manifest itself, so no byte of a committed checkpoint
@@ -31,8 +46,9 @@ can change unnoticed (a flipped bit in ``created_at`` or in the recipe is refuse
 ``model.pt``).
 
 A directory is *committed* only if its manifest parses, is sealed, lists exactly the files the protocol
-requires for its world size, every listed file exists with the listed sha256, and nothing else is in
-the directory. Anything else (a crash mid-save, a truncated file, an edited byte, a stray file) is
+requires for its format and world size (format 3: at least one DCP data file, each named for a rank
+of that world), every listed file exists with the listed sha256, and nothing else is in the
+directory. Anything else (a crash mid-save, a truncated file, an edited byte, a stray file) is
 not a checkpoint: readers ignore it and say why.
 
 The orchestration side imports only this module (``verify_checkpoint``, ``latest_committed``).
@@ -46,6 +62,7 @@ import logging
 import os
 import re
 import tempfile
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -54,12 +71,15 @@ from kiln_trainer.errors import CheckpointError, naming_path
 __all__ = [
     "CHECKPOINTS_SUBDIR",
     "CHECKPOINT_KIND",
+    "CURRENT_FORMATS",
     "CheckpointError",
+    "DCP_METADATA",
     "MANIFEST_NAME",
     "METRICS_JSONL",
     "METRICS_PROM",
     "RESULT_FILE",
     "SAMPLE_LOG_SUBDIR",
+    "SHARDED_FORMAT",
     "TOKENIZER_FILE",
     "TOKENS_SUBDIR",
     "TOKEN_CACHE_SUBDIR",
@@ -67,6 +87,7 @@ __all__ = [
     "atomic_write_bytes",
     "canonical_json",
     "checkpoint_dirs",
+    "dcp_data_files",
     "expected_files",
     "latest_committed",
     "seal",
@@ -79,9 +100,19 @@ log = logging.getLogger(__name__)
 
 CHECKPOINT_KIND = "kiln.CheckpointManifest"
 MANIFEST_NAME = "manifest.json"
-FORMAT_VERSION = 2
-READABLE_FORMATS = (1, 2)
-"""Formats ``verify_checkpoint`` accepts; only ``FORMAT_VERSION`` can be resumed or evaluated."""
+FULL_STATE_FORMAT = 2
+"""The ``ddp`` strategy's checkpoints: rank 0's ``torch.save`` files of the whole state."""
+SHARDED_FORMAT = 3
+"""The ``fsdp`` strategy's checkpoints: every rank's shards through ``torch.distributed.checkpoint``."""
+FORMAT_VERSION = FULL_STATE_FORMAT
+"""The format of a ``ddp`` checkpoint (kept under this name for the tools that write test checkpoints)."""
+CURRENT_FORMATS = (FULL_STATE_FORMAT, SHARDED_FORMAT)
+"""Formats the trainer writes and resumes from, and evaluation and export read."""
+READABLE_FORMATS = (1, *CURRENT_FORMATS)
+"""Formats ``verify_checkpoint`` accepts; only ``CURRENT_FORMATS`` can be resumed or evaluated."""
+DCP_METADATA = ".metadata"
+"""``torch.distributed.checkpoint``'s index of a format-3 checkpoint's shards."""
+_DCP_DATA_RE = re.compile(r"^__(\d+)_(\d+)\.distcp$")
 TOKENIZER_FILE = "tokenizer.json"
 """The tokenizer artifact, in a checkpoint and in a packed token directory (``kiln_trainer.packed``)."""
 CHECKPOINTS_SUBDIR = "checkpoints"
@@ -114,6 +145,7 @@ _REQUIRED_KEYS: dict[str, type | tuple[type, ...]] = {
     "seal_sha256": str,
 }
 _REQUIRED_FROM_FORMAT_2: dict[str, type] = {"token_manifest_sha256": str, "tokenizer_sha256": str, "tokenizer": dict}
+_REQUIRED_FROM_FORMAT_3: dict[str, type] = {"strategy": str}
 SEAL_KEY = "seal_sha256"
 
 
@@ -190,12 +222,26 @@ def rng_file_name(rank: int) -> str:
     return f"rng-rank{rank:05d}.pt"
 
 
-def expected_files(world_size: int, format_version: int = FORMAT_VERSION) -> set[str]:
-    """The files a committed checkpoint of this world size holds, besides ``manifest.json``."""
-    base = {"model.pt", "optimizer.pt", "scheduler.pt", "trainer_state.pt"}
+def expected_files(world_size: int, format_version: int = FORMAT_VERSION, dcp_files: Iterable[str] = ()) -> set[str]:
+    """The files a committed checkpoint of this world size holds, besides ``manifest.json``; for
+    format 3 with the DCP data files its manifest lists (``dcp_data_files``)."""
+    if format_version >= SHARDED_FORMAT:
+        base = {DCP_METADATA, *dcp_files, "scheduler.pt", "trainer_state.pt"}
+    else:
+        base = {"model.pt", "optimizer.pt", "scheduler.pt", "trainer_state.pt"}
     if format_version >= 2:
         base.add(TOKENIZER_FILE)
     return base | {rng_file_name(rank) for rank in range(world_size)}
+
+
+def dcp_data_files(names: Iterable[str], world_size: int) -> set[str]:
+    """The names among ``names`` that are DCP data files of a rank of this world (``__R_N.distcp``)."""
+    found = set()
+    for name in names:
+        match = _DCP_DATA_RE.match(name)
+        if match and int(match.group(1)) < world_size:
+            found.add(name)
+    return found
 
 
 def checkpoint_dirs(run_dir: str | Path) -> list[tuple[int, Path]]:
@@ -228,7 +274,8 @@ def read_manifest(step_dir: str | Path) -> dict[str, Any]:
     version = manifest.get("format", 1)
     if version not in READABLE_FORMATS or isinstance(version, bool):
         raise CheckpointError(f"{path}: unsupported checkpoint format {manifest.get('format')!r}")
-    required = _REQUIRED_KEYS | (_REQUIRED_FROM_FORMAT_2 if version >= 2 else {})
+    required = (_REQUIRED_KEYS | (_REQUIRED_FROM_FORMAT_2 if version >= 2 else {})
+                | (_REQUIRED_FROM_FORMAT_3 if version >= SHARDED_FORMAT else {}))
     for key, typ in required.items():
         value = manifest.get(key)
         # bool is an int subclass; a step of `true` is a corrupt manifest, not step 1.
@@ -252,7 +299,11 @@ def verify_checkpoint(step_dir: str | Path) -> dict[str, Any]:
     step_dir = Path(step_dir)
     manifest = read_manifest(step_dir)
     listed: dict[str, Any] = manifest["files"]
-    required = expected_files(manifest["world_size"], manifest.get("format", 1))
+    version = manifest.get("format", 1)
+    shards = dcp_data_files(listed, manifest["world_size"]) if version >= SHARDED_FORMAT else set()
+    if version >= SHARDED_FORMAT and not shards:
+        raise CheckpointError(f"{step_dir}: partial state, manifest lists no DCP data file (__R_N.distcp)")
+    required = expected_files(manifest["world_size"], version, shards)
     missing_from_manifest = required - set(listed)
     if missing_from_manifest:
         raise CheckpointError(f"{step_dir}: partial state, manifest does not list {sorted(missing_from_manifest)}")

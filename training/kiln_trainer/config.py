@@ -316,6 +316,40 @@ class TrainConfig:
         _require(self.log_every >= 1, s, "log_every", "must be >= 1", self.log_every)
 
 
+PARALLEL_STRATEGIES = ("ddp", "fsdp")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ParallelConfig:
+    """How the model and its training state are spread over the ranks (``kiln_trainer.parallel``).
+
+    ``ddp``: every rank holds the whole model and optimizer state; gradients are all-reduced; rank 0
+    writes the whole state into each checkpoint (``torch.save`` files, checkpoint format 2).
+    ``fsdp``: FSDP2 (``torch.distributed.fsdp.fully_shard`` on every transformer block, then on the
+    root): parameters, gradients and optimizer state are sharded over the ranks, so a model larger
+    than one device trains; every rank writes its own shards through ``torch.distributed.checkpoint``
+    (checkpoint format 3). On CUDA with ``train.dtype`` bfloat16 (or auto), parameters are gathered in
+    bfloat16 and gradients reduced in float32 (FSDP2's ``MixedPrecisionPolicy``) instead of autocast.
+
+    A run may change strategy when it resumes (a ddp checkpoint resumes into fsdp and back): both
+    hold the same global training state, only its layout differs."""
+
+    strategy: str = "ddp"
+    """``ddp`` or ``fsdp``."""
+    reshard_after_forward: bool = True
+    """fsdp only: free a block's gathered parameters after its forward and gather them again for the
+    backward (the ZeRO-3 memory profile); false keeps them until the backward (ZeRO-2: one all-gather
+    less per block per step, more memory)."""
+
+    def __post_init__(self) -> None:
+        s = "parallel"
+        _check_types(self, s)
+        _require(
+            self.strategy in PARALLEL_STRATEGIES, s, "strategy", f"must be one of {', '.join(PARALLEL_STRATEGIES)}",
+            self.strategy,
+        )
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class CheckpointConfig:
     """When to save and how many committed checkpoints to keep."""
@@ -407,6 +441,7 @@ class Recipe:
     data: DataConfig = field(default_factory=DataConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     guard: GuardConfig = field(default_factory=GuardConfig)
     stragglers: StragglerConfig = field(default_factory=StragglerConfig)
@@ -468,6 +503,7 @@ _SECTION_CLASSES: dict[str, type] = {
     "data": DataConfig,
     "optim": OptimConfig,
     "train": TrainConfig,
+    "parallel": ParallelConfig,
     "checkpoint": CheckpointConfig,
     "guard": GuardConfig,
     "stragglers": StragglerConfig,
@@ -484,17 +520,24 @@ def check_model_vocab(model_vocab: int, tokenizer_vocab: int, tokenizer: Tokeniz
         )
 
 
-RESUMABLE_CHANGES = frozenset({("data", "micro_batch_size"), ("data", "prefetch_steps"), ("data", "cache_bytes")})
-"""Recipe fields a resume may change: how the same global batches are computed and read, not what
-is trained (a world-size change may need another micro batch)."""
+RESUMABLE_CHANGES = frozenset({
+    ("data", "micro_batch_size"), ("data", "prefetch_steps"), ("data", "cache_bytes"),
+    ("parallel", "strategy"), ("parallel", "reshard_after_forward"),
+})
+"""Recipe fields a resume may change: how the same global batches are computed, read and laid out
+over the ranks, not what is trained (a world-size change may need another micro batch; a ddp
+checkpoint resumes into fsdp and back)."""
 
 
 def resume_identity(recipe: dict[str, Any]) -> dict[str, Any]:
-    """A resolved recipe dict without the fields in ``RESUMABLE_CHANGES``: what a resume must match."""
-    return {
+    """A resolved recipe dict without the fields in ``RESUMABLE_CHANGES``: what a resume must match.
+    A section left empty is dropped, so a checkpoint written before a section of only resumable
+    fields existed (``[parallel]``) still matches."""
+    kept = {
         section: {k: v for k, v in (table or {}).items() if (section, k) not in RESUMABLE_CHANGES}
         for section, table in recipe.items()
     }
+    return {section: table for section, table in kept.items() if table}
 
 
 def recipe_sha256(recipe: Recipe) -> str:

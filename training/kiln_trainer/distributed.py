@@ -65,6 +65,10 @@ def init_distributed(recipe: Recipe) -> DistEnv:
         if use_cuda:
             kwargs["device_id"] = device
         dist.init_process_group(**kwargs)
+    elif recipe.parallel.strategy == "fsdp":
+        # FSDP2 and DCP need a process group even alone (a run that resumes an fsdp checkpoint on one
+        # rank): a group of one over an in-process store, no port and no torchrun.
+        dist.init_process_group(backend="nccl" if use_cuda else "gloo", store=dist.HashStore(), rank=0, world_size=1)
     return DistEnv(rank=rank, world_size=world, local_rank=local_rank, local_world_size=local_world, device=device)
 
 
@@ -142,6 +146,7 @@ def wait_for_all_ranks(env: DistEnv) -> None:
         dist.barrier()
 
 
-def destroy_process_group(env: DistEnv) -> None:
-    if env.distributed and dist.is_initialized():
+def destroy_process_group() -> None:
+    """The process group, if there is one (a world of one has one too under fsdp)."""
+    if dist.is_initialized():
         dist.destroy_process_group()

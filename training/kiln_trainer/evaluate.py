@@ -47,7 +47,7 @@ import torch.nn.functional as F
 
 from kiln_trainer.checkpoint import load_model_weights, weights_sha256
 from kiln_trainer.checkpoint_manifest import (
-    FORMAT_VERSION,
+    CURRENT_FORMATS,
     TOKENIZER_FILE,
     TRAINING_MANIFEST_COPY,
     atomic_write_bytes,
@@ -68,13 +68,13 @@ EVAL_KIND = "kiln.EvalReport"
 def load_checkpoint_model(step_dir: str | Path, device: str = "cpu") -> tuple[GPT, dict[str, Any]]:
     """The model of a verified checkpoint (eval mode) and its manifest."""
     manifest, state = load_model_weights(step_dir)
-    if manifest.get("format") != FORMAT_VERSION:
+    if manifest.get("format") not in CURRENT_FORMATS:
         raise CheckpointError(
             f"{step_dir}: checkpoint format {manifest.get('format')} predates the token data path (no tokenizer "
-            f"in it); this kiln reads format {FORMAT_VERSION}"
+            f"in it); this kiln reads formats {CURRENT_FORMATS}"
         )
     if weights_sha256(state) != manifest["weights_sha256"]:
-        raise CheckpointError(f"{step_dir}: model.pt does not hash to the manifest's weights_sha256")
+        raise CheckpointError(f"{step_dir}: the model state does not hash to the manifest's weights_sha256")
     recipe = Recipe.from_dict(manifest["recipe"])
     model = GPT(recipe.model)
     model.load_state_dict(state)

@@ -102,12 +102,12 @@ from kiln_trainer.checkpoint import (
     CheckpointWriter,
     capture_rng_state,
     gather_rng_bytes,
-    load_checkpoint,
+    load_side_state,
     restore_rng_state,
 )
 from kiln_trainer.checkpoint_manifest import (
     CHECKPOINTS_SUBDIR,
-    FORMAT_VERSION,
+    CURRENT_FORMATS,
     METRICS_JSONL,
     METRICS_PROM,
     RESULT_FILE,
@@ -116,6 +116,7 @@ from kiln_trainer.checkpoint_manifest import (
     atomic_write_bytes,
     latest_committed,
     manifest_sha256,
+    read_manifest,
     step_dir_name,
 )
 from kiln_trainer.config import load_recipe, resume_identity
@@ -153,6 +154,8 @@ from kiln_trainer.metrics import (
 )
 from kiln_trainer.model import GPT
 from kiln_trainer.optim import make_optimizer, make_scheduler
+from kiln_trainer.parallel import shard_model, training_autocast, uses_fsdp
+from kiln_trainer.sharded_checkpoint import ShardedCheckpointWriter, load_model_and_optimizer
 from kiln_trainer.stragglers import StragglerMonitor
 from kiln_trainer.timing import GradReadyMark, StepClock, StepMarks, mfu, peak_flops, startup_profile
 from kiln_trainer.training_manifest import TokensRef, load_training_manifest
@@ -295,14 +298,6 @@ def _raise_rank0_fault(outcome: dict[str, str]) -> None:
     raise cls(outcome["message"])
 
 
-def autocast_for(dtype: str, device: torch.device) -> contextlib.AbstractContextManager[Any]:
-    if dtype == "auto":
-        dtype = "bfloat16" if device.type == "cuda" else "float32"
-    if dtype == "bfloat16":
-        return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
-    return contextlib.nullcontext()
-
-
 # --------------------------------------------------------------------------- the run
 
 
@@ -341,13 +336,14 @@ class Run:
         self._window: list[StepMarks] = []
         self.startup["model"] = time.time()
 
-        self.autocast = autocast_for(cfg.train.dtype, self.env.device)
+        self.autocast = training_autocast(cfg, self.env.device)
         self.tokens_per_step = cfg.data.global_batch_size * cfg.model.block_size
-        self.writer: CheckpointWriter | None = None
+        self.writer: CheckpointWriter | ShardedCheckpointWriter | None = None
         self.metrics = MetricsHub([])
         self.mlflow_run_id = ""
         if self.env.is_main:
             self._open_outputs()
+        self._open_checkpoints()
 
     def _load_data(self, manifest_path: Path) -> None:
         """Every rank opens and checks the same packed tokens (rank 0 packs them first if the
@@ -392,25 +388,31 @@ class Run:
         return TokensRef(manifest=outcome["manifest"], sha256=outcome["sha256"])
 
     def _build_model_and_optimizer(self) -> None:
-        """Identical init on every rank (same seed); then per-rank seeds for everything else."""
+        """Identical init on every rank (same seed), sharded under fsdp before the optimizer takes
+        the parameters; then per-rank seeds for everything else."""
         cfg = self.recipe
         seed_rngs(cfg.train.seed)
         self.model = GPT(cfg.model).to(self.env.device)
+        if uses_fsdp(cfg):
+            shard_model(self.model, cfg, self.env)
         self.optimizer = make_optimizer(self.model, cfg.optim)
         self.scheduler = make_scheduler(self.optimizer, cfg)
         seed_rngs(cfg.train.seed + 1 + self.env.rank)
 
     def _wrap_for_training(self) -> None:
         """``train_model`` is what the loop calls: the model, compiled if asked, in DDP across ranks
-        (whose gradient all-reduce marks when the gradients were ready, for the straggler window)."""
+        (whose gradient all-reduce marks when the gradients were ready, for the straggler window);
+        under fsdp the sharded model itself (its blocks were compiled before sharding)."""
         cfg = self.recipe
         self.train_model: torch.nn.Module = self.model
-        if cfg.train.compile:
-            # A compiled Module is an OptimizedModule, itself a Module; torch.compile's annotation says Callable.
-            self.train_model = cast(torch.nn.Module, torch.compile(self.model))
         self.clock = StepClock(self.env.device)
         self.grad_ready = GradReadyMark(self.clock)
         self.ddp: DDP | None = None
+        if uses_fsdp(cfg):
+            return
+        if cfg.train.compile:
+            # A compiled Module is an OptimizedModule, itself a Module; torch.compile's annotation says Callable.
+            self.train_model = cast(torch.nn.Module, torch.compile(self.model))
         if self.env.distributed:
             ddp_kwargs: dict[str, Any] = {}
             if self.env.device.type == "cuda":
@@ -419,24 +421,29 @@ class Run:
             self.ddp.register_comm_hook(state=None, hook=self.grad_ready.hook)
             self.train_model = self.ddp
 
-    def _open_outputs(self) -> None:
-        """Rank 0: the checkpoint writer and the metrics sinks (MLflow only when the launcher named a run)."""
+    def _open_checkpoints(self) -> None:
+        """The checkpoint writer: under fsdp one on every rank (each writes its own shards), under
+        ddp only on rank 0 (which writes the whole replicated state)."""
         cfg = self.recipe
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        self.writer = CheckpointWriter(
-            self.run_dir,
-            CheckpointIdentity(
-                world_size=self.env.world_size,
-                recipe=self.recipe_dict,
-                recipe_sha256=self.recipe_sha256,
-                snapshot_id=self.manifest.snapshot_id,
-                training_manifest_sha256=self.manifest.sha256,
-                token_manifest_sha256=self.data.manifest.sha256,
-                tokenizer=self.data.tokenizer,
-            ),
-            keep_last=cfg.checkpoint.keep_last,
-            async_save=cfg.checkpoint.async_save,
+        identity = CheckpointIdentity(
+            world_size=self.env.world_size,
+            recipe=self.recipe_dict,
+            recipe_sha256=self.recipe_sha256,
+            snapshot_id=self.manifest.snapshot_id,
+            training_manifest_sha256=self.manifest.sha256,
+            token_manifest_sha256=self.data.manifest.sha256,
+            tokenizer=self.data.tokenizer,
         )
+        keep_last, async_save = cfg.checkpoint.keep_last, cfg.checkpoint.async_save
+        if uses_fsdp(cfg):
+            self.writer = ShardedCheckpointWriter(self.run_dir, identity, keep_last=keep_last, async_save=async_save,
+                                                  env=self.env)
+        elif self.env.is_main:
+            self.writer = CheckpointWriter(self.run_dir, identity, keep_last=keep_last, async_save=async_save)
+
+    def _open_outputs(self) -> None:
+        """Rank 0: the run dir and the metrics sinks (MLflow only when the launcher named a run)."""
+        self.run_dir.mkdir(parents=True, exist_ok=True)
         sinks: list[Any] = [
             JsonlSink(self.run_dir / METRICS_JSONL),
             PrometheusTextfileSink(self.run_dir / METRICS_PROM, {"run_dir": str(self.run_dir)}),
@@ -464,6 +471,7 @@ class Run:
                 "kiln.recipe_sha256": self.recipe_sha256,
                 "kiln.world_size": str(self.env.world_size),
                 "kiln.micro_batch_size": str(self.recipe.data.micro_batch_size),
+                "kiln.parallel_strategy": self.recipe.parallel.strategy,
             })
 
     # ----------------------------------------------------------------- resume / rollback
@@ -508,11 +516,13 @@ class Run:
         return self.run_dir / CHECKPOINTS_SUBDIR / step_dir_name(step)
 
     def _restore_from(self, step_dir: Path) -> int:
-        """Load the checkpoint into this rank; returns the world size it was written at."""
-        ck = load_checkpoint(step_dir, rank=self.env.rank, verify=False)
-        self._refuse_a_checkpoint_of_another_run(ck.manifest, step_dir)
-        self.model.load_state_dict(ck.model)
-        self.optimizer.load_state_dict(ck.optimizer)
+        """Load the checkpoint (rank 0 verified it) into this rank, whatever format, strategy and
+        world size wrote it; returns the world size it was written at."""
+        manifest = read_manifest(step_dir)
+        self._refuse_a_checkpoint_of_another_run(manifest, step_dir)
+        load_model_and_optimizer(step_dir, manifest, self.model, self.optimizer, recipe=self.recipe,
+                                 sharded=uses_fsdp(self.recipe))
+        ck = load_side_state(step_dir, manifest, rank=self.env.rank)
         self.scheduler.load_state_dict(ck.scheduler)
         self.state = TrainState.from_dict(ck.trainer_state)
         self.loader.load_state_dict(ck.trainer_state["loader"])
@@ -530,13 +540,16 @@ class Run:
             restore_rng_state(ck.rng)
         else:  # a rank the checkpoint's world did not have
             seed_rngs(rank_rng_seed(self.recipe.train.seed, self.env.rank, self.state.step))
-        return int(ck.manifest["world_size"])
+        made_with = manifest.get("strategy", "ddp")
+        if made_with != self.recipe.parallel.strategy:
+            log.info("resumed a %s checkpoint into parallel.strategy = %r", made_with, self.recipe.parallel.strategy)
+        return int(manifest["world_size"])
 
     def _refuse_a_checkpoint_of_another_run(self, m: dict[str, Any], step_dir: Path) -> None:
-        if m.get("format") != FORMAT_VERSION:
+        if m.get("format") not in CURRENT_FORMATS:
             raise ResumeMismatchError(
                 f"cannot resume from {step_dir}: checkpoint format {m.get('format')} was written before the token "
-                f"data path (no tokenizer, no loader state); this trainer writes format {FORMAT_VERSION}: use a new run dir"
+                f"data path (no tokenizer, no loader state); this trainer reads formats {CURRENT_FORMATS}: use a new run dir"
             )
         problems = []
         made, asked = resume_identity(m["recipe"]), resume_identity(self.recipe_dict)
@@ -754,10 +767,9 @@ class Run:
         return ckpt_s
 
     def save(self, step: int) -> float:
-        rng_blobs = gather_rng_bytes(self.env.device)
+        rng_blobs = gather_rng_bytes(self.env.device)  # a collective: every rank, even without a writer
         if self.writer is None:
             return 0.0
-        assert rng_blobs is not None
         trainer_state = self.state.to_dict() | {"torch_threads": self.threads, "loader": self.loader.state_dict()}
         return self.writer.save(
             step=step,
@@ -869,10 +881,13 @@ class Run:
     # ----------------------------------------------------------------- end of run
 
     def finish(self, summary: dict[str, Any]) -> dict[str, Any] | None:
-        """Rank 0 writes ``result.json`` for the newest committed checkpoint; every rank waits for it."""
+        """Rank 0 writes ``result.json`` for the newest committed checkpoint; every rank waits for it
+        (and, under fsdp, for its part of the last save)."""
         result = None
         if self.writer is not None:
-            last_dir = self._last_committed_dir(self.writer)
+            last_dir = self.writer.wait()
+        if self.writer is not None and self.env.is_main:
+            last_dir = self._last_committed_dir(last_dir)
             result = self._result(summary, last_dir, self.writer.total_blocking_s)
             atomic_write_bytes(
                 self.run_dir / RESULT_FILE, (json.dumps(result, indent=1, sort_keys=True) + "\n").encode()
@@ -887,8 +902,7 @@ class Run:
         wait_for_all_ranks(self.env)
         return result
 
-    def _last_committed_dir(self, writer: CheckpointWriter) -> Path:
-        last_dir = writer.wait()
+    def _last_committed_dir(self, last_dir: Path | None) -> Path:
         if last_dir is None:
             # Nothing was run and nothing committed: e.g. --max-steps 0 on a fresh run dir.
             last_dir = latest_committed(self.run_dir)
@@ -940,7 +954,7 @@ class Run:
         finally:
             self.metrics.close()
             self._release_ddp()
-            destroy_process_group(self.env)
+            destroy_process_group()
 
     def _release_ddp(self) -> None:
         """Free DDP before the process group. Its Reducer holds the group and, freed last, destroys it

@@ -134,7 +134,8 @@ def test_world_size_demands_one_rng_file_per_rank(committed: Path) -> None:
         (lambda m: m.update(step=True), "'step'"),
         (lambda m: m.pop("tokenizer_sha256"), "tokenizer_sha256"),
         (lambda m: m.pop("token_manifest_sha256"), "token_manifest_sha256"),
-        (lambda m: m.update(format=3), "unsupported checkpoint format 3"),
+        (lambda m: m.update(format=4), "unsupported checkpoint format 4"),
+        (lambda m: (m.update(format=3), m.pop("strategy")), "'strategy'"),  # format 3 names its strategy
     ],
 )
 def test_bad_manifest_fields(committed: Path, edit, message: str) -> None:

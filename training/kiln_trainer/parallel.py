@@ -1,0 +1,76 @@
+"""How the model is spread over the ranks (``[parallel] strategy`` in the recipe).
+
+``ddp``: every rank holds the whole model; ``DistributedDataParallel`` all-reduces the gradients on
+the last micro-batch of a step. ``fsdp``: FSDP2 -- ``fully_shard`` on every transformer block, then
+on the root (embeddings, final norm and the tied head, which share one parameter and so one group)
+-- over a 1-D device mesh of all ranks: each rank keeps ``1/W`` of every parameter, gradient and
+optimizer moment, gathers a block's parameters just before its forward (and again before its
+backward when ``reshard_after_forward``) and reduce-scatters its gradients after the backward.
+
+Both give the same training up to float summation order: the same initial weights (every rank
+builds the whole model from the same seed before sharding it), the same global batch, the loss
+averaged over it. Gradient accumulation under fsdp reduce-scatters every micro-batch (as torchtitan
+does): skipping it would keep the unsharded gradients of the whole model on every rank, which is
+what fsdp is for not doing.
+
+The optimizer must be built after ``shard_model``: FSDP2 replaces the parameters with DTensors in
+place, and the optimizer has to hold those.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from kiln_trainer.config import Recipe
+from kiln_trainer.distributed import DistEnv
+from kiln_trainer.model import GPT
+
+
+def uses_fsdp(recipe: Recipe) -> bool:
+    return recipe.parallel.strategy == "fsdp"
+
+
+def fsdp_mixed_precision(recipe: Recipe, device: torch.device) -> Any | None:
+    """FSDP2's policy on CUDA with bfloat16 (``train.dtype`` bfloat16 or auto): parameters gathered
+    in bfloat16, gradients reduced in float32 (the sharded master weights and the optimizer stay
+    float32). None elsewhere: CPU trains in float32."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    if device.type != "cuda" or recipe.train.dtype not in ("auto", "bfloat16"):
+        return None
+    return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+
+
+def shard_model(model: GPT, recipe: Recipe, env: DistEnv) -> None:
+    """FSDP2 in place: every block, then the root. ``train.compile`` compiles each block before it is
+    sharded (``Module.compile``: in place, so the parameter names, which checkpoints key on, stay)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    if not dist.is_initialized():
+        raise RuntimeError("fsdp needs a process group (init_distributed makes one, also for one rank)")
+    mesh = init_device_mesh(env.device.type, (env.world_size,))
+    kwargs: dict[str, Any] = {"mesh": mesh, "reshard_after_forward": recipe.parallel.reshard_after_forward}
+    policy = fsdp_mixed_precision(recipe, env.device)
+    if policy is not None:
+        kwargs["mp_policy"] = policy
+    for block in model.transformer.h:
+        if recipe.train.compile:
+            block.compile()
+        fully_shard(block, **kwargs)
+    fully_shard(model, **kwargs)
+
+
+def training_autocast(recipe: Recipe, device: torch.device) -> contextlib.AbstractContextManager[Any]:
+    """bfloat16 autocast for ddp on CUDA (``train.dtype`` auto or bfloat16); none for fsdp, whose
+    mixed-precision policy casts the gathered parameters instead, and none on CPU in float32."""
+    dtype = recipe.train.dtype
+    if dtype == "auto":
+        dtype = "bfloat16" if device.type == "cuda" else "float32"
+    if dtype == "bfloat16" and not (uses_fsdp(recipe) and device.type == "cuda"):
+        return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
+    return contextlib.nullcontext()
