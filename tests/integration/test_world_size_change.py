@@ -1,19 +1,25 @@
-"""The world size may change; the data may not: real torchrun processes (gloo, CPU), tiny recipe.
+"""The world size and the parallel strategy may change; the data may not: real torchrun processes
+(gloo, CPU), tiny recipe.
 
-Five runs of the same recipe and manifest, each logging the global sample ids every rank consumed
-per step (``KILN_SAMPLE_LOG=1``):
+Runs of the same recipe and manifest, each logging the global sample ids every rank consumed per
+step (``KILN_SAMPLE_LOG=1``):
 
-- uninterrupted at world sizes 1, 2 and 4;
-- a checkpoint of the 2-rank run (step 16) resumed on 1 rank, and one of the 1-rank run resumed on 2.
+- ddp uninterrupted at world sizes 1, 2 and 4; a checkpoint of the 2-rank run (step 16) resumed on
+  1 rank, and one of the 1-rank run resumed on 2;
+- fsdp (sharded DCP checkpoints, format 3) uninterrupted on 2 ranks; its step-16 checkpoint resumed
+  on 1 rank (fsdp 2 -> 1) and that run's step-24 checkpoint on 2 again (fsdp 1 -> 2); the ddp
+  1-rank run's step-16 checkpoint resumed as fsdp on 2 ranks (ddp -> fsdp) and the fsdp run's as ddp
+  on 1 (fsdp -> ddp).
 
 Proved here: (b) the sequence of global batches -- every rank's ids of a step, in rank order -- is
-identical in all five, each rank read exactly its contiguous ``1/W`` of each global batch, and the
-resumes log the world-size change; (c) every sample is consumed exactly once per epoch (the runs
-go through about 2.9 epochs of a small corpus, so global batches straddle epoch boundaries). The final weights after a
-world-size change are not bit-identical (the gradient reduction order changes) but within
-``WEIGHTS_ATOL`` of the uninterrupted runs; the figures measured are in docs/data.md.
-(a), a same-world-size SIGKILL resume staying bit-identical, is ``tests/unit/training/test_train.py``,
-``test_node_loss.py`` and the chaos suite.
+identical in all of them, each rank read exactly its contiguous ``1/W`` of each global batch, and
+the resumes log and record the change; (c) every sample is consumed exactly once per epoch (the
+runs go through about 2.9 epochs of a small corpus, so global batches straddle epoch boundaries).
+The final weights after a world-size or strategy change are not bit-identical (the gradient
+reduction order changes) but within ``WEIGHTS_ATOL`` of the uninterrupted runs; the figures measured
+are in docs/data.md and docs/checkpointing.md. (a), a same-world-size SIGKILL resume staying
+bit-identical, is ``tests/unit/training/test_train.py``, ``test_node_loss.py``,
+``test_sharded_checkpoints.py`` and the chaos suite.
 """
 
 from __future__ import annotations
@@ -49,9 +55,9 @@ def _env() -> dict[str, str]:
     return env | {"PYTHONUNBUFFERED": "1", "KILN_TORCH_THREADS": "1", "OMP_NUM_THREADS": "1", "KILN_SAMPLE_LOG": "1"}
 
 
-def _train(world: int, manifest: Path, run_dir: Path) -> str:
+def _train(world: int, manifest: Path, run_dir: Path, strategy: str = "ddp") -> str:
     trainer = ["-m", "kiln_trainer.train", "--manifest", str(manifest), "--recipe", str(TINY), "--run-dir", str(run_dir)]
-    for item in OVERRIDES:
+    for item in (*OVERRIDES, f"parallel.strategy={strategy}"):
         trainer += ["--set", item]
     launcher = [sys.executable] if world == 1 else [sys.executable, "-m", "torch.distributed.run", "--standalone",
                                                     f"--nproc-per-node={world}"]
@@ -79,10 +85,22 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, str]
     manifest = stdlib_manifest(tmp_path_factory.mktemp("corpus"), max_chars=9_000)  # ~180 samples of 65 bytes
     root = tmp_path_factory.mktemp("runs")
     out = {f"w{w}": (root / f"w{w}", _train(w, manifest, root / f"w{w}")) for w in (1, 2, 4)}
-    for name, source, world in (("2to1", "w2", 1), ("1to2", "w1", 2)):
-        run_dir = _resumable_copy(root / source, root / name, RESUME_AT)
-        out[name] = (run_dir, _train(world, manifest, run_dir))
+    out["f2"] = (root / "f2", _train(2, manifest, root / "f2", "fsdp"))
+    for name, source, at_step, world, strategy in RESUMES:
+        run_dir = _resumable_copy(root / source, root / name, at_step)
+        out[name] = (run_dir, _train(world, manifest, run_dir, strategy))
     return out
+
+
+RESUMES = (
+    # (run, resumed from the checkpoint of, at step, world size, strategy)
+    ("2to1", "w2", RESUME_AT, 1, "ddp"),
+    ("1to2", "w1", RESUME_AT, 2, "ddp"),
+    ("f2to1", "f2", RESUME_AT, 1, "fsdp"),
+    ("f1to2", "f2to1", 24, 2, "fsdp"),
+    ("d1tof2", "w1", RESUME_AT, 2, "fsdp"),
+    ("f2tod1", "f2", RESUME_AT, 1, "ddp"),
+)
 
 
 def _global_batches(run_dir: Path) -> list[list[int]]:
@@ -111,28 +129,38 @@ def _world_sizes(run_dir: Path) -> list[int]:
     return sorted({(line["step"], line["world_size"]) for line in lines})
 
 
+def _manifest(run_dir: Path, step: int) -> dict:
+    return json.loads((run_dir / "checkpoints" / f"step-{step:08d}" / "manifest.json").read_text())
+
+
 def test_the_global_sample_sequence_is_the_same_at_every_world_size_and_across_resumes(runs) -> None:
     reference = _global_batches(runs["w1"][0])
-    for name in ("w2", "w4", "2to1", "1to2"):
+    for name in ("w2", "w4", "f2", *(r[0] for r in RESUMES)):
         assert _global_batches(runs[name][0]) == reference, f"{name} trained on other samples"
-    # The resumed runs really changed world size at the checkpoint.
-    assert {w for s, w in _world_sizes(runs["2to1"][0]) if s < RESUME_AT} == {2}
-    assert {w for s, w in _world_sizes(runs["2to1"][0]) if s >= RESUME_AT} == {1}
-    assert {w for s, w in _world_sizes(runs["1to2"][0]) if s >= RESUME_AT} == {2}
-    assert "resumed at world size 1 from a checkpoint of world size 2" in runs["2to1"][1]
-    assert "resumed at world size 2 from a checkpoint of world size 1" in runs["1to2"][1]
-    for name, world in (("2to1", 1), ("1to2", 2)):
-        result = json.loads((runs[name][0] / "result.json").read_text())
+    for name, source, at_step, world, strategy in RESUMES:
+        run_dir, log_text = runs[name]
+        made = _manifest(run_dir, at_step)
+        made_at, made_with = made["world_size"], made["strategy"]
+        assert made_with == ("fsdp" if source.startswith("f") else "ddp")  # each checkpoint names its strategy
+        assert made["format"] == (3 if made_with == "fsdp" else 2)
+        # The resumed run really changed world size (and strategy) at the checkpoint.
+        assert {w for s, w in _world_sizes(run_dir) if s >= at_step} == {world}, name
+        assert {w for s, w in _world_sizes(run_dir) if at_step - 8 <= s < at_step} == {made_at}, name
+        if made_with != strategy:
+            assert f"resumed a {made_with} checkpoint into parallel.strategy = '{strategy}'" in log_text
+        result = json.loads((run_dir / "result.json").read_text())
         assert result["completed"] and result["world_size"] == world
-        [change] = [e for e in result["events"] if e["kind"] == "world_size_change"]
-        assert change == {"kind": "world_size_change", "from_world_size": 3 - world, "to_world_size": world,
-                          "at_step": RESUME_AT, "accum_steps": 4 // world}
-        logged = [json.loads(line) for line in (runs[name][0] / "metrics.jsonl").read_text().splitlines()]
-        [at] = [i for i, r in enumerate(logged) if r.get("event") == "world_size_change"]
-        assert logged[at]["at_step"] == RESUME_AT
+        assert _manifest(run_dir, STEPS)["strategy"] == strategy
+        if made_at == world:
+            continue
+        assert f"resumed at world size {world} from a checkpoint of world size {made_at}" in log_text
+        change = [e for e in result["events"] if e["kind"] == "world_size_change"][-1]
+        assert change == {"kind": "world_size_change", "from_world_size": made_at, "to_world_size": world,
+                          "at_step": at_step, "accum_steps": 4 // world}
+        logged = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+        at = [i for i, r in enumerate(logged) if r.get("event") == "world_size_change"][-1]
+        assert logged[at]["at_step"] == at_step
         assert {r["world_size"] for r in logged[at:] if "loss" in r} == {world}  # the gauge after the change
-        made_at = json.loads((runs[name][0] / "checkpoints" / f"step-{RESUME_AT:08d}" / "manifest.json").read_text())
-        assert made_at["world_size"] == 3 - world  # the checkpoint records the world size it was written at
 
 
 def test_every_sample_is_consumed_exactly_once_per_epoch(runs) -> None:
@@ -149,16 +177,16 @@ def test_every_sample_is_consumed_exactly_once_per_epoch(runs) -> None:
 
 
 def _weights(run_dir: Path):
-    import torch
+    from kiln_trainer.checkpoint import load_model_weights  # model.pt, or a sharded checkpoint consolidated
 
     result = json.loads((run_dir / "result.json").read_text())
-    return result, torch.load(Path(result["checkpoint"]) / "model.pt", map_location="cpu", weights_only=True)
+    return result, load_model_weights(result["checkpoint"])[1]
 
 
 def test_final_weights_after_a_world_size_change_are_within_tolerance(runs) -> None:
     reference, ref_weights = _weights(runs["w1"][0])
     # What the reduction order costs: measured per run, printed for docs/data.md (pytest -s).
-    for name in ("w2", "w4", "2to1", "1to2"):
+    for name in ("w2", "w4", "f2", *(r[0] for r in RESUMES)):
         result, weights = _weights(runs[name][0])
         worst = max(float((weights[k] - ref_weights[k]).abs().max()) for k in ref_weights)
         loss_gap = abs(result["metrics"]["final_loss"] - reference["metrics"]["final_loss"])
