@@ -167,6 +167,12 @@ def _translated(exc: BaseException, what: str) -> BaseException:
 
 
 def _dcp_load(state: dict[str, Any], step_dir: Path, *, no_dist: bool, partial: bool = False) -> None:
+    # The index is read once before DCP reads it: a refusal inside dcp.load reaches us only as text
+    # in DCP's own AssertionError, this one as the CheckpointError it is.
+    try:
+        SafeReader(step_dir).read_metadata()
+    except (OSError, EOFError, pickle.UnpicklingError, AttributeError, TypeError, ValueError) as exc:
+        raise CheckpointError(f"{step_dir / DCP_METADATA}: not a readable DCP index: {exc}") from exc
     try:
         dcp.load(state, storage_reader=SafeReader(step_dir), planner=SafeLoadPlanner(allow_partial_load=partial),
                  no_dist=no_dist)
@@ -282,6 +288,7 @@ class ShardedCheckpointWriter:
                     self._pending = _done(error=exc)
                 self.wait()
         except (Exception, CheckpointException) as exc:
+            self._discard_uncommitted(step_dir)
             raise _translated(exc, f"checkpoint of step {step} not written") from exc
         blocked = time.perf_counter() - t0
         self.total_blocking_s += blocked
@@ -317,20 +324,27 @@ class ShardedCheckpointWriter:
         reports: list[Any] | None = [None] * self.env.world_size if self.env.is_main else None
         dist.gather_object({"files": mine, "error": None if error is None else f"{type(error).__name__}: {error}"},
                            reports, dst=0, group=self.group)
+        failed = [f"rank {r}: {rep['error']}" for r, rep in enumerate(reports or []) if rep["error"]]
+        if error is not None or failed:
+            self._discard_uncommitted(step_dir)  # every rank has reported: nobody writes there any more
         if error is not None:
             raise error
         if reports is None:
             return None
-        failed = [f"rank {r}: {rep['error']}" for r, rep in enumerate(reports) if rep["error"]]
         if failed:
             raise RuntimeError(f"checkpoint of step {step} not written: " + "; ".join(failed))
         assert side is not None
         try:
             return self._commit(step, step_dir, {k: v for rep in reports for k, v in rep["files"].items()}, side)
         except OSError as exc:
-            if not (step_dir / MANIFEST_NAME).exists():  # never committed: its space is the next save's
-                shutil.rmtree(step_dir, ignore_errors=True)
+            self._discard_uncommitted(step_dir)
             raise StorageError(f"checkpoint of step {step} not written: {os_error_text(exc)}") from exc
+
+    def _discard_uncommitted(self, step_dir: Path) -> None:
+        """Rank 0, after a failed save: a step directory without a manifest was never a checkpoint;
+        on a full disk its partial files are the space the next attempt needs."""
+        if self.env.is_main and not (step_dir / MANIFEST_NAME).exists():
+            shutil.rmtree(step_dir, ignore_errors=True)
 
     def _commit(self, step: int, step_dir: Path, shard_files: dict[str, str],
                 side: tuple[dict[str, Any], dict[str, Any], list[bytes]]) -> Path:

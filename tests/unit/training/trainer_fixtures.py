@@ -218,3 +218,59 @@ def sigkill_tree(proc: subprocess.Popen) -> None:
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
     proc.wait(timeout=30)
+
+
+@contextlib.contextmanager
+def group_of_one():
+    """A gloo process group of this process alone (an in-process store), destroyed afterwards: what
+    FSDP2 and DCP need to shard and save without torchrun."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def write_sharded_checkpoints(
+    run_dir: Path, steps: list[int], *, keep_last: int = 10, async_save: bool = True,
+    snapshot_id: str = "abc.dir", training_manifest_sha256: str = "0" * 64, before_save: Any = None,
+) -> Any:
+    """Real format-3 checkpoints of a tiny FSDP2 model (one rank, in this process), written by the
+    trainer's own ShardedCheckpointWriter after a real optimizer step each (``before_save(step)``
+    runs just before each save)."""
+    import torch
+
+    from kiln_trainer.checkpoint import CheckpointIdentity, _torch_save_bytes, capture_rng_state
+    from kiln_trainer.config import load_recipe
+    from kiln_trainer.distributed import DistEnv
+    from kiln_trainer.model import GPT
+    from kiln_trainer.optim import make_optimizer
+    from kiln_trainer.parallel import shard_model
+    from kiln_trainer.sharded_checkpoint import ShardedCheckpointWriter
+    from kiln_trainer.tokenizer import ByteTokenizer
+
+    recipe = load_recipe(None, (*FIXTURE_MODEL, "parallel.strategy=fsdp"))
+    env = DistEnv(rank=0, world_size=1, local_rank=0, local_world_size=1, device=torch.device("cpu"))
+    identity = CheckpointIdentity(world_size=1, recipe=recipe.to_dict(), recipe_sha256=recipe.sha256,
+                                  snapshot_id=snapshot_id, training_manifest_sha256=training_manifest_sha256,
+                                  token_manifest_sha256="1" * 64, tokenizer=ByteTokenizer())
+    with group_of_one():
+        torch.manual_seed(0)
+        model = GPT(recipe.model)
+        shard_model(model, recipe, env)
+        optimizer = make_optimizer(model, recipe.optim)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda i: 1.0)
+        writer = ShardedCheckpointWriter(run_dir, identity, keep_last=keep_last, async_save=async_save, env=env)
+        rng = _torch_save_bytes(capture_rng_state())
+        for step in steps:
+            model(torch.zeros(1, 8, dtype=torch.long), torch.zeros(1, 8, dtype=torch.long))[1].backward()
+            optimizer.step()
+            scheduler.step()
+            if before_save is not None:
+                before_save(step)
+            writer.save(step=step, model=model, optimizer=optimizer, scheduler=scheduler,
+                        trainer_state={"step": step}, rng_blobs=[rng])
+        writer.close()
+    return writer
