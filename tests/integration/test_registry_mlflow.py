@@ -589,6 +589,69 @@ def test_real_checkpoint_is_registered_as_a_text_model_that_generates_and_serves
         serve_log.close()
 
 
+def _sharded_candidate(tmp_path: Path) -> tuple[Path, dict[str, Any], dict[str, Any]]:
+    """A real format-3 (fsdp) checkpoint written by the trainer's sharded writer, and the refs of it."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(
+        "trainer_fixtures", Path(__file__).resolve().parents[1] / "unit" / "training" / "trainer_fixtures.py")
+    fixtures = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(fixtures)
+    manifest = build_manifest(tmp_path)
+    fixtures.write_sharded_checkpoints(tmp_path / "run", [4], snapshot_id=manifest.snapshot_id,
+                                       training_manifest_sha256=manifest.sha256)
+    step_dir = checkpoint_manifest.latest_committed(tmp_path / "run")
+    verified = checkpoint_manifest.verify_checkpoint(step_dir)
+    train = TrainResult(run_dir=str(tmp_path / "run"), checkpoint=str(step_dir),
+                        checkpoint_manifest_sha256=sha256_file(step_dir / "manifest.json"),
+                        weights_sha256=verified["weights_sha256"], step=verified["step"], metrics={})
+    report = EvalReport(checkpoint=str(step_dir), weights_sha256=verified["weights_sha256"], split="eval",
+                        bits_per_byte=7.9, loss=5.5, tokens=64)
+    snapshot = SnapshotRef(id=SNAPSHOT_ID, corpus="stdlib-py", files=4, bytes=1024, dvc=DVC_TEXT,
+                           remote="/tmp/dvc-remote", path="/tmp/dvc-repo/stdlib-py")
+    return step_dir, verified, {"train": train, "eval_report": report, "snapshot": snapshot, "manifest": manifest}
+
+
+def test_a_sharded_checkpoint_is_verified_then_consolidated_into_todays_text_model(tmp_path, client, unique_name):
+    import mlflow.artifacts
+    import mlflow.pyfunc
+    import torch
+
+    from kiln_trainer.checkpoint import weights_sha256
+
+    step_dir, verified, refs = _sharded_candidate(tmp_path)
+    assert verified["format"] == 3 and verified["strategy"] == "fsdp"
+    policy = sandbox_policy(unique_name)
+
+    ref = registry.register_candidate(policy=policy, run_key=f"kiln_sandbox/{unique_name}", **refs)
+
+    uri = f"models:/{policy.candidate_model}/{ref['version']}"
+    texts = mlflow.pyfunc.load_model(uri).predict(["def main("], params={"max_new_tokens": 8})
+    assert len(texts) == 1 and isinstance(texts[0], str)
+    # The served weights are the shards consolidated: the whole model, hashing to the checkpoint's weights_sha256.
+    local = Path(mlflow.artifacts.download_artifacts(f"{uri}/artifacts/weights.pt", dst_path=str(tmp_path / "dl")))
+    served = torch.load(local, map_location="cpu", weights_only=True)
+    assert weights_sha256(served) == verified["weights_sha256"]
+    assert client.get_model_version(policy.candidate_model, ref["version"]).tags["kiln.weights_sha256"] == (
+        verified["weights_sha256"])
+
+
+def test_a_tampered_shard_is_refused_before_any_request_reaches_mlflow(tmp_path, client, unique_name, monkeypatch):
+    step_dir, _, refs = _sharded_candidate(tmp_path)
+    shard = step_dir / "__0_0.distcp"
+    data = bytearray(shard.read_bytes())
+    data[100] ^= 0x10
+    shard.write_bytes(bytes(data))
+    clients: list[int] = []
+    real_client = registry.mlflow_io._client
+    monkeypatch.setattr(registry.mlflow_io, "_client", lambda: clients.append(1) or real_client())
+    policy = sandbox_policy(unique_name)
+
+    with pytest.raises(ManifestError, match=r"'__0_0.distcp' sha256 mismatch"):
+        registry.register_candidate(policy=policy, run_key=f"kiln_sandbox/{unique_name}", **refs)
+    assert clients == [] and versions(client, policy.candidate_model) == []
+
+
 def _write_metrics_jsonl(run_dir: Path) -> None:
     """The trainer's metrics.jsonl: steps 1-6, a rollback event, a resume that re-logs step 5-6, a torn line."""
     lines = [{"step": s, "loss": 5.0 - 0.5 * s, "lr": 0.1} for s in range(1, 7)]
