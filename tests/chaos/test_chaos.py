@@ -40,6 +40,9 @@ def test_trial_choices_depend_on_seed_family_and_index_only() -> None:
     assert trial_rng(1, "kill", 0).random() != trial_rng(1, "corrupt", 0).random()
     modes = [plan_kill(SEED, i)["mode"] for i in range(8)]
     assert sorted(set(modes)) == ["node", "node_mid_save", "worker", "worker_mid_save"]
+    # Every mode with each strategy: ddp for indices 0-3, fsdp for 4-7.
+    assert {(plan_kill(SEED, i)["mode"], plan_kill(SEED, i)["strategy"]) for i in range(8)} == {
+        (m, st) for m in modes for st in ("ddp", "fsdp")}
 
 
 def test_bad_family_or_trial_names_what_is_wrong() -> None:
@@ -112,11 +115,14 @@ def test_remote_proxy_goes_down_and_comes_back_on_the_same_port() -> None:
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-def test_worker_killed_during_an_async_checkpoint_write_resumes_to_identical_weights(tmp_path, monkeypatch) -> None:
+@pytest.mark.parametrize(("index", "strategy"), [(2, "ddp"), (6, "fsdp")])
+def test_worker_killed_during_an_async_checkpoint_write_resumes_to_identical_weights(
+    tmp_path, monkeypatch, index: int, strategy: str
+) -> None:
     from kiln_devtools.chaos.training import KILL, plan_kill
 
-    assert plan_kill(SEED, 2)["mode"] == "worker_mid_save"
-    (result,) = KILL.run(_ctx(tmp_path, monkeypatch), [2])
+    assert plan_kill(SEED, index)["mode"] == "worker_mid_save" and plan_kill(SEED, index)["strategy"] == strategy
+    (result,) = KILL.run(_ctx(tmp_path, monkeypatch), [index])
     assert result.outcome == "recovered", _explain(result)
     facts = result.facts
     assert facts["torn_write_at_kill"] and facts["weights_match"] and facts["corrupt_committed"] == 0

@@ -3,8 +3,11 @@
 ``kill`` — a 2-node local job (``kiln.launchers.local``: two torchrun agents × 1 worker) of the
 ``tiny`` recipe, killed once per trial at a seeded step: a worker or a whole node's agent, at a step
 or while an asynchronous checkpoint write is in flight (``KILN_CKPT_WRITE_DELAY_S`` widens the gap
-between the state files and the manifest, the trainer's own fault-injection switch). Each trial is
-checked against one uninterrupted reference run of the same spec: the job must succeed after a
+between the state files and the manifest, the trainer's own fault-injection switch). Trials
+alternate the parallel strategy in blocks of the four kill modes (indices 0-3 ddp, 4-7 fsdp, ...):
+ddp (rank 0 writes the whole state) and fsdp (every rank writes its own DCP shards, so a kill
+mid-save can land in any rank's write). Each trial is checked against one uninterrupted reference
+run of the same spec and strategy: the job must succeed after a
 whole-group restart, end with the reference ``weights_sha256``, and every checkpoint directory that
 holds a manifest must verify (a torn write must never look committed). Steps lost = the step the
 kill landed on minus the step the group resumed from; the bound is the checkpoint interval, plus
@@ -42,6 +45,7 @@ KILL_OVERRIDES = (f"train.steps={STEPS}", f"checkpoint.every_steps={EVERY}", "ch
 log_every=1 lets the harness see each step (metrics.jsonl) to kill at an exact one."""
 WRITE_DELAY_S = "0.8"
 KILL_MODES = ("worker", "node", "worker_mid_save", "node_mid_save")
+STRATEGIES = ("ddp", "fsdp")
 JOB_LIMIT_S = 900.0
 """A safety net against a hung job, not a timing assertion."""
 
@@ -49,11 +53,12 @@ JOB_LIMIT_S = 900.0
 # ----------------------------------------------------------------------------------------- helpers
 
 
-def _spec(run_dir: Path, manifest: Path, *, env: dict[str, str] | None = None):
+def _spec(run_dir: Path, manifest: Path, *, strategy: str = "ddp", env: dict[str, str] | None = None):
     from kiln.launchers import LaunchSpec
 
     return LaunchSpec(run_dir=run_dir, manifest=manifest, recipe=pinned_recipe(manifest),
-                      run_key=f"chaos-{run_dir.name}", nodes=2, nproc_per_node=1, max_restarts=2, overrides=KILL_OVERRIDES,
+                      run_key=f"chaos-{run_dir.name}", nodes=2, nproc_per_node=1, max_restarts=2,
+                      overrides=(*KILL_OVERRIDES, f"parallel.strategy={strategy}"),
                       # Same threads in every run: bit-identity depends on it.
                       env={"KILN_TORCH_THREADS": "1", "OMP_NUM_THREADS": "1", "MLFLOW_TRACKING_URI": "",
                            **(env or {})})
@@ -158,21 +163,24 @@ def _follow(launcher: Any, handle: Any, lines: list[str]) -> Any:
 # ------------------------------------------------------------------------------------------- kill
 
 
-def _reference(ctx: Context, manifest: Path) -> str:
+def _reference(ctx: Context, manifest: Path, strategy: str) -> str:
     from kiln.launchers import launch_local
 
     started = time.monotonic()
-    result = launch_local(_spec(ctx.work / "kill-reference", manifest), log=lambda _line: None)
+    result = launch_local(_spec(ctx.work / f"kill-reference-{strategy}", manifest, strategy=strategy),
+                          log=lambda _line: None)
     if not (result.completed and result.step == STEPS):
-        raise RuntimeError(f"the uninterrupted reference run did not complete: {result}")
-    ctx.log(f"  kill: reference run {result.weights_sha256[:16]} in {time.monotonic() - started:.0f}s")
+        raise RuntimeError(f"the uninterrupted {strategy} reference run did not complete: {result}")
+    ctx.log(f"  kill: {strategy} reference run {result.weights_sha256[:16]} in {time.monotonic() - started:.0f}s")
     return result.weights_sha256
 
 
 def plan_kill(seed: int, index: int) -> dict[str, Any]:
     rng = trial_rng(seed, "kill", index)
-    mode = KILL_MODES[index % len(KILL_MODES)]  # every mode equally often; the rest is drawn
-    return {"mode": mode, "node": rng.randrange(2), "step": rng.randint(EVERY + 1, STEPS - EVERY - 5)}
+    mode = KILL_MODES[index % len(KILL_MODES)]  # every mode equally often, with each strategy; the rest is drawn
+    strategy = STRATEGIES[(index // len(KILL_MODES)) % len(STRATEGIES)]
+    return {"mode": mode, "strategy": strategy, "node": rng.randrange(2),
+            "step": rng.randint(EVERY + 1, STEPS - EVERY - 5)}
 
 
 def kill_trial(ctx: Context, index: int, manifest: Path, reference: str) -> TrialResult:
@@ -182,13 +190,15 @@ def kill_trial(ctx: Context, index: int, manifest: Path, reference: str) -> Tria
     mid_save = plan["mode"].endswith("_mid_save")
     whole_node = plan["mode"].startswith("node")
     target = f"{'node agent' if whole_node else 'worker'} of node {plan['node']}"
-    fault = f"SIGKILL {target} at step >= {plan['step']}" + (" during an async checkpoint write" if mid_save else "")
+    fault = (f"[{plan['strategy']}] SIGKILL {target} at step >= {plan['step']}"
+             + (" during an async checkpoint write" if mid_save else ""))
     run_dir = ctx.work / f"kill-{index}"
     shutil.rmtree(run_dir, ignore_errors=True)
-    spec = _spec(run_dir, manifest, env={"KILN_CKPT_WRITE_DELAY_S": WRITE_DELAY_S} if mid_save else None)
+    spec = _spec(run_dir, manifest, strategy=plan["strategy"],
+                 env={"KILN_CKPT_WRITE_DELAY_S": WRITE_DELAY_S} if mid_save else None)
     launcher = LocalLauncher()
     handle = launcher.submit(spec)
-    facts: dict[str, Any] = {"mode": plan["mode"], "target_step": plan["step"]}
+    facts: dict[str, Any] = {"mode": plan["mode"], "strategy": plan["strategy"], "target_step": plan["step"]}
     losses: list[str] = []
 
     def ready() -> bool:
@@ -239,8 +249,8 @@ def kill_trial(ctx: Context, index: int, manifest: Path, reference: str) -> Tria
     elif status.state == "SUCCEEDED":
         losses.append("no 'resumed from' in the job log: the group did not restart from a checkpoint")
     if mid_save and torn:
-        fault = (f"SIGKILL {target} during the async write of checkpoint step {torn_step} (drawn: the first write "
-                 f"from step {plan['step']}); last logged step {landed}")
+        fault = (f"[{plan['strategy']}] SIGKILL {target} during the async write of checkpoint step {torn_step} "
+                 f"(drawn: the first write from step {plan['step']}); last logged step {landed}")
     else:
         fault = fault.replace(">= ", "") if landed == plan["step"] else f"{fault} (landed at step {landed})"
     return TrialResult(family="kill", index=index, seed=ctx.seed, outcome="lost" if losses else "recovered",
@@ -250,12 +260,15 @@ def kill_trial(ctx: Context, index: int, manifest: Path, reference: str) -> Tria
 
 def run_kill(ctx: Context, indices: list[int]) -> list[TrialResult]:
     manifest = clean_manifest(ctx.work / "kill-corpus")
-    reference = _reference(ctx, manifest)
+    references: dict[str, str] = {}  # per strategy, made when a trial first needs it
     results = []
     for index in indices:
         started = time.monotonic()
         try:
-            result = kill_trial(ctx, index, manifest, reference)
+            strategy = plan_kill(ctx.seed, index)["strategy"]
+            if strategy not in references:
+                references[strategy] = _reference(ctx, manifest, strategy)
+            result = kill_trial(ctx, index, manifest, references[strategy])
         except Exception as exc:  # the harness, not the product: recorded, the suite goes on
             result = TrialResult(family="kill", index=index, seed=ctx.seed, outcome="error",
                                  fault=str(plan_kill(ctx.seed, index)), detail=f"{type(exc).__name__}: {exc}")
@@ -270,11 +283,14 @@ def run_kill(ctx: Context, indices: list[int]) -> list[TrialResult]:
 def summarize_kill(results: list[TrialResult]) -> list[str]:
     lost_steps = [r.facts["steps_lost"] for r in results if "steps_lost" in r.facts]
     by_mode = {m: sum(r.facts.get("mode") == m for r in results) for m in KILL_MODES}
+    by_strategy = {st: [r for r in results if r.facts.get("strategy") == st] for st in STRATEGIES}
     torn = sum(bool(r.facts.get("torn_write_at_kill")) for r in results)
     lines = [
         outcome_line(results),
         "kills by kind: " + ", ".join(f"{m} {n}" for m, n in by_mode.items())
         + f"; {torn} landed while a checkpoint write was in flight",
+        "by strategy: " + ", ".join(
+            f"{st} {sum(r.outcome == 'recovered' for r in rs)}/{len(rs)} recovered" for st, rs in by_strategy.items()),
         f"recovered runs (SUCCEEDED after restart): {sum(r.facts.get('state') == 'SUCCEEDED' for r in results)}",
         f"corrupt committed checkpoints: {total(results, 'corrupt_committed')} of "
         f"{total(results, 'committed_checkpoints')} checked (goal 0); torn writes left uncommitted and "
