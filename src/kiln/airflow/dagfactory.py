@@ -55,6 +55,7 @@ from kiln.refs import (
     TrainResult,
     WatchDecision,
 )
+from kiln_trainer.config import PARALLEL_STRATEGIES  # torch-free
 
 if TYPE_CHECKING:
     from kiln.launchers import JobHandle, LaunchPlan
@@ -91,6 +92,9 @@ def _params(policy: Policy) -> dict[str, Param]:
         "max_steps": Param(None, type=["null", "integer"], minimum=1, maximum=5000, title="Max steps",
                            description="Override the recipe's step count (empty = recipe default)."),
         "seed": Param(1337, type="integer", minimum=0, maximum=2**31 - 1, title="Seed"),
+        "strategy": Param(None, type=["null", "string"], enum=[None, *PARALLEL_STRATEGIES], title="Parallel strategy",
+                          description="ddp (replicated model, rank 0 writes checkpoints) or fsdp (FSDP2: sharded "
+                                      "model and optimizer, every rank writes its shards); empty = the recipe's."),
         "corpus": Param(policy.corpus, type="string", pattern="^[a-z0-9][a-z0-9_.-]{0,63}$", title="Corpus",
                         description="Corpus name under the DVC workspace's corpora/ folder."),
     }

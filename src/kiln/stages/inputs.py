@@ -34,7 +34,7 @@ def check_run_conf(policy: Policy, conf: dict[str, Any], allowed: set[str], para
                               f"recipe: {exc}") from exc
 
 
-TRAIN_PARAMS = ("recipe", "nodes", "seed", "max_steps")
+TRAIN_PARAMS = ("recipe", "nodes", "seed", "max_steps", "strategy")
 """The run parameters ``train_inputs`` reads."""
 
 
@@ -48,6 +48,8 @@ def train_inputs(policy: Policy, params: dict[str, Any]) -> tuple[Path, int, lis
         overrides.append(f"train.seed={int(params['seed'])}")
     if params.get("max_steps") is not None:
         overrides.append(f"train.steps={int(params['max_steps'])}")
+    if params.get("strategy") is not None:
+        overrides.append(f"parallel.strategy={str(params['strategy'])!r}")
     return recipe, nodes, overrides
 
 

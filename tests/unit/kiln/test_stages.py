@@ -222,6 +222,16 @@ def test_run_parameters_that_do_not_make_a_recipe_are_refused_in_the_first_task(
         stages.check_run_conf(SANDBOX, {"max_steps": 1}, set(form), {**form, "max_steps": 1})
 
 
+def test_the_sandbox_form_may_choose_the_parallel_strategy_and_empty_keeps_the_recipes():
+    from kiln.stages.inputs import load_run_recipe, train_inputs
+
+    for asked, expected in ((None, "ddp"), ("fsdp", "fsdp"), ("ddp", "ddp")):
+        recipe, _, overrides = train_inputs(SANDBOX, {"recipe": "tiny.toml", "strategy": asked})
+        assert load_run_recipe(recipe, overrides).parallel.strategy == expected
+    recipe, _, overrides = train_inputs(SANDBOX, {"recipe": "production/small-fsdp.toml", "strategy": None})
+    assert load_run_recipe(recipe, overrides).parallel.strategy == "fsdp"
+
+
 def test_batches_grow_so_a_huge_corpus_stays_under_max_map_length():
     snap = _snapshot_ref(shards=[f"train/shard-{i:06d}.parquet" for i in range(100_000)])
     batches = stages.shard_batches(SANDBOX, snap)

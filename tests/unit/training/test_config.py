@@ -146,7 +146,8 @@ def test_resume_identity_ignores_only_how_the_same_batches_are_computed() -> Non
         assert resume_identity(load_recipe(None, [change]).to_dict()) != resume_identity(base), change
 
 
-@pytest.mark.parametrize("name", ["tiny.toml", "small.toml", "gpt2-small.toml", "production/small.toml"])
+@pytest.mark.parametrize("name", ["tiny.toml", "small.toml", "gpt2-small.toml", "production/small.toml",
+                                  "production/small-fsdp.toml"])
 def test_shipped_recipes_load(name: str) -> None:
     recipe = load_recipe(RECIPES / name)
     assert recipe.tokenizer.kind == "byte" and recipe.model.vocab_size >= 257
@@ -155,6 +156,27 @@ def test_shipped_recipes_load(name: str) -> None:
 
 def test_production_small_is_pinned_to_small() -> None:
     assert load_recipe(RECIPES / "production" / "small.toml").sha256 == load_recipe(RECIPES / "small.toml").sha256
+
+
+def test_the_production_fsdp_variant_differs_only_in_its_parallel_strategy() -> None:
+    from kiln_trainer.config import resume_identity
+
+    ddp, fsdp = (load_recipe(RECIPES / "production" / name).to_dict() for name in ("small.toml", "small-fsdp.toml"))
+    assert fsdp["parallel"] == {"strategy": "fsdp", "reshard_after_forward": True}
+    assert {k: v for k, v in fsdp.items() if k != "parallel"} == {k: v for k, v in ddp.items() if k != "parallel"}
+    assert resume_identity(fsdp) == resume_identity(ddp)  # a run may move between them at a resume
+
+
+def test_parallel_strategy_is_checked_and_a_checkpoint_from_before_the_section_still_matches() -> None:
+    from kiln_trainer.config import resume_identity
+
+    with pytest.raises(RecipeError, match=r"parallel\.strategy = 'zero3': must be one of ddp, fsdp"):
+        load_recipe(None, ["parallel.strategy=zero3"])
+    with pytest.raises(RecipeError, match=r"parallel\.reshard_after_forward: expected bool"):
+        load_recipe(None, ["parallel.reshard_after_forward=1"])
+    now = load_recipe(None).to_dict()
+    before = {k: v for k, v in now.items() if k != "parallel"}  # a recipe recorded before [parallel] existed
+    assert resume_identity(before) == resume_identity(now)
 
 
 def test_gpt2_small_is_a_gpu_bf16_gpt2_shape() -> None:
