@@ -6,8 +6,8 @@ Save (``ShardedCheckpointWriter.save``, every rank at the same step):
 1. rank 0 makes the step directory ready (``checkpoint.prepare_step_dir``: the leftover of an
    interrupted save removed, a damaged committed one moved aside) and tells the others;
 2. every rank hands its shards of the model and optimizer state (``get_state_dict``: DTensors keyed
-   by parameter name) to ``dcp.async_save``. The loop waits only while DCP copies them to host
-   memory (staging); a background thread writes this rank's ``__R_0.distcp``, and rank 0 writes
+   by parameter name) to ``dcp.async_save``. The loop waits only while they are copied to host
+   memory (staging, ``_HostCopyStager``); a background thread writes this rank's ``__R_0.distcp``, and rank 0 writes
    DCP's ``.metadata`` once every rank has written. DCP's collectives run on a gloo group of their
    own (``dist.new_group``): on the training's group a collective of the writer thread and one of
    the loop could interleave and deadlock (and async save needs a CPU backend, also under NCCL);
@@ -64,6 +64,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import ReadItem
+from torch.distributed.checkpoint.staging import AsyncStager
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 from kiln_trainer.checkpoint import (
@@ -227,6 +228,25 @@ def load_model_and_optimizer(
 # --------------------------------------------------------------------------- saving
 
 
+class _HostCopyStager(AsyncStager):
+    """Staging for ``dcp.async_save``: every tensor (a DTensor keeps its sharding) copied to host
+    memory, nothing else. DCP's default stager deep-copies each DTensor first, which measured 5-30x
+    slower here than the copy itself (tiny recipe, 2 ranks on CPU: 15-80 ms against 2-12 ms per save)
+    -- time the loop waits."""
+
+    _synchronize_after_execute = False
+
+    def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
+        staged: dict[str, Any] = _to_cpu_copy(state_dict)
+        return staged
+
+    def synchronize_staging(self) -> None:
+        """Nothing to wait for: ``stage`` returns when the copy is done."""
+
+    def close(self) -> None:
+        """No buffers are kept between saves."""
+
+
 def _done(value: Any = None, error: BaseException | None = None) -> Future[Any]:
     future: Future[Any] = Future()
     if error is None:
@@ -249,6 +269,7 @@ class ShardedCheckpointWriter:
         self.env = env
         self.group = dist.new_group(backend="gloo")
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt-shards")
+        self._stager = _HostCopyStager()
         self._pending: Future[Path | None] | None = None
         self._pending_step = 0
         self._lock = threading.Lock()
@@ -277,7 +298,7 @@ class ShardedCheckpointWriter:
         try:
             if self.async_save:
                 shards = dcp.async_save({"model": model_sd, "optim": optim_sd}, storage_writer=storage,
-                                        process_group=self.group)
+                                        process_group=self.group, async_stager=self._stager)
                 assert isinstance(shards, Future)  # a blocking stager: no separate staging future
                 self._pending = self._executor.submit(self._finish, shards, step, step_dir, side)
             else:
