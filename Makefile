@@ -10,7 +10,7 @@ STAMP := $(VENV)/.kiln-installed
 FIND_LINKS := $(if $(wildcard /opt/wheels),--find-links /opt/wheels,)
 PYTEST_ARGS ?=
 
-.PHONY: venv system-deps up down status demo test test-fast lint bench chaos lock clean-state help
+.PHONY: venv system-deps up down status demo test test-fast lint bench gpu-check chaos lock clean-state help
 
 help:
 	@echo "make demo   set everything up and run the production DAG end to end on the embedded stack"
@@ -57,6 +57,11 @@ lint: venv
 
 bench: venv
 	$(BIN)/python benchmarks/run.py $(BENCH)
+
+# On a CUDA machine: NCCL + bf16 + fsdp on the gpt2-small recipe; prints MFU, tokens/s and checkpoint
+# blocking and writes benchmarks/results/gpu_check.json (exits 2 where no GPU is visible).
+gpu-check: venv
+	$(BIN)/python benchmarks/gpu_check.py $(GPU_CHECK_ARGS)
 
 # Seeded fault injection against the real components; writes docs/reliability.md (~45 min on 2 cores).
 # Replay one trial of a report: make chaos SEED=<seed> TRIAL=<family>:<index> (no report written then).

@@ -22,8 +22,12 @@ REPO = HERE.parent
 RESULTS = HERE / "results"
 
 
+STANDALONE = ("run", "__init__", "gpu_check")
+"""Not benchmarks of make bench: this runner, and the GPU check (make gpu-check, on a CUDA machine)."""
+
+
 def discover() -> list[str]:
-    return sorted(p.stem for p in HERE.glob("*.py") if p.stem not in ("run", "__init__") and not p.stem.startswith("_"))
+    return sorted(p.stem for p in HERE.glob("*.py") if p.stem not in STANDALONE and not p.stem.startswith("_"))
 
 
 def machine() -> str:

@@ -45,3 +45,25 @@ def test_render_turns_a_dict_of_rows_into_one_table():
                         "rows": {"sync": {"a": 1, "b": 2}, "async": {"a": 3}}, "plain": {"k": "v"}}})
     assert "| | a | b |\n|---|---|---|\n| sync | 1 | 2 |\n| async | 3 |  |" in doc
     assert "| item | value |\n|---|---|\n| k | v |" in doc and "| ratio | 0.5 |" in doc
+
+
+def test_gpu_check_without_a_gpu_says_so_and_exits_2(capsys):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA device is visible: this checks the refusal where there is none")
+    assert _load("gpu_check").main([]) == 2
+    assert "no CUDA device is visible here" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_gpu_check_plumbing_runs_end_to_end_on_cpu(tmp_path, capsys):
+    """--cpu-dry-run: the check's own steps (two invocations, a sharded resume, the figures) on a tiny
+    CPU model, so the script works before a GPU ever runs it; the figures themselves mean nothing here."""
+    gpu_check = _load("gpu_check")
+    assert gpu_check.main(["--cpu-dry-run", "--steps", "20", "--out", str(tmp_path / "never.json")]) == 0
+    out = capsys.readouterr().out
+    assert "checkpoint_format: 3 (fsdp, world size 1)" in out
+    assert "final checkpoint verified and consolidated: True" in out
+    assert "resumed_from_step: 10" in out
+    assert not (tmp_path / "never.json").exists()  # a dry run records no figures
