@@ -39,8 +39,10 @@ same world size a resumed run is bit-identical, across a world-size change it en
 tolerance (``tests/integration/test_world_size_change.py`` measures it).
 
 Rank and world size come from the environment torchrun sets (RANK, WORLD_SIZE, LOCAL_RANK,
-LOCAL_WORLD_SIZE). Only rank 0 writes shared state: checkpoints, ``metrics.jsonl``, ``metrics.prom``,
-``result.json``. Torch uses ``max(1, cpus // LOCAL_WORLD_SIZE)`` threads per rank unless
+LOCAL_WORLD_SIZE). Only rank 0 writes shared state: ``metrics.jsonl``, ``metrics.prom``,
+``result.json``, and the checkpoints under ``parallel.strategy = "ddp"``; under ``"fsdp"`` (FSDP2,
+``kiln_trainer.parallel``) every rank writes its own shards of each checkpoint and rank 0 commits it
+(``kiln_trainer.sharded_checkpoint``). A checkpoint of either strategy resumes into either. Torch uses ``max(1, cpus // LOCAL_WORLD_SIZE)`` threads per rank unless
 ``KILN_TORCH_THREADS`` says otherwise (set it to 1 when several single-rank agents share a host).
 
 A start resumes from the newest committed checkpoint in ``RUN/checkpoints`` (directories without a
