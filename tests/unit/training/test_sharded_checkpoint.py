@@ -164,3 +164,8 @@ def test_a_full_disk_fails_the_save_with_a_storage_error_and_keeps_the_last_chec
     assert latest_committed(run_dir).name == "step-00000002"
     verify_checkpoint(run_dir / "checkpoints" / "step-00000002")
     assert not (run_dir / "checkpoints" / "step-00000004").exists()  # its partial shards gave their space back
+
+
+def test_keep_last_k_applies_to_sharded_checkpoints(tmp_path: Path) -> None:
+    write_sharded_checkpoints(tmp_path / "run", [2, 4, 6], keep_last=2)
+    assert sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir()) == ["step-00000004", "step-00000006"]
