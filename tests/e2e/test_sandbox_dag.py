@@ -1,6 +1,8 @@
 """The sandbox DAG under a real scheduler (not `dags test`): triggered through the REST API like the
-UI form, it snapshots, quarantines the poisoned shards, trains with torchrun, evaluates and
-registers + promotes under the sandbox model name only; checked afterwards in MLflow's registry."""
+UI form, it snapshots, quarantines the poisoned shards, trains with torchrun -- with the form's
+parallel strategy set to fsdp, so every rank writes its own checkpoint shards -- evaluates and
+registers (the shards consolidated into the served model) + promotes under the sandbox model name
+only; checked afterwards in MLflow's registry. (The production DAG's tests and the demo train ddp.)"""
 
 from __future__ import annotations
 
@@ -29,7 +31,7 @@ def test_sandbox_run_end_to_end(stack, admin):
     admin.unpause(SANDBOX.dag_id)
     with pytest.raises(Exception, match="400|nodes"):  # the form's limits hold over REST too
         admin.trigger(SANDBOX.dag_id, conf={"nodes": 7})
-    run = admin.trigger(SANDBOX.dag_id, conf={"recipe": "tiny.toml", "max_steps": 30, "seed": 5})
+    run = admin.trigger(SANDBOX.dag_id, conf={"recipe": "tiny.toml", "max_steps": 30, "seed": 5, "strategy": "fsdp"})
     final = follow_run(admin, SANDBOX.dag_id, run["dag_run_id"], timeout=780, progress=print)
     states = {ti["task_id"]: ti["state"] for ti in admin.task_instances(SANDBOX.dag_id, run["dag_run_id"])}
     assert final["state"] == "success", states
@@ -57,6 +59,9 @@ def test_sandbox_run_end_to_end(stack, admin):
     assert version.tags["kiln.airflow.run_id"] == run["dag_run_id"]
     train = admin.xcom(SANDBOX.dag_id, run["dag_run_id"], "train")
     assert version.tags["kiln.weights_sha256"] == train["weights_sha256"]
+    committed = json.loads((Path(train["checkpoint"]) / "manifest.json").read_text())
+    assert (committed["format"], committed["strategy"]) == (3, "fsdp")
+    assert {f"__{r}_0.distcp" for r in range(committed["world_size"])} <= set(committed["files"])  # a shard per rank
     # The champion a DAG run promoted is an MLflow pyfunc text model: prompts in, generated text out.
     import mlflow.pyfunc
 
