@@ -89,14 +89,6 @@ def seed_rngs(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def broadcast_int(value: int, env: DistEnv) -> int:
-    if not env.distributed:
-        return value
-    t = torch.tensor([value], dtype=torch.int64, device=env.device)
-    dist.broadcast(t, src=0)
-    return int(t.item())
-
-
 def broadcast_object(obj: Any, env: DistEnv) -> Any:
     """Rank 0's ``obj`` (a small picklable value) on every rank; the others pass anything."""
     if not env.distributed:
@@ -132,6 +124,15 @@ def gather_floats(values: list[float], env: DistEnv) -> list[list[float]]:
     out = [torch.zeros_like(local) for _ in range(env.world_size)]
     dist.all_gather(out, local)
     return [t.tolist() for t in out]
+
+
+def any_rank(flag: bool, env: DistEnv) -> bool:
+    """True on every rank when ``flag`` is true on any rank."""
+    if not env.distributed:
+        return flag
+    t = torch.tensor([int(flag)], dtype=torch.int64, device=env.device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return bool(t.item())
 
 
 def average_across_ranks_(t: torch.Tensor, env: DistEnv) -> None:

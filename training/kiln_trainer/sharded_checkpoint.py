@@ -87,7 +87,7 @@ from kiln_trainer.checkpoint_manifest import (
     step_dir_name,
 )
 from kiln_trainer.config import Recipe
-from kiln_trainer.distributed import DistEnv, broadcast_object
+from kiln_trainer.distributed import DistEnv, any_rank, broadcast_object
 from kiln_trainer.errors import STORAGE_ERRNOS, CheckpointError, StorageError, TrainerError, os_error_text
 from kiln_trainer.model import GPT
 from kiln_trainer.optim import make_optimizer
@@ -399,12 +399,8 @@ class ShardedCheckpointWriter:
             pending.result()
         except (Exception, CheckpointException) as exc:
             error = exc
-        if agree and self.env.distributed:
-            failed = torch.tensor([0 if error is None else 1], dtype=torch.int64, device=self.env.device)
-            dist.all_reduce(failed, op=dist.ReduceOp.MAX)
-            if error is None and int(failed.item()):
-                error = RuntimeError(f"the checkpoint of step {self._pending_step} failed on another rank (its log "
-                                     "says why)")
+        if agree and any_rank(error is not None, self.env) and error is None:
+            error = RuntimeError(f"the checkpoint of step {self._pending_step} failed on another rank (its log says why)")
         if error is not None:
             raise error
         return self.last_committed_dir

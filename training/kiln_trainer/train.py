@@ -42,18 +42,20 @@ Rank and world size come from the environment torchrun sets (RANK, WORLD_SIZE, L
 LOCAL_WORLD_SIZE). Only rank 0 writes shared state: ``metrics.jsonl``, ``metrics.prom``,
 ``result.json``, and the checkpoints under ``parallel.strategy = "ddp"``; under ``"fsdp"`` (FSDP2,
 ``kiln_trainer.parallel``) every rank writes its own shards of each checkpoint and rank 0 commits it
-(``kiln_trainer.sharded_checkpoint``). A checkpoint of either strategy resumes into either. Torch uses ``max(1, cpus // LOCAL_WORLD_SIZE)`` threads per rank unless
-``KILN_TORCH_THREADS`` says otherwise (set it to 1 when several single-rank agents share a host).
+(``kiln_trainer.sharded_checkpoint``). A checkpoint of either strategy resumes into either. Torch
+uses ``max(1, cpus // LOCAL_WORLD_SIZE)`` threads per rank unless ``KILN_TORCH_THREADS`` says
+otherwise (set it to 1 when several single-rank agents share a host).
 
 A start resumes from the newest committed checkpoint in ``RUN/checkpoints`` (directories without a
-valid manifest are ignored and logged); with the same manifest, recipe, seed and world size the
-resumed run ends with the same ``weights_sha256`` as an uninterrupted one. At another world size
-it logs ``resumed at world size 1 from a checkpoint of world size 2``; ranks the checkpoint did not
-have seed their RNGs from (seed, rank, step). At the end rank 0 writes
-``RUN/result.json`` (kind ``kiln.TrainResult``). Exit status 2 means the trainer diagnosed a fault
-(bad recipe, tampered manifest/shard, mismatched tokens, mismatched resume, divergence, a full or
-read-only run directory): retrying will not help. A missing or corrupt object in the S3 token
-store exits 1, like a crash: the store may heal, and a restart resumes.
+valid manifest are ignored and logged; every rank hashes its share of a candidate's files); with
+the same manifest, recipe, seed and world size the resumed run ends with the same
+``weights_sha256`` as an uninterrupted one. At another world size it logs ``resumed at world size 1
+from a checkpoint of world size 2``; ranks the checkpoint did not have seed their RNGs from (seed,
+rank, step). At the end rank 0 writes ``RUN/result.json`` (kind ``kiln.TrainResult``). Exit status
+2 means the trainer diagnosed a fault (bad recipe, tampered manifest/shard, mismatched tokens,
+mismatched resume, divergence, a full or read-only run directory): retrying will not help. A
+missing or corrupt object in the S3 token store exits 1, like a crash: the store may heal, and a
+restart resumes.
 Rank 0 also keeps a copy of the TrainingManifest as ``RUN/training_manifest.json``, so a checkpoint
 can be evaluated without being told which manifest made it.
 
@@ -116,16 +118,18 @@ from kiln_trainer.checkpoint_manifest import (
     SAMPLE_LOG_SUBDIR,
     TRAINING_MANIFEST_COPY,
     atomic_write_bytes,
+    checkpoint_dirs,
     latest_committed,
     manifest_sha256,
     read_manifest,
     step_dir_name,
+    verify_checkpoint,
 )
 from kiln_trainer.config import load_recipe, resume_identity
 from kiln_trainer.data import open_run_tokens, pack_run_tokens
 from kiln_trainer.distributed import (
+    any_rank,
     average_across_ranks_,
-    broadcast_int,
     broadcast_object,
     destroy_process_group,
     env_int,
@@ -138,6 +142,7 @@ from kiln_trainer.distributed import (
 )
 from kiln_trainer.errors import (
     STORAGE_ERRNOS,
+    CheckpointError,
     ResumeMismatchError,
     StorageError,
     TrainerError,
@@ -510,12 +515,25 @@ class Run:
         self.metrics.tag({"kiln.world_size_change": f"{made_at} -> {world} ranks at step {step}"})
 
     def _newest_committed_step_dir(self) -> Path | None:
-        """Rank 0 picks (and verifies) the newest committed checkpoint; every rank learns its path."""
-        found = latest_committed(self.run_dir) if self.env.is_main else None
-        step = broadcast_int(-1 if found is None else int(found.name.split("-")[1]), self.env)
-        if step < 0:
-            return None
-        return self.run_dir / CHECKPOINTS_SUBDIR / step_dir_name(step)
+        """The newest committed checkpoint, verified by all ranks together: rank 0 names the
+        candidates (newest first), each rank hashes its share of a candidate's bytes, and a candidate
+        any rank finds damaged is skipped by all. (Alone, ``latest_committed``.)"""
+        if not self.env.distributed:
+            return latest_committed(self.run_dir)
+        steps = [step for step, _ in reversed(checkpoint_dirs(self.run_dir))] if self.env.is_main else []
+        for step in broadcast_object(steps, self.env):
+            step_dir = self.run_dir / CHECKPOINTS_SUBDIR / step_dir_name(step)
+            problem = ""
+            try:
+                verify_checkpoint(step_dir, share=(self.env.rank, self.env.world_size))
+            except CheckpointError as exc:
+                problem = str(exc)
+                log.warning("ignoring checkpoint at step %d: %s", step, problem)
+            if not any_rank(bool(problem), self.env):
+                return step_dir
+            if self.env.is_main and not problem:
+                log.warning("ignoring checkpoint at step %d: another rank found it damaged (its log says why)", step)
+        return None
 
     def _restore_from(self, step_dir: Path) -> int:
         """Load the checkpoint (rank 0 verified it) into this rank, whatever format, strategy and

@@ -201,3 +201,24 @@ def test_manifest_written_last_and_atomically(committed: Path) -> None:
     assert not [n for n in names if n.endswith(".tmp")]
     manifest_mtime = os.stat(committed / "manifest.json").st_mtime_ns
     assert all(os.stat(committed / n).st_mtime_ns <= manifest_mtime for n in names)
+
+
+def test_ranks_verifying_together_each_hash_a_share_and_the_damage_is_found_by_its_owner(committed: Path) -> None:
+    from kiln_trainer.checkpoint_manifest import _dealt
+
+    names = json.loads((committed / "manifest.json").read_text())["files"]
+    for world in (2, 3, 8):
+        shares = [_dealt(committed, names, (rank, world)) for rank in range(world)]
+        assert set().union(*shares) == set(names) and sum(len(s) for s in shares) == len(names)  # a partition
+    big, small = _dealt(committed, names, (0, 2)), _dealt(committed, names, (1, 2))
+    assert ("model.pt" in big) != ("model.pt" in small)  # the largest files go to different ranks
+    owner = 0 if "optimizer.pt" in big else 1
+    path = committed / "optimizer.pt"
+    path.write_bytes(path.read_bytes()[:-1] + bytes([path.read_bytes()[-1] ^ 1]))
+    verify_checkpoint(committed, share=(1 - owner, 2))  # the other rank's share is whole
+    with pytest.raises(CheckpointError, match="'optimizer.pt' sha256 mismatch"):
+        verify_checkpoint(committed, share=(owner, 2))
+    (committed / "rng-rank00000.pt").unlink()  # a missing file is every rank's finding, whoever hashes it
+    for rank in (0, 1):
+        with pytest.raises(CheckpointError, match="'rng-rank00000.pt' listed in the manifest is missing"):
+            verify_checkpoint(committed, share=(rank, 2))
