@@ -172,6 +172,30 @@ def test_sigkill_during_async_save_then_resume_matches_two_ranks(ref_2rank: Path
     assert read_result(run_dir)["weights_sha256"] == read_result(ref_2rank)["weights_sha256"]
 
 
+def test_two_ranks_verify_together_and_pass_over_a_checkpoint_only_one_of_them_finds_damaged(
+    ref_2rank: Path, corpus: Path, tmp_path: Path
+) -> None:
+    import json
+    import shutil
+
+    from kiln_trainer.checkpoint_manifest import _dealt
+
+    run_dir = tmp_path / "run"
+    shutil.copytree(ref_2rank, run_dir)
+    (run_dir / "result.json").unlink()
+    newest = run_dir / "checkpoints" / "step-00000024"
+    names = json.loads((newest / "manifest.json").read_text())["files"]
+    victim = sorted(_dealt(newest, names, (1, 2)))[0]  # a file rank 1 hashes, rank 0 does not
+    data = bytearray((newest / victim).read_bytes())
+    data[len(data) // 2] ^= 0x04
+    (newest / victim).write_bytes(bytes(data))
+    proc = run_ok(torchrun_cmd(2, train_cmd(corpus, run_dir, *SHORT)), env=trainer_env(**THREADS))
+    assert f"[rank1] WARNING kiln_trainer.train: ignoring checkpoint at step 24: {newest}: file {victim!r} sha256" in proc.stderr
+    assert "[rank0] WARNING kiln_trainer.train: ignoring checkpoint at step 24: another rank found it damaged" in proc.stderr
+    assert "(step 16)" in proc.stderr
+    assert read_result(run_dir)["weights_sha256"] == read_result(ref_2rank)["weights_sha256"]
+
+
 # ---------------------------------------------------------------- faults (in-process: no startup cost)
 
 
