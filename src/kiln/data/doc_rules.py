@@ -305,7 +305,8 @@ class _ScriptRule(_Rule):
 
     def __init__(self, rule: str, params: dict[str, Any]) -> None:
         self.rule = rule
-        self.allowed = "[" + "".join(f"\\p{{{s}}}" for s in params["scripts"]) + "]"
+        # Letters of no allowed script: "not (a non-letter or an allowed letter)", one RE2 class.
+        self.foreign = "[^\\PL" + "".join(f"\\p{{{s}}}" for s in params["scripts"]) + "]"
         self.max_share = float(params["max_other_letter_share"])
         self.min_letters = int(params.get("min_letters", 1))
         self.scripts = list(params["scripts"])
@@ -318,14 +319,19 @@ class _ScriptRule(_Rule):
             return {}
         subset = texts.take(candidates)
         try:
-            letters = pc.count_substring_regex(subset, r"\pL").to_pylist()
-            own = pc.count_substring_regex(subset, self.allowed).to_pylist()
+            foreign = pc.count_substring_regex(subset, self.foreign)
         except pa.ArrowInvalid as exc:
             raise ContractError(f"rule {self.rule}: scripts {self.scripts} are not all Unicode script names RE2 "
                                 f"knows: {exc}") from exc
+        # Only documents with a foreign letter can fail: count all their letters (most have none).
+        some = pc.greater(foreign, 0)
+        rows = [row for row, hit in zip(candidates, some.to_pylist(), strict=True) if hit]
+        if not rows:
+            return {}
+        letters = pc.count_substring_regex(subset.filter(some), r"\pL").to_pylist()
         failed = {}
-        for row, n, mine in zip(candidates, letters, own, strict=True):
-            if n and n >= self.min_letters and (n - mine) / n > self.max_share:
+        for row, n, other in zip(rows, letters, pc.filter(foreign, some).to_pylist(), strict=True):
+            if n and n >= self.min_letters and other / n > self.max_share:
                 failed[row] = "other_script"
         return failed
 
