@@ -72,9 +72,9 @@ def measure(count: int) -> dict[str, Any]:
     from kiln.refs import ShardReport
 
     sys.path.insert(0, str(FIXTURES))
-    from webtext_fixtures import write_corpus
-
     from kiln.data.near_duplicates import NearDuplicateIndex
+
+    from webtext_fixtures import write_corpus
 
     contract = load_contract("web-text@1")
     settings = NearDuplicateSettings.from_contract(contract.near_duplicates or {})
@@ -142,12 +142,14 @@ def main() -> dict[str, Any]:
         "name": "Near-duplicate removal (MinHash LSH) as the corpus grows",
         "baseline": "exact deduplication: sha256 of every document's text and a set lookup, same documents, same process",
         "ratio": round((last["documents"] / last["exact_s"]) / near_rate),
-        "ratio_meaning": f"exact dedup is this many times faster per document than signatures + index pass at {last['documents']} documents",
+        "ratio_meaning": (f"exact dedup is this many times faster per document than signatures + index pass at "
+                          f"{last['documents']} documents"),
         "near_duplicate_docs_per_s (signatures + index pass)": round(near_rate),
         "index_pass_heap_growth": f"{last['pass_heap_peak_mib'] / first['pass_heap_peak_mib']:.2f}x for "
                                   f"{last['documents'] / first['documents']:.0f}x the documents",
         "index_pass_heap_per_document_kib": round(last["pass_heap_peak_mib"] * 1024 / last["documents"], 2),
-        "lsh": f"{last['bands']} bands of {last['rows_per_band']} hashes (datasketch's choice for threshold 0.8, 128 permutations)",
+        "lsh": (f"{last['bands']} bands of {last['rows_per_band']} hashes (datasketch's choice for threshold 0.8, "
+                "128 permutations)"),
         "by_corpus_size": table,
         "why": (
             "Signatures hash every 5-word shingle of every document (SHA-1 per shingle, then 128 permutations in "
