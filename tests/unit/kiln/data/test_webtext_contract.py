@@ -166,3 +166,23 @@ def test_a_contract_without_document_rules_reports_exactly_as_before(tmp_path: P
     assert report.dropped is None and "dropped" not in report.to_json()
     manifest = build_training_manifest("s.dir", "c", "stdlib-py@1", [report])
     assert "drop_rows" not in manifest.shards[0]
+
+
+def test_tokenize_stage_reads_only_kept_rows_and_addresses_them_apart(corpus, contract, tmp_path: Path, capsys) -> None:
+    from kiln.cli import main
+    from kiln.stages.tokenize import _shard_set, _texts
+    from kiln_trainer.packed import iter_training_texts
+    from kiln_trainer.training_manifest import ShardEntry
+
+    manifest = build_training_manifest("s.dir", "webtext", contract, corpus["reports"])
+    assert list(_texts(manifest.shards)) == list(iter_kept_texts(manifest.shards))
+    body = {k: v for k, v in manifest.to_json().items() if k not in ("kind", "sha256")}
+    everything = TrainingManifest.build(**{**body, "shards": [{k: v for k, v in e.items() if k != "drop_rows"}
+                                                             for e in manifest.shards]})
+    entries = [ShardEntry(path=e["path"], sha256=e["sha256"], rows=e["rows"]) for e in everything.shards]
+    assert list(_texts(everything.shards)) == list(iter_training_texts(entries))  # no drop list: the trainer's reader
+    assert _shard_set(everything) != _shard_set(manifest)
+    # kiln tokenize packs with the trainer's packer, which would read every row: refused, naming why.
+    path = manifest.write(tmp_path / "m.json")
+    assert main(["tokenize", "--recipe", "tiny", "--manifest", str(path), "--out", str(tmp_path / "tokens")]) == 2
+    assert "drop_rows" in capsys.readouterr().err and not (tmp_path / "tokens").exists()
