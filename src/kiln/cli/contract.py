@@ -7,9 +7,10 @@
 draft contract for a person to review: columns, types, length ranges and the document rules'
 thresholds at observed quantiles, with what was observed in ``meta.kiln_profile``. It never
 overwrites a file (a published contract version is never edited). ``check`` names every bad field
-of a contract file, one per line on stderr. Exit codes: 0 written / no problem; 1 problems found
-(``check``) or a fault; 2 usage errors (an unusable ``--out``, a corpus without shards, an unknown
-base contract).
+of a contract file, one per line on stderr, then one ``kiln contract check: error:`` line.
+
+Exit codes: 0 written / no problem; 1 problems found (``check``) or a fault; 2 usage errors (an
+unusable ``--out``, a corpus without shards, an unknown base contract).
 """
 
 from __future__ import annotations
@@ -20,8 +21,6 @@ import sys
 from pathlib import Path
 
 from kiln.cli.args import positive_int, refuse_unusable_target
-
-EXIT_PROBLEMS = 1
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -80,9 +79,12 @@ def _init(args: argparse.Namespace) -> int:
 
 def _check(args: argparse.Namespace) -> int:
     from kiln.data.authoring import check_contract_file
+    from kiln.errors import ContractError
 
     problems = check_contract_file(args.file)
     for problem in problems:
         print(f"{args.file}: {problem}", file=sys.stderr)
     print(json.dumps({"file": str(args.file), "ok": not problems, "problems": problems}, indent=2))
-    return EXIT_PROBLEMS if problems else 0
+    if problems:  # the one error line every failing kiln command ends with (exit 1)
+        raise ContractError(f"{len(problems)} problem(s) in {args.file}, listed above")
+    return 0

@@ -234,8 +234,16 @@ def check_contract_file(path: str | Path) -> list[str]:
     """Every problem of a contract file, each naming its field: JSON, the suite's structure, each
     expectation as Great Expectations parses it, the document rules' parameters against datatrove's
     signatures, and (for a file at ``.../NAME/vN.json``) name and version against its place."""
+    import os
+    import stat
+
+    from kiln.util.fs import file_kind
+
     path = Path(path)
     try:
+        mode = os.stat(path).st_mode
+        if not stat.S_ISREG(mode):  # a FIFO would block the read for ever
+            return [f"{path} is a {file_kind(mode)}, not a contract file"]
         suite = json.loads(path.read_text(encoding="utf-8"))
     except OSError as exc:
         return [f"cannot read {path}: {exc.strerror or exc}"]
