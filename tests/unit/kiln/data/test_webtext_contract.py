@@ -186,3 +186,19 @@ def test_tokenize_stage_reads_only_kept_rows_and_addresses_them_apart(corpus, co
     path = manifest.write(tmp_path / "m.json")
     assert main(["tokenize", "--recipe", "tiny", "--manifest", str(path), "--out", str(tmp_path / "tokens")]) == 2
     assert "drop_rows" in capsys.readouterr().err and not (tmp_path / "tokens").exists()
+
+
+def test_kiln_validate_on_web_text_reports_dropped_documents_and_writes_drop_lists(corpus, tmp_path: Path, capsys) -> None:
+    from kiln.cli import main
+
+    report, manifest = tmp_path / "r.json", tmp_path / "m.json"
+    argv = ["validate", str(corpus["out"]), "--contract", "web-text@1", "--report", str(report), "--manifest-out",
+            str(manifest), "--max-quarantine-share", "0.5"]
+    assert main(argv) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["healthy"] == HEALTHY_SHARDS and len(summary["quarantined"]) == len(KINDS)
+    dropped = summary["documents_dropped"]
+    assert dropped["documents"] == sum(dropped["by_rule"].values()) > 0
+    assert json.loads(report.read_text())["dropped"]["healthy_shards"]["documents"] == dropped["documents"]
+    written = TrainingManifest.read(manifest)
+    assert sum(len(e["drop_rows"]) for e in written.shards) == dropped["documents"]
