@@ -143,11 +143,19 @@ class PinnedSnapshot(SnapshotRef):
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class ShardEntry(Ref):
-    """One shard a manifest lists: ``{"path", "sha256", "rows"}`` (path absolute)."""
+    """One shard a manifest lists: ``{"path", "sha256", "rows"}`` (path absolute), plus
+    ``"drop_rows"`` when the contract dropped some of its documents."""
 
     path: str
     sha256: str
     rows: int
+    """Rows in the file (all of them, dropped ones included)."""
+    drop_rows: list[int] | None = None
+    """Sorted row indices (0-based) left out of training: documents the contract's document rules or
+    near-duplicate removal dropped (``kiln.data.validation.dropped``). Absent when none, so a manifest
+    of a contract that drops nothing keeps the hash it always had."""
+
+    _absent_when_none = frozenset({"drop_rows"})
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -156,7 +164,12 @@ class ShardReport(Ref):
 
     Wire format: ``{"path", "sha256", "rows", "verdict", "reasons", "contract"}``; each reason is
     ``{"expectation": str, "column": str|None, "unexpected_count": int, "sample": [str, ...]}`` or,
-    for an unreadable shard, ``{"expectation": "readable_parquet", "error": str}``.
+    for an unreadable shard, ``{"expectation": "readable_parquet", "error": str}``. A contract that
+    drops documents adds ``"dropped"`` (absent otherwise)::
+
+        {"rows": [3, 17], "share": 0.05,
+         "rules": {"gopher_quality": {"count": 1, "details": {"gopher_short_doc": 1}, "sample": ["id (…): …"]},
+                   "near_duplicate": {"count": 1, "details": {"near_duplicate": 1}, "sample": ["…"]}}}
     """
 
     path: str
@@ -166,6 +179,10 @@ class ShardReport(Ref):
     reasons: list[dict[str, Any]] = field(default_factory=list)
     contract: str = ""
     """``name@version`` of the contract the shard was checked against."""
+    dropped: dict[str, Any] | None = None
+    """Documents left out of training, by rule (``kiln.data.validation.dropped``); None: none judged."""
+
+    _absent_when_none = frozenset({"dropped"})
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

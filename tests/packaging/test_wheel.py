@@ -89,7 +89,7 @@ def test_the_installed_copy_is_what_runs_and_it_ships_its_files(installed):
     for module in ("kiln", "kiln_trainer", "launchers"):
         assert Path(facts[module]).is_relative_to(installed["purelib"]), f"{module} came from {facts[module]}"
     assert facts["checkout"] is False
-    assert facts["files"]["contracts"] == ["stdlib-py"]
+    assert facts["files"]["contracts"] == ["stdlib-py", "web-text"]
     assert {"tiny.toml", "small.toml", "production"} <= set(facts["files"]["recipes"])
     assert facts["files"]["dags"] == sorted(p.name for p in (ROOT / "dags").glob("*.py"))
     assert "kiln_signals.py" in facts["files"]["plugins"]

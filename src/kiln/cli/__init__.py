@@ -28,6 +28,7 @@ SUBCOMMAND_MODULES = (
     "kiln.cli.corpus",
     "kiln.cli.snapshot",
     "kiln.cli.validate",
+    "kiln.cli.contract",
     "kiln.cli.registry",
     "kiln.cli.audit",
     "kiln.cli.stack",

@@ -192,6 +192,11 @@ def handler(args: argparse.Namespace) -> int:
         "gate": "pass",
         "manifest": None,
     }
+    if contract.drops_documents:
+        # What leaves training besides the quarantined shards: the healthy shards' dropped documents.
+        kept = validation.report.dropped_summary(reports)["healthy_shards"]
+        summary["documents_dropped"] = {"documents": kept["documents"], "of_documents": kept["of_documents"],
+                                        "by_rule": kept["by_rule"]}
     code = EXIT_OK
     try:
         validation.gate(reports, args.max_quarantine_share, expected_paths=shards)

@@ -5,7 +5,10 @@ The suite JSON *is* the contract. Rules that need a value GE cannot compute per 
 columns; the suite's ``meta.kiln.derived_columns`` says how kiln computes each one before
 validation, so nothing about the contract lives only in code. Rules over a whole snapshot
 (``meta.kiln.snapshot_rules``: doc ids unique across shards) are checked by
-``kiln.data.validation.cross_shard_duplicates``.
+``kiln.data.validation.cross_shard_duplicates``. Document-level rules (``meta.kiln.document_rules``,
+``kiln.data.doc_rules``) and near-duplicate removal (``meta.kiln.near_duplicates``,
+``kiln.data.near_duplicates``) drop documents instead of quarantining the shard, up to
+``meta.kiln.max_dropped_share`` of its documents.
 
 Loading is pure JSON (no great_expectations import); GE itself parses the suite on first use in
 ``kiln.data.validation.suite`` and any error it finds there is also a ``ContractError``.
@@ -68,6 +71,28 @@ class Contract:
     @property
     def snapshot_rules(self) -> list[dict[str, Any]]:
         return list(self.settings.get("snapshot_rules", []))
+
+    @property
+    def document_rules(self) -> list[dict[str, Any]]:
+        """``meta.kiln.document_rules``: ordered document-level rules (``kiln.data.doc_rules``); a
+        document failing one is dropped, not the shard quarantined."""
+        return list(self.settings.get("document_rules", []))
+
+    @property
+    def near_duplicates(self) -> dict[str, Any] | None:
+        """``meta.kiln.near_duplicates``: MinHash LSH settings (``kiln.data.near_duplicates``), or None."""
+        raw = self.settings.get("near_duplicates")
+        return dict(raw) if isinstance(raw, dict) else None
+
+    @property
+    def max_dropped_share(self) -> float:
+        """Share of a shard's documents that may be dropped (document rules + near-duplicates) before the
+        shard is quarantined; 1.0 when the contract drops nothing."""
+        return float(self.settings.get("max_dropped_share", 1.0))
+
+    @property
+    def drops_documents(self) -> bool:
+        return bool(self.document_rules) or self.near_duplicates is not None
 
     @property
     def secret_patterns(self) -> tuple[str, ...]:
@@ -137,47 +162,79 @@ def load_contract(spec: str, contracts_root: Path | None = None) -> Contract:
 
 def _check_suite(suite: Any, name: str, version: int, path: Path) -> None:
     """Structural checks GE would report late or obscurely; GE parses the details on first use."""
+    problems = contract_problems(suite, name=name, version=version)
+    if problems:
+        raise ContractError(f"malformed contract {path}: " + "; ".join(problems))
 
-    def bad(why: str) -> ContractError:
-        return ContractError(f"malformed contract {path}: {why}")
+
+def contract_problems(suite: Any, *, name: str | None = None, version: int | None = None) -> list[str]:
+    """Every structural problem of a contract suite, each naming its field (``kiln contract check``
+    lists them all; ``load_contract`` refuses a contract with any). ``name`` / ``version``: what the
+    file's place says they must be (unchecked when None). Pure JSON: no GE, no datatrove import."""
+    from kiln.data.doc_rules import check_document_rules
+    from kiln.data.near_duplicates import check_near_duplicate_settings
 
     if not isinstance(suite, dict):
-        raise bad("top level must be a JSON object (a GE expectation suite)")
-    if suite.get("name") != name:
-        raise bad(f"suite name {suite.get('name')!r} does not match the contract name {name!r}")
+        return ["top level must be a JSON object (a GE expectation suite)"]
+    problems: list[str] = []
+    if not isinstance(suite.get("name"), str) or not _NAME.match(suite["name"]):
+        problems.append(f"name must be a contract name (lowercase letters, digits, . _ -), got {suite.get('name')!r}")
+    elif name is not None and suite["name"] != name:
+        problems.append(f"suite name {suite.get('name')!r} does not match the contract name {name!r}")
     expectations = suite.get("expectations")
     if not isinstance(expectations, list) or not expectations:
-        raise bad("'expectations' must be a non-empty list")
+        problems.append("'expectations' must be a non-empty list")
+        expectations = []
     for i, exp in enumerate(expectations):
         if not isinstance(exp, dict) or not str(exp.get("type", "")).startswith("expect_"):
-            raise bad(f"expectations[{i}] needs a 'type' starting with 'expect_'")
+            problems.append(f"expectations[{i}] needs a 'type' starting with 'expect_'")
+            continue
         if not isinstance(exp.get("kwargs"), dict):
-            raise bad(f"expectations[{i}] ({exp['type']}) needs a 'kwargs' object")
+            problems.append(f"expectations[{i}] ({exp['type']}) needs a 'kwargs' object")
+            continue
+        if exp["type"] == "expect_column_values_to_not_match_regex_list":
+            for j, pattern in enumerate(exp["kwargs"].get("regex_list", [])):
+                try:
+                    re.compile(pattern)
+                except (TypeError, re.error) as exc:
+                    problems.append(f"expectations[{i}].kwargs.regex_list[{j}]: secret pattern {pattern!r} "
+                                    f"does not compile: {exc}")
     kiln = suite.get("meta", {}).get("kiln") if isinstance(suite.get("meta"), dict) else None
     if not isinstance(kiln, dict):
-        raise bad("'meta.kiln' (kiln settings: version, derived columns, snapshot rules) is missing")
-    if kiln.get("version") != version:
-        raise bad(f"meta.kiln.version {kiln.get('version')!r} does not match the file version {version}")
+        problems.append("'meta.kiln' (kiln settings: version, derived columns, snapshot rules) is missing")
+        return problems
+    if version is not None and kiln.get("version") != version:
+        problems.append(f"meta.kiln.version {kiln.get('version')!r} does not match the file version {version}")
+    elif isinstance(kiln.get("version"), bool) or not isinstance(kiln.get("version"), int) or kiln["version"] < 1:
+        problems.append(f"meta.kiln.version must be a positive integer, got {kiln.get('version')!r}")
     derived = kiln.get("derived_columns", {})
     if not isinstance(derived, dict):
-        raise bad("meta.kiln.derived_columns must be an object")
+        problems.append("meta.kiln.derived_columns must be an object")
+        derived = {}
     for column, spec in derived.items():
         if not isinstance(spec, dict) or spec.get("kind") not in DERIVED_COLUMN_KINDS:
-            raise bad(f"derived column {column!r}: kind must be one of {sorted(DERIVED_COLUMN_KINDS)}")
+            problems.append(f"derived column {column!r}: kind must be one of {sorted(DERIVED_COLUMN_KINDS)}")
+            continue
         if not isinstance(spec.get("column"), str):
-            raise bad(f"derived column {column!r} needs the source 'column'")
+            problems.append(f"derived column {column!r} needs the source 'column'")
         if spec["kind"] == "char_share":
             try:
                 re.compile(spec["pattern"])
             except (KeyError, TypeError, re.error) as exc:
-                raise bad(f"derived column {column!r}: bad 'pattern': {exc}") from exc
-    for rule in kiln.get("snapshot_rules", []):
+                problems.append(f"derived column {column!r}: bad 'pattern': {exc}")
+    rules = kiln.get("snapshot_rules", [])
+    for i, rule in enumerate(rules if isinstance(rules, list) else [rules]):
         if not isinstance(rule, dict) or rule.get("rule") not in SNAPSHOT_RULES:
-            raise bad(f"snapshot rule {rule!r}: 'rule' must be one of {sorted(SNAPSHOT_RULES)}")
-    for exp in expectations:
-        if exp["type"] == "expect_column_values_to_not_match_regex_list":
-            for pattern in exp["kwargs"].get("regex_list", []):
-                try:
-                    re.compile(pattern)
-                except (TypeError, re.error) as exc:
-                    raise bad(f"secret pattern {pattern!r} does not compile: {exc}") from exc
+            problems.append(f"meta.kiln.snapshot_rules[{i}]: snapshot rule {rule!r}: 'rule' must be one of "
+                            f"{sorted(SNAPSHOT_RULES)}")
+    if "document_rules" in kiln:
+        problems.extend(check_document_rules(kiln["document_rules"]))
+    if "near_duplicates" in kiln:
+        problems.extend(check_near_duplicate_settings(kiln["near_duplicates"]))
+    share = kiln.get("max_dropped_share")
+    if "max_dropped_share" in kiln and (isinstance(share, bool) or not isinstance(share, (int, float)) or not 0 <= share <= 1):
+        problems.append(f"meta.kiln.max_dropped_share must be a number in [0, 1], got {share!r}")
+    if ("document_rules" in kiln or "near_duplicates" in kiln) and "max_dropped_share" not in kiln:
+        problems.append("meta.kiln.max_dropped_share is missing: a contract that drops documents must say above which "
+                        "share of a shard's documents the shard is quarantined")
+    return problems

@@ -50,14 +50,27 @@ def _recipe(policy: Policy, params: dict[str, Any]):  # -> (kiln_trainer.config.
 
 
 def _shard_set(manifest: TrainingManifest) -> str:
-    """The healthy shards, by content: what a packed corpus was made of besides its tokenizer."""
-    return hashlib.sha256(canonical_json([s["sha256"] for s in manifest.shards])).hexdigest()[:16]
+    """The healthy shards, by content, and the rows the contract dropped from them: what a packed
+    corpus was made of besides its tokenizer (a shard without a drop list hashes as it always did)."""
+    shards = [s["sha256"] if not s.get("drop_rows") else [s["sha256"], s["drop_rows"]] for s in manifest.shards]
+    return hashlib.sha256(canonical_json(shards)).hexdigest()[:16]
 
 
-def _entries(manifest: TrainingManifest) -> list[Any]:
+def _texts(shards: list[dict[str, Any]]) -> Any:
+    """The documents of these manifest shards the trainer may see: the contract's dropped rows left out."""
+    from kiln.data.validation.dropped import has_drop_rows, iter_kept_texts
+
+    if has_drop_rows(shards):
+        return iter_kept_texts(shards)
+    from kiln_trainer.packed import iter_training_texts
+
+    return iter_training_texts(_entries_of(shards))
+
+
+def _entries_of(shards: list[dict[str, Any]]) -> list[Any]:
     from kiln_trainer.training_manifest import ShardEntry
 
-    return [ShardEntry(path=s["path"], sha256=s["sha256"], rows=int(s["rows"])) for s in manifest.shards]
+    return [ShardEntry(path=s["path"], sha256=s["sha256"], rows=int(s["rows"])) for s in shards]
 
 
 def _gate_manifest(key: str, data: DataGateResult) -> TrainingManifest:
@@ -90,7 +103,6 @@ def _out_dir(manifest: TrainingManifest, tokenizer: Any, block_size: int) -> Pat
 def tokenizer_stage(policy: Policy, data: DataGateResult, params: dict[str, Any], key: str) -> TokenizerRef:
     """The run's tokenizer, built (or found) and stored by its sha256."""
     from kiln_trainer.errors import TokenizerError
-    from kiln_trainer.packed import iter_training_texts
     from kiln_trainer.tokenizer import build_tokenizer
 
     manifest = _gate_manifest(key, data)
@@ -105,7 +117,7 @@ def tokenizer_stage(policy: Policy, data: DataGateResult, params: dict[str, Any]
             tokenizer = _load_tokenizer(TokenizerRef.from_json(json.loads(trained.read_text())))
         else:
             tokenizer = build_tokenizer(cfg, recipe_path=recipe_path,
-                                        training_texts=lambda: iter_training_texts(_entries(manifest)))
+                                        training_texts=lambda: _texts(manifest.shards))
     except TokenizerError as exc:
         raise ConfigError(f"recipe {recipe_path} [tokenizer]: {exc}") from exc
     path = store / f"{tokenizer.sha256}.json"
@@ -132,19 +144,20 @@ def tokenize_stage(policy: Policy, data: DataGateResult, tokenizer: TokenizerRef
                    params: dict[str, Any], key: str) -> list[PackedPart]:
     """Pack shards ``parts`` of the run's manifest (one part each); a part already packed from the
     same inputs is kept."""
-    from kiln_trainer.packed import iter_training_texts, pack_part
+    from kiln_trainer.packed import pack_part
 
     manifest = _gate_manifest(key, data)
     recipe, _recipe_path = _recipe(policy, params)
     tok = _load_tokenizer(tokenizer)
-    entries = _entries(manifest)
+    shards = manifest.shards
     out = _out_dir(manifest, tok, recipe.model.block_size)
-    bad = [p for p in parts if not 0 <= p < len(entries)]
+    bad = [p for p in parts if not 0 <= p < len(shards)]
     if bad:
-        raise RunMismatchError(f"run {key}: parts {bad} are no shard of its manifest ({len(entries)} shards)")
+        raise RunMismatchError(f"run {key}: parts {bad} are no shard of its manifest ({len(shards)} shards)")
     packed = []
     for part in parts:
-        record = pack_part(iter_training_texts([entries[part]]), tok, out, part=part, block_size=recipe.model.block_size)
+        # The contract's dropped documents (drop_rows) are left out here: they never reach a token shard.
+        record = pack_part(_texts([shards[part]]), tok, out, part=part, block_size=recipe.model.block_size)
         packed.append(PackedPart(part=part, samples=sum(int(s["samples"]) for s in record["shards"]),
                                  tokens=int(record["tokens"]), documents=int(record["documents"]),
                                  dropped_tokens=int(record["dropped_tokens"])))

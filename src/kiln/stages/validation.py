@@ -32,12 +32,18 @@ def validate_stage(policy: Policy, snapshot: PinnedSnapshot, shards: list[str], 
     from kiln.data.validation import load_eval_doc_hashes, validate_shards
 
     root = Path(recorded_snapshot(snapshot.id).path)
-    reports = list(validate_shards([root / s for s in shards], load_contract(policy.contract), load_eval_doc_hashes(root)))
+    reports = list(validate_shards([root / s for s in shards], load_contract(policy.contract), load_eval_doc_hashes(root),
+                                   signatures_dir=_signatures_dir(key)))
     record = {"kind": runs.VALIDATION_BATCH_KIND, "snapshot_id": snapshot.id, "contract": policy.contract,
               "shards": list(shards), "reports": [r.to_json() for r in reports]}
     atomic_write_text(run_dir(key) / runs.VALIDATION_SUBDIR / runs.validation_batch(list(shards)),
                       json.dumps(record, indent=1, sort_keys=True) + "\n")
     return reports
+
+
+def _signatures_dir(key: str) -> Path:
+    """The run's MinHash signatures, written by the validation tasks, read by the data gate."""
+    return run_dir(key) / runs.VALIDATION_SUBDIR / runs.VALIDATION_SIGNATURES_SUBDIR
 
 
 def recorded_shard_reports(key: str, snapshot_id: str, contract: str) -> dict[str, ShardReport]:
@@ -74,6 +80,7 @@ def data_gate_stage(policy: Policy, snapshot: PinnedSnapshot, batches: list[list
     from kiln.data.validation import (
         build_training_manifest,
         cross_shard_duplicates,
+        drop_near_duplicates,
         gate,
         publish_quarantine_report,
         skipped_train_entries,
@@ -109,12 +116,15 @@ def data_gate_stage(policy: Policy, snapshot: PinnedSnapshot, batches: list[list
             f"{pinned.snapshot_id}; this try's snapshot is {snapshot.id}: a run trains on one snapshot, "
             "trigger a new run for the new bytes"
         )
-    shard_reports = cross_shard_duplicates(reports)
+    contract = load_contract(policy.contract)
+    # The snapshot rules, in path order whatever order the validation tasks finished in: doc ids in one
+    # healthy shard only, then near-duplicate documents dropped (a contract with near_duplicates).
+    shard_reports = drop_near_duplicates(cross_shard_duplicates(reports), contract, signatures_dir=_signatures_dir(key))
     # Published before the gate (on-call needs it most when the gate fails): JSON + an HTML page in
     # the run dir, and both as artifacts of the run's MLflow run (the one training will log into).
     mlflow_run_id = mlflow_run_of(policy, key, {"kiln.snapshot_id": snapshot.id, "kiln.policy": policy.name})
     published = publish_quarantine_report(
-        shard_reports, out, snapshot_id=snapshot.id, contract=load_contract(policy.contract),
+        shard_reports, out, snapshot_id=snapshot.id, contract=contract,
         max_quarantine_share=policy.max_quarantine_share, mlflow_run_id=mlflow_run_id,
         skipped=skipped_train_entries(root),
     )

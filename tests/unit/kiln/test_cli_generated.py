@@ -112,6 +112,13 @@ COMMANDS: dict[str, st.SearchStrategy[list[str]]] = {
         "--manifest": paths, "--out": good("new-dir", "dir", bad=paths), "--manifest-out": good("m.json", bad=paths),
         "--set": st.sampled_from(["tokenizer.kind=bpe", "tokenizer.kind=nope", "tokenizer.vocab_size=3",
                                   "tokenizer.path=/nonexistent", "model.block_size=0"])}),
+    "contract": st.one_of(
+        _args(["contract", "init"], {"--from": good("corpus", bad=paths), "--out": good("new.json", "dir/d.json", bad=paths),
+                                     "--base": good("web-text@1", "stdlib-py@1", bad=names),
+                                     "--text-column": good("text", "source", bad=names), "--version": numbers},
+              [good("my-corpus", bad=names)]),
+        _args(["contract", "check"], {}, [good("empty.json", "file.txt", bad=paths)]),
+    ),
     "registry": st.one_of(
         _args(["promote"], {"--policy": st.sampled_from(["sandbox", "production", "Production", ""]), "--approver": names},
               [names, numbers]),

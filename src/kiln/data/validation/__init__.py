@@ -5,6 +5,8 @@
     skipped_train_entries(corpus_dir) -> [SkippedEntry]                 what in train/ is not a shard (named in reports)
     load_eval_doc_hashes(corpus_dir) -> EvalDocHashes                   the eval split, for the contamination rule
     cross_shard_duplicates(reports) -> reports                          snapshot rule: ids unique across shards
+    drop_near_duplicates(reports, contract) -> reports                  snapshot rule: near-duplicate documents dropped
+    drop_rows(report) -> [row]                                          the rows a contract dropped (left out of training)
     gate(reports, max_quarantine_share)                                 DataGateError (no retry) above threshold
     build_training_manifest(...) -> TrainingManifest                    healthy shards only
     write_quarantine_report(reports, path)                              every shard with its verdict (JSON)
@@ -19,6 +21,7 @@ The modules, in the order a shard meets them:
     patterns     what a regex can match: required literals (the secret-rule prefilter), RE2 spellings
     one_shard    one shard, one GE run: the reference semantics
     stacking     a batch's shards in one GE run, each result charged back to its shard
+    dropped      documents dropped by the contract's document rules and near-duplicate removal
     reasons      a report's reasons, with short and redacted samples
     validate     the entry points above: one shard, a batch, a corpus directory
     cross_shard  the snapshot rule: a doc id in one healthy shard only
@@ -41,6 +44,7 @@ reference the batched path is tested against.
 
 from kiln.data.validation.cross_shard import CROSS_SHARD_RULE, cross_shard_duplicates
 from kiln.data.validation.data_gate import build_training_manifest, gate, quarantined_share
+from kiln.data.validation.dropped import DROPPED_SHARE_RULE, NEAR_DUPLICATE_RULE, drop_near_duplicates, drop_rows
 from kiln.data.validation.eval_split import EvalDocHashes, load_eval_doc_hashes
 from kiln.data.validation.report import (
     publish_quarantine_report,
@@ -61,12 +65,16 @@ from kiln.data.validation.validate import validate_directory, validate_shard, va
 
 __all__ = [
     "CROSS_SHARD_RULE",
+    "DROPPED_SHARE_RULE",
+    "NEAR_DUPLICATE_RULE",
     "READABLE_RULE",
     "TRAIN_GLOB",
     "EvalDocHashes",
     "SkippedEntry",
     "build_training_manifest",
     "cross_shard_duplicates",
+    "drop_near_duplicates",
+    "drop_rows",
     "eval_shards",
     "gate",
     "load_eval_doc_hashes",

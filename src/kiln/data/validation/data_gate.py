@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from kiln.data.contracts import Contract
+from kiln.data.validation.dropped import drop_rows
 from kiln.errors import ContractError, DataGateError
 from kiln.refs import ShardEntry, ShardReport, TrainingManifest, sha256_file
 
@@ -71,7 +72,8 @@ def build_training_manifest(
     reports: Sequence[ShardReport],
     eval_shards: Sequence[str | Path | ShardEntry | dict[str, Any]] = (),
 ) -> TrainingManifest:
-    """What the trainer may read: the healthy shards (path, sha256, rows), sorted by path.
+    """What the trainer may read: the healthy shards (path, sha256, rows, and the ``drop_rows`` the
+    contract dropped from them), sorted by path.
 
     Quarantined shards are listed by path only (their bytes stay in the snapshot for forensics).
     Reports checked against another contract version than ``contract`` are a fault.
@@ -85,7 +87,7 @@ def build_training_manifest(
         snapshot_id=snapshot_id,
         corpus=corpus,
         contract=ref,
-        shards=[ShardEntry(path=r.path, sha256=r.sha256, rows=r.rows).to_json() for r in healthy],
+        shards=[ShardEntry(path=r.path, sha256=r.sha256, rows=r.rows, drop_rows=drop_rows(r) or None).to_json() for r in healthy],
         eval_shards=sorted((_shard_entry(s) for s in eval_shards), key=lambda e: e["path"]),
         quarantined=sorted(r.path for r in reports if r.verdict != "healthy"),
     )

@@ -53,7 +53,31 @@ def quarantine_report(
         body["contract_sha256"] = contract.sha256
     if skipped is not None:
         body["skipped"] = [e.to_json() for e in sorted(skipped, key=lambda e: e.path)]
+    if any(r.dropped is not None for r in ordered):
+        body["dropped"] = dropped_summary(ordered)
     return body
+
+
+def dropped_summary(reports: Sequence[ShardReport]) -> dict[str, Any]:
+    """Documents the contract dropped, by rule: in all shards, and in the healthy ones (what actually
+    leaves training besides the quarantined shards)."""
+
+    def tally(chosen: Sequence[ShardReport]) -> dict[str, Any]:
+        by_rule: dict[str, int] = {}
+        details: dict[str, dict[str, int]] = {}
+        for r in chosen:
+            for rule, entry in ((r.dropped or {}).get("rules") or {}).items():
+                by_rule[rule] = by_rule.get(rule, 0) + int(entry.get("count", 0))
+                for detail, count in (entry.get("details") or {}).items():
+                    details.setdefault(rule, {})[detail] = details.get(rule, {}).get(detail, 0) + int(count)
+        documents = sum(len((r.dropped or {}).get("rows") or []) for r in chosen)
+        rows = sum(r.rows for r in chosen)
+        return {"documents": documents, "of_documents": rows, "share": round(documents / rows, 6) if rows else 0.0,
+                "by_rule": dict(sorted(by_rule.items())),
+                "details": {k: dict(sorted(v.items())) for k, v in sorted(details.items())}}
+
+    judged = [r for r in reports if r.dropped is not None]
+    return {"all_shards": tally(judged), "healthy_shards": tally([r for r in judged if r.verdict == "healthy"])}
 
 
 def write_quarantine_report(
@@ -97,6 +121,42 @@ def _html_reason(reason: dict[str, Any], patterns: Sequence[str]) -> str:
     return "<li>" + "".join(parts) + "</li>"
 
 
+def _html_dropped_cell(report: dict[str, Any], patterns: Sequence[str]) -> str:
+    from html import escape
+
+    dropped = report.get("dropped")
+    if not dropped:
+        return "<td>-</td>"
+    rows = len(dropped.get("rows") or [])
+    items = []
+    for rule, entry in (dropped.get("rules") or {}).items():
+        details = ", ".join(f"{escape(str(k))} {v}" for k, v in sorted((entry.get("details") or {}).items()))
+        samples = "".join(f"<br><code>{escape(redact(str(s), patterns))}</code>" for s in entry.get("sample") or [])
+        items.append(f"<li><code>{escape(rule)}</code> — {entry.get('count', 0)} ({details}){samples}</li>")
+    return f"<td>{rows} of {report['rows']} ({float(dropped.get('share', 0)):.1%})<ul>{''.join(items)}</ul></td>"
+
+
+def _html_dropped_summary(summary: dict[str, Any]) -> str:
+    from html import escape
+
+    everywhere, healthy = summary["all_shards"], summary["healthy_shards"]
+    rules = sorted(set(everywhere["by_rule"]) | set(healthy["by_rule"]))
+    rows = "".join(
+        f"<tr><td><code>{escape(rule)}</code></td><td>{healthy['by_rule'].get(rule, 0)}</td>"
+        f"<td>{everywhere['by_rule'].get(rule, 0)}</td><td>"
+        + escape(", ".join(f"{k} {v}" for k, v in everywhere["details"].get(rule, {}).items())) + "</td></tr>"
+        for rule in rules
+    )
+    return (
+        f"<h2>Documents dropped: {healthy['documents']} of {healthy['of_documents']} in healthy shards "
+        f"({healthy['share']:.1%}); {everywhere['documents']} in all judged shards</h2>"
+        "<p>A dropped document stays in its shard file; the TrainingManifest lists its row (<code>drop_rows</code>) "
+        "and the tokenize stage leaves it out.</p>"
+        "<table><tr><th>rule</th><th>dropped in healthy shards</th><th>dropped in all shards</th><th>details</th></tr>"
+        + rows + "</table>"
+    )
+
+
 def _html_contract(contract: Contract) -> str:
     from html import escape
 
@@ -110,12 +170,31 @@ def _html_contract(contract: Contract) -> str:
             f"<td><code>{escape(exp['type'])}</code></td><td><code>{escape(json.dumps(kwargs, sort_keys=True))}</code></td>"
             f"<td>{escape(str(exp.get('description', '')))}</td></tr>"
         )
+    document_rules = "".join(
+        f"<tr><td><code>{escape(str(rule.get('rule')))}</code></td><td><code>{escape(str(rule.get('kind')))}</code></td>"
+        f"<td><code>{escape(json.dumps(rule.get('params', {}), sort_keys=True))}</code></td>"
+        f"<td>{escape(str(rule.get('description', '')))}</td></tr>"
+        for rule in contract.document_rules
+    )
+    near = contract.near_duplicates
+    if near is not None:
+        settings = {k: v for k, v in near.items() if k not in ("description", "source")}
+        document_rules += (f"<tr><td><code>near_duplicate</code></td><td><code>{escape(str(near.get('kind')))}</code></td>"
+                           f"<td><code>{escape(json.dumps(settings, sort_keys=True))}</code></td>"
+                           f"<td>{escape(str(near.get('description', '')))}</td></tr>")
+    documents = (
+        f"<h3>Document rules (a failing document is dropped; a shard dropping over {contract.max_dropped_share:.0%} "
+        "of its documents is quarantined)</h3>"
+        "<table><tr><th>rule</th><th>kind</th><th>parameters</th><th>why</th></tr>" + document_rules + "</table>"
+        if document_rules else ""
+    )
     return (
         f"<h2>Contract <code>{escape(contract.ref)}</code></h2><p>sha256 <code>{contract.sha256}</code> · "
         f"<code>{escape(str(contract.path))}</code></p>"
         "<table><tr><th>#</th><th>rule</th><th>expectation</th><th>arguments</th><th>why</th></tr>"
         + "".join(rules)
         + "</table>"
+        + documents
     )
 
 
@@ -155,6 +234,7 @@ def render_quarantine_html(
     paths = [r["path"] for r in body["reports"]]
     root = os.path.commonpath(paths) if len(paths) > 1 else (os.path.dirname(paths[0]) if paths else "")
     rows = []
+    with_drops = "dropped" in body
     for r in sorted(body["reports"], key=lambda r: (r["verdict"] == "healthy", r["path"])):  # on-call reads the top
         name = os.path.relpath(r["path"], root) if root else r["path"]
         reasons = "".join(_html_reason(reason, patterns) for reason in r["reasons"])
@@ -162,7 +242,7 @@ def render_quarantine_html(
             f"<tr class='{escape(r['verdict'])}'><td title='{escape(r['path'])}'>{escape(name)}</td>"
             f"<td>{escape(r['verdict'])}</td>"
             f"<td>{r['rows']}</td><td><code title='{escape(r['sha256'])}'>{escape(r['sha256'][:12])}</code></td>"
-            f"<td><ul>{reasons}</ul></td></tr>"
+            f"<td><ul>{reasons}</ul></td>" + (_html_dropped_cell(r, patterns) if with_drops else "") + "</tr>"
         )
     gate_line = (
         f"<p>Data gate: <b>{escape(body['gate'])}</b> (max quarantined share {body['max_quarantine_share']:.1%})</p>"
@@ -177,9 +257,11 @@ def render_quarantine_html(
         f"contract: <code>{escape(', '.join(contract_refs))}</code> · {body['healthy']}/{body['shards']} shards healthy · "
         f"quarantined share {body['quarantined_share']:.1%}</p>{gate_line}"
         f"<p>Shards under <code>{escape(root or '-')}</code>; a quarantined shard's bytes stay in the snapshot.</p>"
-        "<table><tr><th>shard</th><th>verdict</th><th>rows</th><th>sha256</th><th>reasons</th></tr>"
+        "<table><tr><th>shard</th><th>verdict</th><th>rows</th><th>sha256</th><th>reasons</th>"
+        + ("<th>documents dropped</th>" if with_drops else "") + "</tr>"
         + "".join(rows)
         + "</table>"
+        + (_html_dropped_summary(body["dropped"]) if with_drops else "")
         + _html_skipped(body.get("skipped", []))
         + (_html_contract(loaded) if loaded is not None else "")
         + "</body></html>\n"

@@ -7,6 +7,7 @@ from pathlib import Path
 
 from kiln.data.contracts import Contract
 from kiln.data.validation.cross_shard import cross_shard_duplicates
+from kiln.data.validation.dropped import drop_near_duplicates, judge_documents, write_signatures
 from kiln.data.validation.eval_split import load_eval_doc_hashes
 from kiln.data.validation.one_shard import _validate_alone
 from kiln.data.validation.shards import _load_shard, _LoadedShard, train_shards
@@ -14,6 +15,17 @@ from kiln.data.validation.stacking import MAX_BATCH_ROWS, _source_columns, _stac
 from kiln.data.validation.suite import _as_contract, _great_expectations
 from kiln.errors import ContractError
 from kiln.refs import ShardReport
+
+
+def _finished(
+    loaded: _LoadedShard, report: ShardReport, contract: Contract, signatures_dir: str | Path | None
+) -> ShardReport:
+    """A judged shard's report with its documents judged too (contracts with document rules), and its
+    near-duplicate signatures kept for the data gate (given ``signatures_dir``)."""
+    report = judge_documents(loaded, report, contract)
+    if signatures_dir is not None:
+        write_signatures(loaded, report, contract, signatures_dir)
+    return report
 
 
 def validate_shard(
@@ -29,7 +41,9 @@ def validate_shard(
     contract = _as_contract(contract)
     ge = _great_expectations()
     loaded = _load_shard(path, contract, None if root is None else str(root))
-    return loaded if isinstance(loaded, ShardReport) else _validate_alone(loaded, contract, ge, eval_doc_hashes)
+    if isinstance(loaded, ShardReport):
+        return loaded
+    return _finished(loaded, _validate_alone(loaded, contract, ge, eval_doc_hashes), contract, None)
 
 
 def validate_shards(
@@ -38,13 +52,16 @@ def validate_shards(
     eval_doc_hashes: frozenset[str] = frozenset(),
     *,
     root: str | Path | None = None,
+    signatures_dir: str | Path | None = None,
 ) -> list[ShardReport]:
     """A batch of shards in one process: what a mapped DAG task runs. Reports in ``paths`` order.
 
     Shards of the same schema are stacked into one GE run (up to ``MAX_BATCH_ROWS`` rows), and
     each report is exactly the one ``validate_shard`` gives for that shard alone. Unreadable shards
     (and files that are not regular, see ``validate_shard``) are quarantined one by one; like
-    ``validate_shard``, this raises only ``ContractError``.
+    ``validate_shard``, this raises only ``ContractError``. A contract with document rules also
+    judges each healthy shard's documents (``ShardReport.dropped``); with near-duplicate settings and
+    ``signatures_dir``, each healthy shard's MinHash signatures are written there for the data gate.
     """
     contract = _as_contract(contract)
     ge = _great_expectations()
@@ -57,8 +74,8 @@ def validate_shards(
         nonlocal pending_rows
         for members in pending.values():
             judged = _validate_stack([s for _, s in members], contract, ge, eval_doc_hashes)
-            for (position, _), report in zip(members, judged, strict=True):
-                reports[position] = report
+            for (position, shard), report in zip(members, judged, strict=True):
+                reports[position] = _finished(shard, report, contract, signatures_dir)
         pending.clear()
         pending_rows = 0
 
@@ -67,7 +84,7 @@ def validate_shards(
         if isinstance(loaded, ShardReport):
             reports.append(loaded)
         elif not _stackable(loaded, contract, needed):
-            reports.append(_validate_alone(loaded, contract, ge, eval_doc_hashes))
+            reports.append(_finished(loaded, _validate_alone(loaded, contract, ge, eval_doc_hashes), contract, signatures_dir))
         else:
             reports.append(None)
             pending.setdefault(loaded.schema_key, []).append((len(reports) - 1, loaded))
@@ -82,10 +99,12 @@ def validate_shards(
 
 
 def validate_directory(corpus_dir: str | Path, contract: Contract | str) -> list[ShardReport]:
-    """Every ``train/*.parquet`` of a corpus directory, then the snapshot rule across shards.
+    """Every ``train/*.parquet`` of a corpus directory, then the snapshot rules across shards: doc
+    ids unique, and (contracts with ``near_duplicates``) near-duplicate documents dropped.
 
     Shards are read only from inside the corpus: a link (or symlinked folder) to elsewhere is
     quarantined. What else lies in ``train/`` is listed by ``skipped_train_entries``."""
     contract = _as_contract(contract)
     hashes = load_eval_doc_hashes(corpus_dir)
-    return cross_shard_duplicates(validate_shards(train_shards(corpus_dir), contract, hashes, root=corpus_dir))
+    reports = cross_shard_duplicates(validate_shards(train_shards(corpus_dir), contract, hashes, root=corpus_dir))
+    return drop_near_duplicates(reports, contract)

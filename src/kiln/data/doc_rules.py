@@ -1,0 +1,394 @@
+"""Document-level rules: which documents of a shard are dropped, and by which rule.
+
+A contract's ``meta.kiln.document_rules`` is an ordered list; each document is dropped by the first
+rule it fails (the order of datatrove's FineWeb pipeline: a document a filter removed never reaches
+the next one), and kept when it passes them all::
+
+    {"rule": "gopher_quality", "kind": "datatrove.GopherQualityFilter", "params": {"min_doc_words": 50}}
+
+Kinds (``DOCUMENT_RULE_KINDS``):
+
+    datatrove.GopherRepetitionFilter   Rae et al. 2021 (Gopher), table A1          datatrove's filter, as is
+    datatrove.GopherQualityFilter      Rae et al. 2021, MassiveWeb quality rules   datatrove's filter, as is
+    datatrove.C4QualityFilter          Raffel et al. 2020 (C4), section 2.2        datatrove's filter, verdict only
+    datatrove.FineWebQualityFilter     Penedo et al. 2024 (FineWeb)                datatrove's filter, as is
+    kiln.pii                           e-mail and public IP addresses (datatrove's PIIFormatter patterns),
+                                       phone numbers (the contract's pattern)
+    kiln.script                        share of letters outside the contract's Unicode scripts (RE2 ``\\p{Script}``)
+
+Two choices keep every rule offline and the verdict about the bytes kiln trains on:
+
+* **Words are whitespace-separated** (``WHITESPACE_WORDS``): datatrove's English default is a spaCy
+  tokenizer (15 more packages) that counts punctuation as words, which Gopher's rules do not (its
+  80 %-alphabetic-words rule then drops ordinary prose: measured on the standard library's docs,
+  median 0.65). Sentences use datatrove's own regex sentence splitter (no NLTK punkt download).
+* **A rule judges the original text.** C4's filter removes lines (no terminal punctuation, "javascript",
+  cookie notices) before counting sentences and passes the cleaned text on; kiln never rewrites a
+  document (training reads the snapshot's bytes), so only the document-level verdict is used and each
+  rule sees the text as stored.
+
+Not usable offline, so not offered: datatrove's ``LanguageFilter`` (fastText model download; ``kiln.script``
+stands in for "another script"), ``C4BadWordsFilter`` (word list download), NLTK-based tokenizers.
+
+datatrove is imported on first use (0.4 s); ``check_document_rules`` needs it only for the datatrove
+kinds' parameter names.
+"""
+
+from __future__ import annotations
+
+import inspect
+import ipaddress
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from kiln.errors import ContractError
+
+DATATROVE_FILTERS: dict[str, tuple[str, str]] = {
+    "datatrove.GopherRepetitionFilter": ("datatrove.pipeline.filters.gopher_repetition_filter", "GopherRepetitionFilter"),
+    "datatrove.GopherQualityFilter": ("datatrove.pipeline.filters.gopher_quality_filter", "GopherQualityFilter"),
+    "datatrove.C4QualityFilter": ("datatrove.pipeline.filters.c4_filters", "C4QualityFilter"),
+    "datatrove.FineWebQualityFilter": ("datatrove.pipeline.filters.fineweb_quality_filter", "FineWebQualityFilter"),
+}
+"""Contract kind -> (module, class) of the datatrove 0.10 filter it runs."""
+PII_KIND = "kiln.pii"
+SCRIPT_KIND = "kiln.script"
+DOCUMENT_RULE_KINDS = frozenset({*DATATROVE_FILTERS, PII_KIND, SCRIPT_KIND})
+
+_NOT_CONTRACT_PARAMS = frozenset({"self", "exclusion_writer", "language", "batch_size"})
+"""datatrove constructor arguments a contract may not set: kiln writes no exclusion files, and the
+word tokenizer is kiln's (see the module docstring)."""
+PII_PARAMS: dict[str, str] = {"emails": "bool", "public_ips": "bool", "phone_pattern": "regex or null"}
+SCRIPT_PARAMS: dict[str, str] = {"scripts": "list of Unicode script names", "max_other_letter_share": "number in [0, 1]",
+                                 "min_letters": "int >= 0"}
+_RULE_ID = re.compile(r"^[a-z][a-z0-9_.-]*$")
+
+
+@dataclass(frozen=True, slots=True)
+class DroppedDocument:
+    """One document a rule dropped."""
+
+    row: int
+    """Row index in the shard (0-based, every row counted)."""
+    rule: str
+    """The contract's rule id (``document_rules[i].rule``)."""
+    detail: str
+    """What exactly failed, e.g. datatrove's reason ``gopher_enough_stop_words`` or ``email``."""
+
+
+# -- checking a contract's rules (pure JSON, no datatrove import unless asked) ------------------------
+
+
+def check_document_rules(rules: Any, *, where: str = "meta.kiln.document_rules", deep: bool = False) -> list[str]:
+    """Every problem of a ``document_rules`` list, each naming its field. ``deep`` also checks the
+    datatrove kinds' parameter names and types against datatrove's own signatures (imports it)."""
+    if not isinstance(rules, list):
+        return [f"{where} must be a list of rules"]
+    problems: list[str] = []
+    seen: set[str] = set()
+    for i, rule in enumerate(rules):
+        at = f"{where}[{i}]"
+        if not isinstance(rule, dict):
+            problems.append(f"{at} must be an object with 'rule', 'kind', 'params'")
+            continue
+        unknown = sorted(set(rule) - {"rule", "kind", "params", "description", "source"})
+        if unknown:
+            problems.append(f"{at} has unknown key(s) {unknown} (allowed: rule, kind, params, description, source)")
+        rule_id = rule.get("rule")
+        if not isinstance(rule_id, str) or not _RULE_ID.match(rule_id):
+            problems.append(f"{at}.rule must be an id like 'gopher_quality' (lowercase, digits, _ . -), got {rule_id!r}")
+        elif rule_id in seen:
+            problems.append(f"{at}.rule {rule_id!r} is used twice: rule ids name the reasons in reports")
+        else:
+            seen.add(rule_id)
+        kind = rule.get("kind")
+        if kind not in DOCUMENT_RULE_KINDS:
+            problems.append(f"{at}.kind must be one of {sorted(DOCUMENT_RULE_KINDS)}, got {kind!r}")
+            continue
+        params = rule.get("params", {})
+        if not isinstance(params, dict):
+            problems.append(f"{at}.params must be an object")
+            continue
+        if kind == PII_KIND:
+            problems.extend(_pii_problems(params, f"{at}.params"))
+        elif kind == SCRIPT_KIND:
+            problems.extend(_script_problems(params, f"{at}.params"))
+        elif deep:
+            problems.extend(_datatrove_problems(kind, params, f"{at}.params"))
+    return problems
+
+
+def _pii_problems(params: dict[str, Any], at: str) -> list[str]:
+    problems = [f"{at}.{k} is not a parameter of kiln.pii (known: {sorted(PII_PARAMS)})"
+                for k in sorted(set(params) - set(PII_PARAMS))]
+    for key in ("emails", "public_ips"):
+        if key in params and not isinstance(params[key], bool):
+            problems.append(f"{at}.{key} must be true or false, got {params[key]!r}")
+    phone = params.get("phone_pattern")
+    if phone is not None:
+        if not isinstance(phone, str):
+            problems.append(f"{at}.phone_pattern must be a regex string or null, got {phone!r}")
+        else:
+            try:
+                re.compile(phone)
+            except re.error as exc:
+                problems.append(f"{at}.phone_pattern does not compile: {exc}")
+    return problems
+
+
+def _script_problems(params: dict[str, Any], at: str) -> list[str]:
+    problems = [f"{at}.{k} is not a parameter of kiln.script (known: {sorted(SCRIPT_PARAMS)})"
+                for k in sorted(set(params) - set(SCRIPT_PARAMS))]
+    scripts = params.get("scripts")
+    if not isinstance(scripts, list) or not scripts or not all(isinstance(s, str) and re.fullmatch(r"[A-Z][A-Za-z_]*", s)
+                                                              for s in scripts):
+        problems.append(f"{at}.scripts must be a non-empty list of Unicode script names like 'Latin', got {scripts!r}")
+    share = params.get("max_other_letter_share")
+    if isinstance(share, bool) or not isinstance(share, (int, float)) or not 0 <= share <= 1:
+        problems.append(f"{at}.max_other_letter_share must be a number in [0, 1], got {share!r}")
+    letters = params.get("min_letters", 1)
+    if isinstance(letters, bool) or not isinstance(letters, int) or letters < 0:
+        problems.append(f"{at}.min_letters must be an int >= 0, got {letters!r}")
+    return problems
+
+
+def datatrove_parameters(kind: str) -> dict[str, Any]:
+    """The constructor parameters a contract may set for a datatrove kind, with datatrove's defaults."""
+    cls = _datatrove_class(kind)
+    return {name: p.default for name, p in inspect.signature(cls.__init__).parameters.items()
+            if name not in _NOT_CONTRACT_PARAMS and p.kind is p.POSITIONAL_OR_KEYWORD}
+
+
+def _datatrove_problems(kind: str, params: dict[str, Any], at: str) -> list[str]:
+    allowed = datatrove_parameters(kind)
+    problems = []
+    for key, value in sorted(params.items()):
+        if key not in allowed:
+            problems.append(f"{at}.{key} is not a parameter of {kind} (known: {sorted(allowed)})")
+            continue
+        default = allowed[key]
+        if isinstance(default, bool):
+            ok, want = isinstance(value, bool), "true or false"
+        elif default is None or isinstance(default, (int, float)):
+            ok, want = value is None or (isinstance(value, (int, float)) and not isinstance(value, bool)), "a number or null"
+        elif isinstance(default, (tuple, list)):
+            ok, want = isinstance(value, list), "a list"
+        elif isinstance(default, str):
+            ok, want = isinstance(value, str), "a string"
+        else:
+            ok, want = True, ""
+        if not ok:
+            problems.append(f"{at}.{key} must be {want} (datatrove's default is {default!r}), got {value!r}")
+    return problems
+
+
+def _datatrove_class(kind: str) -> Any:
+    import importlib
+
+    module, name = DATATROVE_FILTERS[kind]
+    return getattr(importlib.import_module(module), name)
+
+
+# -- running them -------------------------------------------------------------------------------------
+
+
+def _whitespace_words() -> Any:
+    """datatrove's regex sentence splitter with words = ``str.split()`` (see the module docstring)."""
+    from datatrove.utils.word_tokenizers import WhitespaceTokenizer
+
+    class WhitespaceWords(WhitespaceTokenizer):
+        """Gopher's words: whitespace-separated; datatrove's sentences: its terminal-punctuation regex."""
+
+        def word_tokenize(self, text: str) -> list[str]:
+            return text.split()
+
+    return WhitespaceWords()
+
+
+_WORDS: Any = None
+
+
+def whitespace_words() -> Any:
+    """The one word tokenizer instance every filter shares (datatrove caches a document's words by
+    (text, tokenizer), so the Gopher and FineWeb rules split a document once)."""
+    global _WORDS
+    if _WORDS is None:
+        _WORDS = _whitespace_words()
+    return _WORDS
+
+
+def _as_datatrove_value(default: Any, value: Any) -> Any:
+    if isinstance(default, tuple) and isinstance(value, list):  # JSON has no tuples: n-gram tables are tuples there
+        return tuple(tuple(v) if isinstance(v, list) else v for v in value)
+    return value
+
+
+class _Rule:
+    rule: str
+
+    def judge(self, texts: Any, candidates: list[int]) -> dict[int, str]:  # row -> detail
+        raise NotImplementedError
+
+
+class _DatatroveRule(_Rule):
+    def __init__(self, rule: str, kind: str, params: dict[str, Any]) -> None:
+        defaults = datatrove_parameters(kind)
+        args = {k: _as_datatrove_value(defaults.get(k), v) for k, v in params.items()}
+        self.rule = rule
+        self.filter = _datatrove_class(kind)(**args, language=whitespace_words())
+
+    def judge(self, texts: Any, candidates: list[int]) -> dict[int, str]:
+        from datatrove.data import Document
+
+        failed: dict[int, str] = {}
+        values = texts.take(candidates).to_pylist() if candidates else []
+        for row, text in zip(candidates, values, strict=True):
+            # A fresh Document per rule: C4's filter rewrites doc.text, and each rule judges the stored text.
+            try:
+                verdict = self.filter.filter(Document(text=text, id=str(row)))
+            except Exception as exc:  # a document the rule cannot judge is not proven good: dropped, named
+                failed[row] = f"rule_error: {type(exc).__name__}"
+                continue
+            if verdict is not True:
+                failed[row] = verdict[1] if isinstance(verdict, tuple) else "dropped"
+        return failed
+
+
+def _public_ip(candidate: str) -> bool:
+    try:
+        return ipaddress.ip_address(candidate).is_global
+    except ValueError:
+        return False
+
+
+class _PiiRule(_Rule):
+    """datatrove's PIIFormatter patterns (e-mail; IPv4 kept only when public), plus the contract's
+    phone pattern. A document with any match is dropped (kiln never rewrites text, so it cannot
+    anonymise in place as the formatter does)."""
+
+    def __init__(self, rule: str, params: dict[str, Any]) -> None:
+        from datatrove.pipeline.formatters.pii import PIIFormatter
+
+        reference = PIIFormatter()
+        self.rule = rule
+        self.checks: list[tuple[str, re.Pattern[str], Any]] = []
+        if params.get("emails", True):
+            self.checks.append(("email", reference.emails_replacer.regex, None))
+        if params.get("public_ips", True):
+            self.checks.append(("public_ip", reference.ip_replacer.regex, _public_ip))
+        if params.get("phone_pattern"):
+            self.checks.append(("phone", re.compile(params["phone_pattern"]), None))
+
+    def judge(self, texts: Any, candidates: list[int]) -> dict[int, str]:
+        import pyarrow.compute as pc
+
+        failed: dict[int, str] = {}
+        if not candidates or not self.checks:
+            return failed
+        subset = texts.take(candidates)
+        # Every e-mail holds "@", every IP or phone number a digit: one RE2 scan skips the rest.
+        maybe = pc.match_substring_regex(subset, r"[@0-9]").to_pylist()
+        values = subset.to_pylist()
+        for row, text, hit in zip(candidates, values, maybe, strict=True):
+            if not hit:
+                continue
+            for name, pattern, valid in self.checks:
+                if any(valid is None or valid(m.group(0)) for m in pattern.finditer(text)):
+                    failed[row] = name
+                    break
+        return failed
+
+
+class _ScriptRule(_Rule):
+    """Share of letters (RE2 ``\\pL``) outside the contract's scripts (``\\p{Latin}`` ...), in Arrow."""
+
+    def __init__(self, rule: str, params: dict[str, Any]) -> None:
+        self.rule = rule
+        # Letters of no allowed script: "not (a non-letter or an allowed letter)", one RE2 class.
+        self.foreign = "[^\\PL" + "".join(f"\\p{{{s}}}" for s in params["scripts"]) + "]"
+        self.max_share = float(params["max_other_letter_share"])
+        self.min_letters = int(params.get("min_letters", 1))
+        self.scripts = list(params["scripts"])
+
+    def judge(self, texts: Any, candidates: list[int]) -> dict[int, str]:
+        import pyarrow as pa
+        import pyarrow.compute as pc
+
+        if not candidates:
+            return {}
+        subset = texts.take(candidates)
+        try:
+            foreign = pc.count_substring_regex(subset, self.foreign)
+        except pa.ArrowInvalid as exc:
+            raise ContractError(f"rule {self.rule}: scripts {self.scripts} are not all Unicode script names RE2 "
+                                f"knows: {exc}") from exc
+        # Only documents with a foreign letter can fail: count all their letters (most have none).
+        some = pc.greater(foreign, 0)
+        rows = [row for row, hit in zip(candidates, some.to_pylist(), strict=True) if hit]
+        if not rows:
+            return {}
+        letters = pc.count_substring_regex(subset.filter(some), r"\pL").to_pylist()
+        failed = {}
+        for row, n, other in zip(rows, letters, pc.filter(foreign, some).to_pylist(), strict=True):
+            if n and n >= self.min_letters and other / n > self.max_share:
+                failed[row] = "other_script"
+        return failed
+
+
+@dataclass(frozen=True, slots=True)
+class DocumentRuleSet:
+    """A contract's document rules, built once per process and contract."""
+
+    rules: tuple[_Rule, ...]
+
+    @property
+    def rule_ids(self) -> tuple[str, ...]:
+        return tuple(r.rule for r in self.rules)
+
+    def judge(self, texts: Any) -> list[DroppedDocument]:
+        """The dropped documents of one shard's text column (an Arrow string array; nulls are left to
+        the not-null rule), each with the first rule it failed, in row order."""
+        import pyarrow as pa
+        import pyarrow.compute as pc
+
+        if isinstance(texts, pa.ChunkedArray):
+            texts = texts.combine_chunks() if texts.num_chunks != 1 else texts.chunk(0)
+        valid = pc.is_valid(texts).to_pylist()
+        remaining = [i for i, ok in enumerate(valid) if ok]
+        dropped: list[DroppedDocument] = []
+        for rule in self.rules:
+            failed = rule.judge(texts, remaining)
+            if failed:
+                dropped.extend(DroppedDocument(row, rule.rule, detail) for row, detail in failed.items())
+                remaining = [i for i in remaining if i not in failed]
+        return sorted(dropped, key=lambda d: d.row)
+
+
+_CACHE: dict[str, DocumentRuleSet] = {}
+
+
+def build_rule_set(rules: Sequence[dict[str, Any]], cache_key: str | None = None) -> DocumentRuleSet:
+    """The runnable rules of a contract's ``document_rules`` (checked deep first: a bad parameter is a
+    ``ContractError`` naming its field, never a crash on the first document)."""
+    if cache_key is not None and cache_key in _CACHE:
+        return _CACHE[cache_key]
+    problems = check_document_rules(list(rules), deep=True)
+    if problems:
+        raise ContractError("bad document rules: " + "; ".join(problems))
+    built: list[_Rule] = []
+    for spec in rules:
+        params = dict(spec.get("params", {}))
+        if spec["kind"] == PII_KIND:
+            built.append(_PiiRule(spec["rule"], params))
+        elif spec["kind"] == SCRIPT_KIND:
+            built.append(_ScriptRule(spec["rule"], params))
+        else:
+            try:
+                built.append(_DatatroveRule(spec["rule"], spec["kind"], params))
+            except (TypeError, ValueError) as exc:
+                raise ContractError(f"document rule {spec['rule']} ({spec['kind']}): {exc}") from exc
+    rule_set = DocumentRuleSet(rules=tuple(built))
+    if cache_key is not None:
+        _CACHE[cache_key] = rule_set
+    return rule_set
