@@ -631,6 +631,9 @@ class _ParquetShard(Protocol):
     @property
     def sha256(self) -> str: ...
 
+    @property
+    def drop_rows(self) -> tuple[int, ...]: ...
+
 
 def pack_training_shards(
     root: str | Path,
@@ -655,7 +658,9 @@ def pack_training_shards(
 
 
 def iter_training_texts(entries: Iterable[_ParquetShard], *, batch_rows: int = 1024) -> Iterator[str]:
-    """The ``text`` column of TrainingManifest shards, streamed by record batch, each file sha256-checked first."""
+    """The ``text`` column of TrainingManifest shards, streamed by record batch, each file sha256-checked
+    first, without the rows the contract dropped (``drop_rows``): whoever packs -- the tokenize stage
+    or the trainer's rank 0 -- reads a dropped document never."""
     import pyarrow.parquet as pq
 
     for entry in entries:
@@ -667,9 +672,12 @@ def iter_training_texts(entries: Iterable[_ParquetShard], *, batch_rows: int = 1
             raise ShardIntegrityError(
                 f"shard {path} sha256 mismatch (manifest {entry.sha256}, on disk {actual}); refusing to tokenize it"
             )
+        skip, row = frozenset(entry.drop_rows), 0
         try:
             for batch in pq.ParquetFile(path).iter_batches(batch_size=batch_rows, columns=["text"]):
-                yield from (t for t in batch.column(0).to_pylist() if t is not None)
+                texts = batch.column(0).to_pylist()
+                yield from (t for i, t in enumerate(texts, row) if t is not None and i not in skip)
+                row += len(texts)
         except (OSError, ValueError) as exc:  # pyarrow's ArrowInvalid is a ValueError
             raise ShardIntegrityError(f"shard {path}: cannot read column 'text': {exc}") from exc
 

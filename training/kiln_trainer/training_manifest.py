@@ -31,6 +31,9 @@ class ShardEntry:
     path: str
     sha256: str
     rows: int
+    drop_rows: tuple[int, ...] = ()
+    """Rows the data contract dropped (document rules, near-duplicates): never read for training.
+    Optional in the wire format (absent = none), part of the manifest's content hash when present."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -80,8 +83,18 @@ def _shard_entries(raw: Any, key: str, where: str) -> tuple[ShardEntry, ...]:
             raise TrainingManifestError(f"{where}: {key}[{i}].sha256 must be 64 hex chars")
         if not isinstance(rows, int) or isinstance(rows, bool) or rows < 0:
             raise TrainingManifestError(f"{where}: {key}[{i}].rows must be an int >= 0")
-        entries.append(ShardEntry(path=path, sha256=digest, rows=rows))
+        entries.append(ShardEntry(path=path, sha256=digest, rows=rows,
+                                  drop_rows=_drop_rows(item.get("drop_rows", []), rows, f"{where}: {key}[{i}]")))
     return tuple(entries)
+
+
+def _drop_rows(raw: Any, rows: int, where: str) -> tuple[int, ...]:
+    """A shard entry's ``drop_rows``: ascending, unique row numbers of the shard."""
+    if not isinstance(raw, list) or not all(isinstance(r, int) and not isinstance(r, bool) for r in raw):
+        raise TrainingManifestError(f"{where}.drop_rows must be a list of row numbers, got {raw!r:.80}")
+    if raw != sorted(set(raw)) or (raw and not 0 <= raw[0] <= raw[-1] < rows):
+        raise TrainingManifestError(f"{where}.drop_rows must be ascending, unique and within [0, {rows})")
+    return tuple(raw)
 
 
 def _tokens_ref(raw: Any, where: str) -> TokensRef | None:

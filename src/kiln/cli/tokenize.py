@@ -51,12 +51,9 @@ def _tokenize(args: argparse.Namespace) -> int:
         refuse_unusable_target("--manifest-out", args.manifest_out, directory=False)
         if args.manifest_out.resolve() == args.manifest.resolve():
             raise ConfigError(f"--manifest-out {args.manifest_out} is --manifest: write the new manifest elsewhere")
-    from kiln.data.validation.dropped import refuse_unhonoured_drop_lists
-
     try:
-        manifest = load_training_manifest(args.manifest)
-        refuse_unhonoured_drop_lists(args.manifest)  # this command packs with the trainer's packer
-    except (TrainingManifestError, ManifestError) as exc:
+        manifest = load_training_manifest(args.manifest)  # its drop_rows are honoured by the packer
+    except TrainingManifestError as exc:
         raise ConfigError(f"--manifest {exc}") from exc
     try:
         ref = pack_run_tokens(manifest, recipe, run_dir=args.out.resolve(), recipe_path=recipe_path)

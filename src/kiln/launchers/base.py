@@ -228,7 +228,6 @@ def check_manifest(spec: LaunchSpec) -> None:
     """Refuse a TrainingManifest the trainer would refuse (unreadable, not JSON, edited after kiln
     issued it, a malformed shard list) before any worker starts: ``ManifestError`` naming the file.
     The shards' bytes are the trainer's to hash, on every rank."""
-    from kiln.data.validation.dropped import refuse_unhonoured_drop_lists
     from kiln_trainer.errors import TrainingManifestError
     from kiln_trainer.training_manifest import load_training_manifest  # torch-free
 
@@ -236,7 +235,6 @@ def check_manifest(spec: LaunchSpec) -> None:
         load_training_manifest(spec.manifest)
     except TrainingManifestError as exc:
         raise ManifestError(str(exc)) from exc
-    refuse_unhonoured_drop_lists(spec.manifest)
 
 
 def clear_launch_state(spec: LaunchSpec) -> Path:

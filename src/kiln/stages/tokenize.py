@@ -57,11 +57,8 @@ def _shard_set(manifest: TrainingManifest) -> str:
 
 
 def _texts(shards: list[dict[str, Any]]) -> Any:
-    """The documents of these manifest shards the trainer may see: the contract's dropped rows left out."""
-    from kiln.data.validation.dropped import has_drop_rows, iter_kept_texts
-
-    if has_drop_rows(shards):
-        return iter_kept_texts(shards)
+    """The documents of these manifest shards the trainer may see: the contract's dropped rows left out
+    (``kiln_trainer.packed.iter_training_texts``, the one reader both packers use)."""
     from kiln_trainer.packed import iter_training_texts
 
     return iter_training_texts(_entries_of(shards))
@@ -70,7 +67,8 @@ def _texts(shards: list[dict[str, Any]]) -> Any:
 def _entries_of(shards: list[dict[str, Any]]) -> list[Any]:
     from kiln_trainer.training_manifest import ShardEntry
 
-    return [ShardEntry(path=s["path"], sha256=s["sha256"], rows=int(s["rows"])) for s in shards]
+    return [ShardEntry(path=s["path"], sha256=s["sha256"], rows=int(s["rows"]), drop_rows=tuple(s.get("drop_rows") or ()))
+            for s in shards]
 
 
 def _gate_manifest(key: str, data: DataGateResult) -> TrainingManifest:

@@ -263,9 +263,12 @@ def test_training_texts_are_streamed_from_verified_parquet_shards(tmp_path):
     entry = write_shard(tmp_path / "s.parquet", docs)
 
     class Entry:
-        path, sha256 = entry["path"], entry["sha256"]
+        path, sha256, drop_rows = entry["path"], entry["sha256"], ()
 
     assert list(iter_training_texts([Entry], batch_rows=2)) == [t for _, t in docs]
+    Entry.drop_rows = (0, 2, 3, len(docs) - 1)  # rows the contract dropped, across record batches of 2
+    assert list(iter_training_texts([Entry], batch_rows=2)) == [t for i, (_, t) in enumerate(docs) if i not in
+                                                                 Entry.drop_rows]
     Entry.sha256 = "0" * 64
     with pytest.raises(ShardIntegrityError, match="sha256 mismatch"):
         list(iter_training_texts([Entry]))

@@ -7,7 +7,8 @@
 
 A dropped document stays in the shard file (the snapshot's bytes never change); the report lists its
 row, the rule and a short sample (``ShardReport.dropped``), the TrainingManifest carries the rows
-(``ShardEntry.drop_rows``, part of its hash) and the tokenize stage skips them. A shard whose dropped
+(``ShardEntry.drop_rows``, part of its hash) and every packer skips them
+(``kiln_trainer.packed.iter_training_texts``). A shard whose dropped
 share exceeds the contract's ``max_dropped_share`` is quarantined with the reason
 ``max_dropped_share`` naming the count per rule: a producer delivering mostly spam is not fixed by
 dropping its documents one by one.
@@ -241,65 +242,3 @@ def _ids(cache: dict[int, list[str | None]], position: int, report: ShardReport)
         except Exception:  # only a sample label: the row number says as much
             cache[position] = [f"row {n}" for n in range(report.rows)]
     return cache[position]
-
-
-# -- honouring the drop lists when reading for training ------------------------------------------------
-
-
-def has_drop_rows(shards: Sequence[dict[str, Any]]) -> bool:
-    """Whether any TrainingManifest shard entry names rows to leave out."""
-    return any(s.get("drop_rows") for s in shards)
-
-
-def iter_kept_texts(shards: Sequence[dict[str, Any]], *, batch_rows: int = 1024) -> Any:
-    """The ``text`` of TrainingManifest shard entries, row by row, leaving out each entry's
-    ``drop_rows`` (and null texts, as the trainer's reader does); each file sha256-checked first.
-
-    What the tokenize stage packs: a dropped document never reaches a token shard. A shard whose bytes
-    changed since the gate, or that cannot be read, is a ``ManifestError`` naming it."""
-    import pyarrow.parquet as pq
-
-    from kiln.errors import ManifestError
-    from kiln.refs import sha256_file
-
-    for shard in shards:
-        path = Path(shard["path"])
-        try:
-            actual = sha256_file(path)
-        except OSError as exc:
-            raise ManifestError(f"shard {path} listed in the manifest cannot be read: {exc}") from exc
-        if actual != shard["sha256"]:
-            raise ManifestError(f"shard {path} sha256 mismatch (manifest {shard['sha256']}, on disk {actual}); "
-                                "refusing to tokenize it")
-        skip = frozenset(shard.get("drop_rows") or ())
-        row = 0
-        try:
-            for batch in pq.ParquetFile(path).iter_batches(batch_size=batch_rows, columns=["text"]):
-                for text in batch.column(0).to_pylist():
-                    if row not in skip and text is not None:
-                        yield text
-                    row += 1
-        except (OSError, ValueError) as exc:  # pyarrow's ArrowInvalid is a ValueError
-            raise ManifestError(f"shard {path}: cannot read column 'text': {exc}") from exc
-
-
-def refuse_unhonoured_drop_lists(manifest_path: str | Path) -> None:
-    """Refuse a TrainingManifest whose shards carry ``drop_rows`` but that names no packed tokens: the
-    trainer's own packer (``kiln_trainer.packed.iter_training_texts``) reads every row, so it would
-    train on the dropped documents. The tokenize stage packs such a manifest honouring the lists."""
-    import json
-
-    from kiln.errors import ManifestError
-
-    try:
-        data = json.loads(Path(manifest_path).read_text())
-    except (OSError, ValueError):
-        return  # unreadable: the manifest's own checks name that
-    if isinstance(data, dict) and data.get("tokens") is None and has_drop_rows(
-        [s for s in data.get("shards") or [] if isinstance(s, dict)]
-    ):
-        raise ManifestError(
-            f"{manifest_path}: its shards name documents the contract dropped (drop_rows), and it names no packed "
-            "tokens; the trainer's own packer would train on those documents. Pack it with the DAG's tokenize "
-            "stage (kiln.stages.tokenize), which leaves them out, and train on the manifest that names the tokens"
-        )

@@ -21,9 +21,8 @@ from kiln.data.validation import (
     validate_directory,
     write_quarantine_report,
 )
-from kiln.data.validation.dropped import iter_kept_texts, refuse_unhonoured_drop_lists
-from kiln.errors import ManifestError
 from kiln.refs import ShardReport, TrainingManifest
+from kiln_trainer.errors import ShardIntegrityError
 
 from webtext_fixtures import poisoned, prose_documents, split, table, write_corpus
 
@@ -130,7 +129,7 @@ def test_manifest_lists_drop_rows_and_only_kept_documents_reach_tokenizing(corpu
     healthy = {r.path: r for r in corpus["reports"] if r.verdict == "healthy"}
     for entry in manifest.shards:
         assert entry["drop_rows"] == drop_rows(healthy[entry["path"]]) and entry["drop_rows"]
-    texts = list(iter_kept_texts(manifest.shards))
+    texts = list(_kept_texts(manifest.shards))
     expected = []
     for entry in manifest.shards:
         column = pq.read_table(entry["path"], columns=["text"]).column("text").to_pylist()
@@ -140,19 +139,47 @@ def test_manifest_lists_drop_rows_and_only_kept_documents_reach_tokenizing(corpu
     fewer = [dict(e, drop_rows=e["drop_rows"][1:]) for e in manifest.shards]
     body = {k: v for k, v in manifest.to_json().items() if k not in ("kind", "sha256")}
     assert TrainingManifest.build(**{**body, "shards": fewer}).sha256 != manifest.sha256
-    # The trainer's own packer would read every row: a manifest with drop lists and no packed tokens is refused.
-    path = manifest.write(tmp_path / "m.json")
-    with pytest.raises(ManifestError, match="drop_rows"):
-        refuse_unhonoured_drop_lists(path)
-    refuse_unhonoured_drop_lists(manifest.with_tokens("/t/token_manifest.json", "a" * 64).write(tmp_path / "t.json"))
+    # The trainer reads the same manifest the same way (its rank 0 packs a manifest without tokens).
+    from kiln_trainer.packed import iter_training_texts
+    from kiln_trainer.training_manifest import load_training_manifest
+
+    trainer_view = load_training_manifest(manifest.write(tmp_path / "m.json"))
+    assert [e.drop_rows for e in trainer_view.shards] == [tuple(e["drop_rows"]) for e in manifest.shards]
+    assert list(iter_training_texts(trainer_view.shards)) == expected
+
+
+def _kept_texts(shards):
+    from kiln.stages.tokenize import _texts
+
+    return _texts(shards)
+
+
+@pytest.mark.parametrize(("drop_rows", "named"), [([3, 1], "ascending"), ([1, 1], "unique"), ([10**9], r"within \[0,"),
+                                                  ([True], "list of row numbers"), ("1", "list of row numbers")])
+def test_the_trainer_refuses_a_drop_list_that_is_not_rows_of_its_shard(corpus, contract, tmp_path: Path, drop_rows,
+                                                                       named) -> None:
+    import hashlib
+
+    from kiln.refs import canonical_json
+    from kiln_trainer.errors import TrainingManifestError
+    from kiln_trainer.training_manifest import load_training_manifest
+
+    body = {k: v for k, v in build_training_manifest("s.dir", "webtext", contract, corpus["reports"]).to_json().items()
+            if k not in ("kind", "sha256")}
+    body["shards"] = [dict(body["shards"][0], drop_rows=drop_rows), *body["shards"][1:]]
+    path = tmp_path / "m.json"
+    path.write_text(json.dumps({"kind": "kiln.TrainingManifest", **body,
+                                "sha256": hashlib.sha256(canonical_json(body)).hexdigest()}))
+    with pytest.raises(TrainingManifestError, match=rf"shards\[0\]\.drop_rows must be .*{named}"):
+        load_training_manifest(path)
 
 
 def test_a_shard_changed_after_validation_is_refused_when_its_texts_are_read(corpus, contract, tmp_path: Path) -> None:
     manifest = build_training_manifest("s.dir", "webtext", contract, corpus["reports"])
     moved = tmp_path / "shard.parquet"
     moved.write_bytes(Path(manifest.shards[0]["path"]).read_bytes() + b"x")
-    with pytest.raises(ManifestError, match="sha256 mismatch"):
-        list(iter_kept_texts([dict(manifest.shards[0], path=str(moved))]))
+    with pytest.raises(ShardIntegrityError, match="sha256 mismatch"):
+        list(_kept_texts([dict(manifest.shards[0], path=str(moved))]))
 
 
 def test_a_contract_without_document_rules_reports_exactly_as_before(tmp_path: Path) -> None:
@@ -175,17 +202,18 @@ def test_tokenize_stage_reads_only_kept_rows_and_addresses_them_apart(corpus, co
     from kiln_trainer.training_manifest import ShardEntry
 
     manifest = build_training_manifest("s.dir", "webtext", contract, corpus["reports"])
-    assert list(_texts(manifest.shards)) == list(iter_kept_texts(manifest.shards))
+    kept = list(_texts(manifest.shards))
+    assert len(kept) == sum(e["rows"] - len(e["drop_rows"]) for e in manifest.shards)
     body = {k: v for k, v in manifest.to_json().items() if k not in ("kind", "sha256")}
     everything = TrainingManifest.build(**{**body, "shards": [{k: v for k, v in e.items() if k != "drop_rows"}
                                                              for e in manifest.shards]})
     entries = [ShardEntry(path=e["path"], sha256=e["sha256"], rows=e["rows"]) for e in everything.shards]
     assert list(_texts(everything.shards)) == list(iter_training_texts(entries))  # no drop list: the trainer's reader
     assert _shard_set(everything) != _shard_set(manifest)
-    # kiln tokenize packs with the trainer's packer, which would read every row: refused, naming why.
+    # kiln tokenize packs with the trainer's packer, which leaves the dropped rows out too.
     path = manifest.write(tmp_path / "m.json")
-    assert main(["tokenize", "--recipe", "tiny", "--manifest", str(path), "--out", str(tmp_path / "tokens")]) == 2
-    assert "drop_rows" in capsys.readouterr().err and not (tmp_path / "tokens").exists()
+    assert main(["tokenize", "--recipe", "tiny", "--manifest", str(path), "--out", str(tmp_path / "tokens")]) == 0
+    assert json.loads(capsys.readouterr().out)["documents"] == len(kept)
 
 
 def test_kiln_validate_on_web_text_reports_dropped_documents_and_writes_drop_lists(corpus, tmp_path: Path, capsys) -> None:
