@@ -3,8 +3,8 @@
 ``submit`` starts a detached supervisor process (``kiln.launchers.local.supervise(RUN/.launch/spec.json)``
 in its own session) and returns; everything else finds it again through ``RUN/.launch/``:
 ``job.log`` (every agent's output, prefixed ``[node i]``), ``status.json`` (state, reason, agent pids,
-replaced nodes, nodes in the gang, nodes lost for good) and ``supervisor.pid``. So the job outlives the submitting process, and a deferrable
-trigger or a retried task can poll, stream and cancel it.
+replaced nodes, nodes in the gang, nodes lost for good) and ``supervisor.pid``. So the job outlives
+the submitting process, and a deferrable trigger or a retried task can poll, stream and cancel it.
 
 The supervisor plays the cluster scheduler of a real multi-node job:
 
