@@ -141,8 +141,10 @@ def agent_argv(spec: LaunchSpec, node_rank: int, port: int) -> list[str]:
     if spec.least_nodes < spec.nodes:
         # Elastic: once min_nodes are in a rendezvous round, torch waits last_call_timeout for more,
         # then goes on with those it has: the survivors of a lost node that nobody replaces in time.
+        # torch refuses a last call of 0 s: 1 s is the shortest wait it knows.
+        last_call = max(1, spec.replacement_timeout_s)
         argv = torchrun_argv(spec, f"127.0.0.1:{port}", nnodes=f"{spec.least_nodes}:{spec.nodes}",
-                             rdzv_conf=f"is_host=false,last_call_timeout={spec.replacement_timeout_s}")
+                             rdzv_conf=f"is_host=false,last_call_timeout={last_call}")
     else:
         argv = torchrun_argv(spec, f"127.0.0.1:{port}", rdzv_conf="is_host=false")
     if spec.env.get(AGENT_ENV) == "torchrun":  # plain torchrun: the recovery benchmark's baseline
