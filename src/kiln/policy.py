@@ -157,6 +157,9 @@ class Policy:
             raise PolicyError(f"spare_nodes must be >= 0 (None: a replacement is always there), got {self.spare_nodes}")
         if self.launcher not in LAUNCHERS:
             raise PolicyError(f"launcher must be one of {', '.join(LAUNCHERS)}, got {self.launcher!r}")
+        if self.min_nodes is not None and self.launcher == "kubernetes":
+            raise PolicyError("min_nodes (elastic shrink) needs launcher 'local' or 'slurm': a TrainJob's node "
+                              "count is fixed when it is created")
         if bool(self.champion_watch_dag_id) != bool(self.champion_watch_cron):
             raise PolicyError("champion_watch_dag_id and champion_watch_cron must be set together")
         if not 1 <= self.validation_batch_shards <= 10_000:

@@ -517,6 +517,14 @@ def _shrink(**kw):
                      "to_nodes": 1, "timeout_s": 30, "no_replacement": "no spare node slot left", "time": 1.0, **kw})
 
 
+def test_the_kubernetes_launcher_refuses_a_spec_that_may_shrink(tmp_path):
+    from kiln.launchers import render_trainjob
+
+    with pytest.raises(ConfigError, match="min_nodes=1: elastic shrink is not available on the kubernetes launcher"):
+        render_trainjob(_spec(tmp_path, nodes=2, min_nodes=1), namespace="kiln", queue="q", priority_class=None,
+                        shared_root=tmp_path, checkpoint_claim="c")
+
+
 def test_the_elastic_record_keeps_every_shrink_and_refuses_to_overwrite_a_bad_one(tmp_path):
     from kiln.launchers.elastic import elastic_record_path, record_shrink, recorded_shrinks, shrinks_for_status
 
@@ -571,6 +579,7 @@ def test_a_retry_reattaches_to_a_shrunk_slurm_job(tmp_path):
     ('{"replacement_timeout_s": -1}', "replacement_timeout_s must be >= 0"),
     ('{"replacement_timeout_s": 2.5}', "replacement_timeout_s must be a whole number"),
     ('{"spare_nodes": -1}', "spare_nodes must be >= 0"),
+    ('{"launcher": "kubernetes", "min_nodes": 1}', "min_nodes .* needs launcher 'local' or 'slurm'"),
 ])
 def test_the_elastic_policy_names_the_bad_field(raw, match):
     from kiln.errors import PolicyError
