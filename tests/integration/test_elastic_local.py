@@ -4,7 +4,8 @@
 with the node left once the rendezvous has waited ``replacement_timeout_s``, SUCCEEDS on 1 node,
 records the shrink (job log line, status, the run's elastic record) and the trainer's
 ``world_size_change`` event; its final weights are within ``WEIGHTS_ATOL`` of an uninterrupted
-2-node run. (b) A spare node slot is used once and then is gone: the next lost node cannot be
+2-node run; the train stage's ``finish_train`` puts the launcher's reason and a metric on the
+run's MLflow run. (b) A spare node slot is used once and then is gone: the next lost node cannot be
 replaced and, below ``min_nodes``, the job FAILS naming min_nodes, leaving no process behind.
 
 Kills are triggered by state (a committed checkpoint on disk, agents up), never by elapsed time.
@@ -96,7 +97,8 @@ def reference(manifest: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     return run_dir
 
 
-def test_a_lost_node_nobody_replaces_shrinks_the_job_to_one_node_within_tolerance(manifest, reference, tmp_path):
+def test_a_lost_node_nobody_replaces_shrinks_the_job_to_one_node_within_tolerance(manifest, reference, tmp_path,
+                                                                                   monkeypatch):
     spec = _spec(tmp_path / "run", manifest, min_nodes=1, spare_nodes=0, replacement_timeout_s=TIMEOUT_S)
     launcher = LocalLauncher()
     handle = launcher.submit(spec)
@@ -139,6 +141,22 @@ def test_a_lost_node_nobody_replaces_shrinks_the_job_to_one_node_within_toleranc
           f"uninterrupted 2-node run (tolerance {WEIGHTS_ATOL})")
     assert worst <= WEIGHTS_ATOL, f"a weight differs by {worst} from the uninterrupted 2-node run"
     assert _tagged_processes(spec.rdzv_id) == []
+
+    # The train stage's end of it, on a real MLflow store: the launcher's reason as a tag, a metric.
+    from mlflow import MlflowClient
+
+    from kiln.launchers import LaunchPlan
+    from kiln.policy import SANDBOX
+    from kiln.stages import finish_train
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    client = MlflowClient(tracking_uri=uri)
+    run_id = client.create_run(client.create_experiment("elastic", artifact_location=str(tmp_path / "a"))).info.run_id
+    finish_train(SANDBOX, LaunchPlan(spec=spec, backend="local", mlflow_run_id=run_id), handle)
+    run = client.get_run(run_id)
+    assert run.data.tags["kiln.elastic_shrink"] == f"elastic shrink: {status.shrinks[0]}"
+    assert run.data.metrics["elastic_shrinks"] == 1 and run.info.status == "FINISHED"
 
 
 def test_a_spare_slot_replaces_one_lost_node_and_below_min_nodes_the_job_fails(manifest, tmp_path):

@@ -705,7 +705,7 @@ def test_an_elastic_agents_first_rendezvous_waits_for_every_node_later_ones_for_
 
     early = threading.Thread(target=join, args=("first", first))
     early.start()
-    time.sleep(3.0)  # torch's own rule (min 1, a last call of 1 s) would have completed a world of 1 by now
+    time.sleep(2.0)  # torch's own rule (min 1, a last call of 1 s) would have completed a world of 1 by now
     join("second", second)
     early.join(timeout=60)
     assert worlds == {"first": 2, "second": 2}, "the first round must wait for every node"
