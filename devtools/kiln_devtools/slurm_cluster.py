@@ -3,6 +3,7 @@
     cluster = start_cluster(Path("/tmp/slurm"))     # writes slurm.conf, starts the daemons, waits for idle nodes
     cluster = start_cluster(root, nodes=3)          # a spare node (straggler exclusion: 2-node job, 3 nodes)
     env = cluster.env                               # SLURM_CONF=... for sbatch/squeue/scancel
+    lose_node(cluster, "node1")                     # a node dies whole: its jobs end NODE_FAIL, it stays DOWN
     stop_cluster(cluster)
 
 Everything except munge lives under the given directory (config, state, spool, logs, pid files), so
@@ -16,6 +17,7 @@ as their submitting user). ``slurm_unavailable()`` says why a cluster cannot sta
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
@@ -187,6 +189,47 @@ def _wait_idle(cluster: SlurmCluster, timeout_s: float) -> None:
             return
         time.sleep(0.5)
     raise ConfigError(f"Slurm nodes not idle after {timeout_s:.0f} s: {last}")
+
+
+def lose_node(cluster: SlurmCluster, name: str) -> list[int]:
+    """Node ``name`` dies as a whole, as a machine that loses power: its slurmd and every process a
+    job runs there (tasks, and the slurmstepd above them) are SIGKILLed in one sweep, then slurmctld
+    is told the node is DOWN (what it concludes itself once ``SlurmdTimeout`` passes without an
+    answer). Its jobs end ``NODE_FAIL``; with its slurmd gone it stays down, where
+    ``ReturnToService=2`` would bring an answering node straight back. Returns the pids killed.
+
+    A node's processes are found by their environment (``SLURMD_NODENAME``, and this cluster's
+    ``SLURM_CONF``, which jobs submitted with ``cluster.env`` carry): every "node" is this host."""
+    if name not in cluster.node_ports:
+        raise ConfigError(f"no node {name!r} in this cluster ({', '.join(cluster.node_ports)})")
+    tags = (f"SLURMD_NODENAME={name}\0".encode(), f"SLURM_CONF={cluster.conf}\0".encode())
+    victims: set[int] = set()
+    slurmd = cluster.procs.get(name)
+    if slurmd is not None and slurmd.poll() is None:
+        victims.add(slurmd.pid)
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            environ = Path(entry.path, "environ").read_bytes() + b"\0"
+            if not all(tag in environ for tag in tags):
+                continue
+            victims.add(int(entry.name))
+            parent = int(Path(entry.path, "stat").read_text().rsplit(")", 1)[1].split()[1])
+            if Path(f"/proc/{parent}/cmdline").read_bytes().startswith(b"slurmstepd"):
+                victims.add(parent)
+        except (OSError, ValueError, IndexError):
+            continue
+    for pid in victims:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    if slurmd is not None:
+        slurmd.wait()
+    out = subprocess.run(["scontrol", "update", f"NodeName={name}", "State=DOWN", "Reason=kiln-test-node-lost"],
+                         capture_output=True, text=True, env=cluster.env)
+    if out.returncode != 0:
+        raise ConfigError(f"scontrol could not set {name} DOWN: {out.stderr.strip() or out.stdout.strip()}")
+    return sorted(victims)
 
 
 def stop_cluster(cluster: SlurmCluster) -> None:

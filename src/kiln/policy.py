@@ -25,7 +25,8 @@ APPROVAL_TIMEOUT_MAX_S = 30 * 24 * 3600
 one parks a production run (``max_active_runs = 1``) for more than a month."""
 LAUNCHERS = ("local", "slurm", "kubernetes")
 LAUNCHER_FIELDS = ("launcher", "slurm_partition", "slurm_qos", "slurm_conf", "k8s_namespace", "k8s_queue",
-                   "k8s_priority_class", "k8s_checkpoint_claim", "k8s_image", "k8s_runtime", "straggler_action")
+                   "k8s_priority_class", "k8s_checkpoint_claim", "k8s_image", "k8s_runtime", "straggler_action",
+                   "min_nodes", "replacement_timeout_s", "spare_nodes")
 """What a deployment may set about where a policy's training runs (``Policy.with_launcher``)."""
 
 
@@ -80,6 +81,17 @@ class Policy:
     nodes: int
     nproc_per_node: int
     max_restarts: int
+    min_nodes: int | None = None
+    """Elastic shrink (``kiln.launchers.elastic``): the fewest nodes a job may go on with after losing
+    a node that no replacement stands in for within ``replacement_timeout_s`` (the global batch
+    stays; gradient accumulation takes up the change). None: the job's node count, never shrink.
+    A run asking for fewer nodes than this cannot shrink at all."""
+    replacement_timeout_s: int = 60
+    """How long, in whole seconds, a job that lost a node waits for a replacement before it goes on
+    with the nodes left (only with ``min_nodes``)."""
+    spare_nodes: int | None = None
+    """Local launcher: node slots that can stand in for lost nodes (a lost node's slot is gone).
+    None: a replacement is always there, within ``max_restarts``. Slurm asks ``sinfo`` instead."""
     launcher: str = "local"
     """Launcher backend (``kiln.launchers``): ``local`` (torchrun agents on this machine) or ``slurm``."""
     slurm_partition: str | None = None
@@ -131,8 +143,23 @@ class Policy:
     (``kiln.mlflow_auth.MlflowIdentity``); without it ``KILN_MLFLOW_<POLICY>_USERNAME/PASSWORD``."""
 
     def __post_init__(self) -> None:
+        for name in ("min_nodes", "replacement_timeout_s", "spare_nodes"):
+            value = getattr(self, name)
+            if (value is not None or name == "replacement_timeout_s") and (
+                    isinstance(value, bool) or not isinstance(value, int)):
+                raise PolicyError(f"{name} must be a whole number, got {value!r}")
+        if self.min_nodes is not None and not 1 <= self.min_nodes <= self.nodes:
+            raise PolicyError(f"min_nodes must be within [1, nodes={self.nodes}] (None: never shrink), "
+                              f"got {self.min_nodes}")
+        if self.replacement_timeout_s < 0:
+            raise PolicyError(f"replacement_timeout_s must be >= 0 seconds, got {self.replacement_timeout_s}")
+        if self.spare_nodes is not None and self.spare_nodes < 0:
+            raise PolicyError(f"spare_nodes must be >= 0 (None: a replacement is always there), got {self.spare_nodes}")
         if self.launcher not in LAUNCHERS:
             raise PolicyError(f"launcher must be one of {', '.join(LAUNCHERS)}, got {self.launcher!r}")
+        if self.min_nodes is not None and self.launcher == "kubernetes":
+            raise PolicyError("min_nodes (elastic shrink) needs launcher 'local' or 'slurm': a TrainJob's node "
+                              "count is fixed when it is created")
         if bool(self.champion_watch_dag_id) != bool(self.champion_watch_cron):
             raise PolicyError("champion_watch_dag_id and champion_watch_cron must be set together")
         if not 1 <= self.validation_batch_shards <= 10_000:
@@ -273,6 +300,10 @@ SANDBOX = Policy(
     nodes=1,
     nproc_per_node=1,
     max_restarts=1,
+    # Never shrink unless a deployment says so (launcher Variable: min_nodes, spare_nodes); an
+    # experiment waits a minute for a replacement, then goes on.
+    min_nodes=None,
+    replacement_timeout_s=60,
     k8s_queue="kiln-sandbox",
     k8s_priority_class="kiln-sandbox",
     candidate_model="sandbox.kiln-stdlib-lm",
@@ -306,6 +337,10 @@ PRODUCTION = Policy(
     nodes=2,
     nproc_per_node=1,
     max_restarts=2,
+    # Never shrink unless a deployment says so; a retrain is long, so waiting five minutes for a
+    # re-provisioned node costs less than running the rest of it on fewer.
+    min_nodes=None,
+    replacement_timeout_s=300,
     k8s_queue="kiln-production",
     k8s_priority_class="kiln-production",
     candidate_model="kiln-stdlib-lm.candidates",

@@ -63,10 +63,29 @@ class LaunchSpec:
     """``section.key=value`` recipe overrides (run params win over the recipe)."""
     max_steps: int | None = None
     env: dict[str, str] = field(default_factory=dict)
+    min_nodes: int | None = None
+    """Elastic shrink: the fewest nodes the job may go on with after losing a node that is not
+    replaced within ``replacement_timeout_s`` (the global batch stays; gradient accumulation takes
+    up the change). None: ``nodes``, never shrink (a lost node is replaced, or the job fails)."""
+    replacement_timeout_s: int = 60
+    """How long, after a node is lost, the job waits for a replacement before it goes on with the
+    nodes left (whole seconds, as torch's rendezvous timeouts are). Only matters with ``min_nodes``."""
+    spare_nodes: int | None = None
+    """Local backend: node slots that can stand in for lost nodes (a lost node's own slot is gone).
+    None: a replacement is always there (a scheduler that brings the node back), within
+    ``max_restarts``. The Slurm backend asks Slurm which nodes are up instead."""
 
     def __post_init__(self) -> None:
         if not 1 <= self.nodes <= 64:
             raise ConfigError(f"nodes must be within [1, 64], got {self.nodes}")
+        if self.min_nodes is not None and not 1 <= self.min_nodes <= self.nodes:
+            raise ConfigError(f"min_nodes must be within [1, nodes={self.nodes}], got {self.min_nodes}")
+        if isinstance(self.replacement_timeout_s, bool) or not isinstance(self.replacement_timeout_s, int) \
+                or self.replacement_timeout_s < 0:
+            raise ConfigError(f"replacement_timeout_s must be a whole number of seconds >= 0, "
+                              f"got {self.replacement_timeout_s!r}")
+        if self.spare_nodes is not None and self.spare_nodes < 0:
+            raise ConfigError(f"spare_nodes must be >= 0 (or None: always a replacement), got {self.spare_nodes}")
         if not 1 <= self.nproc_per_node <= 64:
             raise ConfigError(f"nproc_per_node must be within [1, 64], got {self.nproc_per_node}")
         if self.max_restarts < 0:
@@ -77,6 +96,11 @@ class LaunchSpec:
     @property
     def launch_dir(self) -> Path:
         return Path(self.run_dir) / LAUNCH_SUBDIR
+
+    @property
+    def least_nodes(self) -> int:
+        """``min_nodes``, or ``nodes`` when the job may not shrink."""
+        return self.nodes if self.min_nodes is None else self.min_nodes
 
     @property
     def rdzv_id(self) -> str:
@@ -150,6 +174,8 @@ class JobStatus:
     """Why the job is not (yet) a success: names the node, exit code or fatal rank."""
     restarts: int = 0
     """Lost nodes the launcher replaced (local backend); torchrun's own restarts are in the log."""
+    shrinks: tuple[str, ...] = ()
+    """Each elastic shrink of this run's jobs so far, in words (``kiln.launchers.elastic``)."""
 
     @property
     def done(self) -> bool:
@@ -177,11 +203,12 @@ def trainer_args(spec: LaunchSpec) -> list[str]:
 
 
 def torchrun_argv(spec: LaunchSpec, endpoint: str, *, python: str = sys.executable,
-                  node_rank: int | None = None, rdzv_conf: str | None = None) -> list[str]:
-    """One node's torchrun agent: c10d rendezvous at ``endpoint``, the worker shim as entry point."""
+                  node_rank: int | None = None, rdzv_conf: str | None = None, nnodes: str | None = None) -> list[str]:
+    """One node's torchrun agent: c10d rendezvous at ``endpoint``, the worker shim as entry point.
+    ``nnodes``: torchrun's ``--nnodes`` when not ``spec.nodes`` (an elastic ``MIN:MAX``)."""
     argv = [
         python, "-m", "torch.distributed.run",
-        f"--nnodes={spec.nodes}", f"--nproc-per-node={spec.nproc_per_node}",
+        f"--nnodes={nnodes or spec.nodes}", f"--nproc-per-node={spec.nproc_per_node}",
         "--rdzv-backend=c10d", f"--rdzv-endpoint={endpoint}", f"--rdzv-id={spec.rdzv_id}",
         f"--max-restarts={spec.max_restarts}", "--monitor-interval=1",
     ]

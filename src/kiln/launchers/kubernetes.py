@@ -140,6 +140,9 @@ def render_trainjob(
     resources_per_node: dict[str, dict[str, str]] | None = None, image_repo_root: str = IMAGE_REPO_ROOT,
 ) -> dict[str, Any]:
     """The TrainJob for ``spec``: JSON-safe dict, ready for ``CustomObjectsApi.create_namespaced_custom_object``."""
+    if spec.least_nodes < spec.nodes:
+        raise ConfigError(f"min_nodes={spec.least_nodes}: elastic shrink is not available on the kubernetes launcher "
+                          f"(a TrainJob's numNodes is fixed when it is created); leave min_nodes unset")
     _check_name("namespace", namespace, DNS_LABEL)
     _check_name("queue (Kueue LocalQueue)", queue, DNS_SUBDOMAIN)
     _check_name("priority class (Kueue WorkloadPriorityClass)", priority_class, DNS_SUBDOMAIN, required=False)

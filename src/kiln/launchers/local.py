@@ -3,8 +3,8 @@
 ``submit`` starts a detached supervisor process (``kiln.launchers.local.supervise(RUN/.launch/spec.json)``
 in its own session) and returns; everything else finds it again through ``RUN/.launch/``:
 ``job.log`` (every agent's output, prefixed ``[node i]``), ``status.json`` (state, reason, agent pids,
-replaced nodes) and ``supervisor.pid``. So the job outlives the submitting process, and a deferrable
-trigger or a retried task can poll, stream and cancel it.
+replaced nodes, nodes in the gang, nodes lost for good) and ``supervisor.pid``. So the job outlives
+the submitting process, and a deferrable trigger or a retried task can poll, stream and cancel it.
 
 The supervisor plays the cluster scheduler of a real multi-node job:
 
@@ -15,7 +15,15 @@ The supervisor plays the cluster scheduler of a real multi-node job:
   and every rank resumes from the newest committed checkpoint;
 * an agent that dies (a lost node) is the supervisor's: it kills what is left of that node (orphaned
   workers), starts a replacement agent, and the surviving agents re-rendezvous with it — up to
-  ``max_restarts`` replacements;
+  ``max_restarts`` replacements, and only while a spare node slot is left (``spare_nodes``; None:
+  always one, as a scheduler that brings the node back);
+* elastic shrink (``min_nodes`` < ``nodes``): with no replacement, the survivors go on without the
+  lost node. Agents run ``--nnodes=MIN:MAX`` with ``last_call_timeout = replacement_timeout_s``: the
+  survivors' next rendezvous round waits that long for a replacement, then completes with the nodes
+  there, and the trainer resumes from the last committed checkpoint at the smaller world size (same
+  global batch). The shrink is logged (``[launcher] ... elastic shrink 2 -> 1 node(s)``), counted
+  in ``status.json`` (``nodes``, ``lost``) and recorded in ``RUN/.launch/elastic.json``
+  (``kiln.launchers.elastic``). Fewer nodes left than ``min_nodes``: the job FAILED, naming it;
 * an agent that exits non-zero on its own has spent torchrun's restarts: the job FAILED;
 * a fatal marker (a rank exited 2) ends the job at once: FATAL, not restarted, not retried;
 * a straggler the trainer flags (``metrics.jsonl``) is logged as ``[launcher] straggler: ... ->
@@ -30,6 +38,8 @@ Launch lines (what the supervisor runs, for each of the N nodes)::
     python -m kiln.launchers.worker --agent --nnodes=N --nproc-per-node=P --rdzv-backend=c10d \\
         --rdzv-endpoint=127.0.0.1:PORT --rdzv-id=RUN --max-restarts=R --monitor-interval=0.2 \\
         --rdzv-conf=is_host=false -m kiln.launchers.worker --manifest M.json --recipe R.toml --run-dir DIR
+
+and with ``min_nodes`` < ``nodes``: ``--nnodes=MIN:N ... --rdzv-conf=is_host=false,last_call_timeout=T``.
 """
 
 from __future__ import annotations
@@ -64,6 +74,7 @@ from kiln.launchers.base import (
     torchrun_argv,
     wait,
 )
+from kiln.launchers.elastic import Shrink, after_node_loss, record_shrink, shrinks_for_status
 from kiln.launchers.stragglers import StragglerPolicy, StragglerWatch
 from kiln.refs import TrainResult
 from kiln.runs import (
@@ -127,7 +138,15 @@ def agent_argv(spec: LaunchSpec, node_rank: int, port: int) -> list[str]:
     ``node_rank`` names the agent's slot in the supervisor and its log prefix, not a torch rank.
     """
     del node_rank
-    argv = torchrun_argv(spec, f"127.0.0.1:{port}", rdzv_conf="is_host=false")
+    if spec.least_nodes < spec.nodes:
+        # Elastic: once min_nodes are in a rendezvous round, torch waits last_call_timeout for more,
+        # then goes on with those it has: the survivors of a lost node that nobody replaces in time.
+        # torch refuses a last call of 0 s: 1 s is the shortest wait it knows.
+        last_call = max(1, spec.replacement_timeout_s)
+        argv = torchrun_argv(spec, f"127.0.0.1:{port}", nnodes=f"{spec.least_nodes}:{spec.nodes}",
+                             rdzv_conf=f"is_host=false,last_call_timeout={last_call}")
+    else:
+        argv = torchrun_argv(spec, f"127.0.0.1:{port}", rdzv_conf="is_host=false")
     if spec.env.get(AGENT_ENV) == "torchrun":  # plain torchrun: the recovery benchmark's baseline
         return argv
     assert argv[1:3] == ["-m", "torch.distributed.run"], argv[:3]
@@ -224,6 +243,8 @@ class _Supervisor:
         self.agents: list[subprocess.Popen[str]] = []
         self.tails: list[deque[str]] = []
         self.replaced = 0
+        self.lost: set[int] = set()
+        """Nodes lost for good (not replaced): the job went on without them (elastic shrink)."""
         self.stop_signal: int | None = None
         self.store: subprocess.Popen[str] | None = None
         self.port = 0
@@ -246,7 +267,8 @@ class _Supervisor:
     def write_status(self, state: str, reason: str = "") -> None:
         body = {
             "state": state, "reason": reason, "restarts": self.replaced, "rdzv_port": self.port,
-            "agents": {str(i): a.pid for i, a in enumerate(self.agents)}, "supervisor": os.getpid(),
+            "agents": {str(i): a.pid for i, a in enumerate(self.agents) if i not in self.lost},
+            "nodes": len(self.agents) - len(self.lost), "lost": sorted(self.lost), "supervisor": os.getpid(),
             "time": time.time(),
         }
         record_status(self.folder, body)
@@ -337,7 +359,10 @@ class _Supervisor:
         for node in range(spec.nodes):
             self.start_agent(node)
         self.write_status("RUNNING")
-        self.say(f"[launcher] {spec.nodes} agent(s) started; rendezvous 127.0.0.1:{self.port} id {spec.rdzv_id}")
+        elastic = (f"; elastic: min_nodes={spec.least_nodes}, replacement_timeout_s={spec.replacement_timeout_s}, "
+                   f"spare_nodes={'unlimited' if spec.spare_nodes is None else spec.spare_nodes}"
+                   if spec.least_nodes < spec.nodes else "")
+        self.say(f"[launcher] {spec.nodes} agent(s) started; rendezvous 127.0.0.1:{self.port} id {spec.rdzv_id}{elastic}")
         self.stragglers.offset = _size(spec.run_dir / METRICS_JSONL)  # a resubmission: only new flags
         while True:
             for action in self.stragglers.poll():
@@ -349,10 +374,10 @@ class _Supervisor:
             if markers:
                 self.end_all()
                 return "FATAL", fatal_reason(markers)
-            codes = [a.poll() for a in self.agents]
-            if all(c == 0 for c in codes):
+            codes = {node: a.poll() for node, a in enumerate(self.agents) if node not in self.lost}
+            if all(c == 0 for c in codes.values()):
                 return "SUCCEEDED", ""
-            for node, code in enumerate(codes):
+            for node, code in codes.items():
                 if code is None or code == 0:
                     continue
                 if code < 0:  # killed by a signal: the node is lost, not finished
@@ -362,17 +387,10 @@ class _Supervisor:
                         # barrier (300 s) for it; the committed result is all that matters.
                         self.end_all()
                         return "SUCCEEDED", f"node {node} lost after training finished"
-                    if self.replaced >= spec.max_restarts:
+                    ended = self.lose_node(node, -code)
+                    if ended is not None:
                         self.end_all()
-                        return "FAILED", (
-                            f"node {node} lost (agent killed by signal {-code}) and the restart budget is spent "
-                            f"(max_restarts={spec.max_restarts}, {self.replaced} node(s) replaced)"
-                        )
-                    self.replaced += 1
-                    self.say(f"[launcher] node {node} lost (agent killed by signal {-code}): starting a replacement "
-                             f"agent ({self.replaced}/{spec.max_restarts}); the group restarts from the last checkpoint")
-                    self.start_agent(node)
-                    self.write_status("RUNNING")
+                        return ended
                     continue
                 # torchrun gave up on its own: the worker group failed more than max_restarts times.
                 time.sleep(0.5)  # let a fatal marker that explains it land first
@@ -385,6 +403,48 @@ class _Supervisor:
                     f"are spent (max_restarts={spec.max_restarts}); last lines: {self.node_detail(node)}"
                 )
             time.sleep(0.2)
+
+    def lose_node(self, node: int, signum: int) -> tuple[str, str] | None:
+        """A node whose agent was killed: replace it when a replacement is there (a spare node slot and
+        the restart budget), else go on without it when the nodes left are at least ``min_nodes``
+        (elastic shrink, recorded), else the job's final ``(state, reason)``."""
+        spec = self.spec
+        left = len(self.agents) - len(self.lost) - 1
+        spare = spec.spare_nodes is None or self.replaced < spec.spare_nodes
+        budget = self.replaced < spec.max_restarts
+        action = after_node_loss(nodes_left=left, min_nodes=spec.least_nodes, replacement=spare and budget)
+        if action == "replace":
+            self.replaced += 1
+            self.say(f"[launcher] node {node} lost (agent killed by signal {signum}): starting a replacement "
+                     f"agent ({self.replaced}/{spec.max_restarts}); the group restarts from the last checkpoint")
+            self.start_agent(node)
+            self.write_status("RUNNING")
+            return None
+        if not spare:
+            no_replacement = f"no spare node slot left (spare_nodes={spec.spare_nodes}, {self.replaced} used)"
+        else:
+            no_replacement = (f"the restart budget is spent (max_restarts={spec.max_restarts}, "
+                              f"{self.replaced} node(s) replaced)")
+        if action == "fail":
+            if spec.least_nodes == spec.nodes and not budget:  # no elastic policy: the words of old
+                return "FAILED", f"node {node} lost (agent killed by signal {signum}) and {no_replacement}"
+            return "FAILED", (f"node {node} lost (agent killed by signal {signum}) and {no_replacement}; the {left} "
+                              f"node(s) left are fewer than min_nodes={spec.least_nodes}: not going on smaller")
+        self.lost.add(node)
+        shrink = Shrink(backend="local", job_id=str(os.getpid()), lost=f"node {node} (agent killed by signal {signum})",
+                        from_nodes=left + 1, to_nodes=left, timeout_s=spec.replacement_timeout_s,
+                        no_replacement=no_replacement, time=time.time())
+        self.say(f"[launcher] node {node} lost (agent killed by signal {signum}) and {no_replacement}: elastic shrink "
+                 f"{left + 1} -> {left} node(s) (min_nodes={spec.least_nodes}): the node(s) left wait "
+                 f"replacement_timeout_s={spec.replacement_timeout_s} s for a replacement in the rendezvous, then "
+                 f"restart without it from the last committed checkpoint")
+        try:
+            record_shrink(spec.run_dir, shrink)
+        except (OSError, LaunchError) as exc:  # the job goes on: the record is what tells, not what runs
+            detail = os_error_text(exc) if isinstance(exc, OSError) else str(exc)
+            self.say(f"[launcher] the elastic shrink was not recorded: {detail}")
+        self.write_status("RUNNING")
+        return None
 
     def close(self) -> None:
         if self.store is not None and self.store.poll() is None:
@@ -583,20 +643,24 @@ class LocalLauncher:
         return None
 
     def poll(self, handle: JobHandle) -> JobStatus:
+        shrinks = shrinks_for_status(handle.run_dir)
         status = _read_status(handle.run_dir)
         if status and status["state"] != "RUNNING":
-            return JobStatus(state=status["state"], reason=status.get("reason", ""), restarts=status.get("restarts", 0))
+            return JobStatus(state=status["state"], reason=status.get("reason", ""), restarts=status.get("restarts", 0),
+                             shrinks=shrinks)
         if _alive(int(handle.job_id)):
-            return JobStatus(state="RUNNING" if status else "PENDING", restarts=(status or {}).get("restarts", 0))
+            return JobStatus(state="RUNNING" if status else "PENDING", restarts=(status or {}).get("restarts", 0),
+                             shrinks=shrinks)
         status = _read_status(handle.run_dir)  # it may have finished between the two reads
         if status and status["state"] != "RUNNING":
-            return JobStatus(state=status["state"], reason=status.get("reason", ""), restarts=status.get("restarts", 0))
+            return JobStatus(state=status["state"], reason=status.get("reason", ""), restarts=status.get("restarts", 0),
+                             shrinks=shrinks)
         pid = int(handle.job_id)
         last = " | ".join(_log_tail(handle.run_dir).splitlines()[-5:])
         reason = (f"launcher supervisor {pid} died without a final status{_how_it_ended(pid)}"
                   f"{_full_disk_note(handle.run_dir)}" + (f"; last lines of its log: {last}" if last else ""))
         self._end_leftovers(handle, "FAILED", reason)  # its agents must not train on unsupervised
-        return JobStatus(state="FAILED", reason=reason, restarts=(status or {}).get("restarts", 0))
+        return JobStatus(state="FAILED", reason=reason, restarts=(status or {}).get("restarts", 0), shrinks=shrinks)
 
     def cancel(self, handle: JobHandle) -> None:
         pid = int(handle.job_id)

@@ -10,6 +10,13 @@ Nodes a straggler action excluded (``resubmit_excluding``) are kept in
 ``RUN/.launch/slurm-excluded-nodes.json``: every later submission of that run dir (a retried task,
 the next resubmission) leaves them out too.
 
+Elastic shrink (``min_nodes`` < ``nodes``): the submission after a job ended ``NODE_FAIL`` (the
+task's retry) asks ``sinfo`` which nodes of the partition are up. All ``nodes`` there: the job goes
+in whole. Fewer: it waits up to ``replacement_timeout_s`` for them to come back, then submits on the
+nodes up (never fewer than ``min_nodes``: else ``LaunchError`` naming it), says so in the new job's
+log (``[launcher] elastic shrink: ...``) and records it (``kiln.launchers.elastic``). The trainer
+resumes from the last committed checkpoint at the smaller world size, with the same global batch.
+
 State comes from ``squeue`` while the job is known to the controller's queue, then
 ``scontrol show job`` (kept ``MinJobAge`` seconds), then ``sacct`` where accounting is on. Partition
 and QoS come from the policy (production may preempt sandbox); ``scancel`` cancels. The batch log is
@@ -26,6 +33,7 @@ import shutil
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 from kiln.errors import ConfigError, LaunchError
@@ -41,12 +49,19 @@ from kiln.launchers.base import (
     tail_text,
     torchrun_argv,
 )
+from kiln.launchers.elastic import Shrink, record_shrink, recorded_shrinks, shrinks_for_status
 from kiln.refs import TrainResult
 from kiln.runs import LAUNCH_SPEC, LAUNCH_SUBDIR, SLURM_EXCLUDED_NODES, SLURM_JOB_ID, SLURM_SCRIPT, slurm_log
 
 _PENDING = {"PENDING", "CONFIGURING", "REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED", "RESV_DEL_HOLD", "SUSPENDED"}
 _RUNNING = {"RUNNING", "COMPLETING", "STAGE_OUT", "SIGNALING", "RESIZING"}
 _NAME_OK = re.compile(r"^[A-Za-z0-9_.-]+$")
+_UP = {"idle", "alloc", "mix", "comp", "plnd"}
+"""sinfo's short node states of a node that takes jobs (a suffix such as ``*``, not responding, or
+``~``, powered off, means it does not); down, drain, drng, fail, maint, ... do not either."""
+_NOTE_MARK = "# kiln: note"
+"""Ends the script's echo lines that tell the job log what the launcher did (an elastic shrink): two
+scripts that differ only there are the same job."""
 
 
 _FREE_PORT = 'import socket; s = socket.socket(); s.bind(("", 0)); print(s.getsockname()[1])'
@@ -54,8 +69,9 @@ _FREE_PORT = 'import socket; s = socket.socket(); s.bind(("", 0)); print(s.getso
 
 def render_sbatch(spec: LaunchSpec, *, partition: str | None = None, qos: str | None = None,
                   python: str = sys.executable, time_limit: str | None = None, rdzv_port: int | None = None,
-                  exclude: tuple[str, ...] = (), requeue: bool = False) -> str:
-    """The batch script for ``spec``: one torchrun agent per node (``srun``), c10d on the first node."""
+                  exclude: tuple[str, ...] = (), requeue: bool = False, notes: tuple[str, ...] = ()) -> str:
+    """The batch script for ``spec``: one torchrun agent per node (``srun``), c10d on the first node.
+    ``notes``: lines the job's log starts with (``[launcher] <note>``)."""
     for label, value in (("partition", partition), ("qos", qos)):
         if value is not None and not _NAME_OK.match(value):
             raise ConfigError(f"slurm {label} must be a plain Slurm name, got {value!r}")
@@ -86,6 +102,7 @@ def render_sbatch(spec: LaunchSpec, *, partition: str | None = None, qos: str | 
     )
     port = str(rdzv_port) if rdzv_port else f"$({shlex.quote(python)} -c {shlex.quote(_FREE_PORT)})"
     lines = ["#!/bin/bash", *(f"#SBATCH {d}" for d in directives), "", "set -euo pipefail"]
+    lines += [f"echo {shlex.quote(f'[launcher] {note}')}  {_NOTE_MARK}" for note in notes]
     lines += [f"export {k}={shlex.quote(v)}" for k, v in sorted(env.items())]
     lines += [
         "# c10d rendezvous on the job's first node (this script runs there).",
@@ -98,6 +115,14 @@ def render_sbatch(spec: LaunchSpec, *, partition: str | None = None, qos: str | 
         "",
     ]
     return "\n".join(lines)
+
+
+def same_job(script: str, other: str) -> bool:
+    """Whether two batch scripts run the same job (they may differ in what they tell the log)."""
+    def body(text: str) -> list[str]:
+        return [line for line in text.splitlines() if not line.endswith(_NOTE_MARK)]
+
+    return body(script) == body(other)
 
 
 def _run(argv: list[str], env: dict[str, str] | None, timeout: float = 60) -> subprocess.CompletedProcess[str]:
@@ -124,31 +149,36 @@ class SlurmLauncher:
         self.python, self.rdzv_port, self.exclude, self.requeue = python, rdzv_port, tuple(exclude), requeue
         self.env = env
 
-    def render(self, spec: LaunchSpec) -> str:
+    def render(self, spec: LaunchSpec, notes: tuple[str, ...] = ()) -> str:
         """The batch script: this launcher's ``exclude`` plus the nodes the run dir excluded before."""
         exclude = tuple(dict.fromkeys((*self.exclude, *excluded_nodes(spec.run_dir))))
         return render_sbatch(spec, partition=self.partition, qos=self.qos, python=self.python,
                              time_limit=self.time_limit, rdzv_port=self.rdzv_port, exclude=exclude,
-                             requeue=self.requeue)
+                             requeue=self.requeue, notes=notes)
 
     def submit(self, spec: LaunchSpec) -> JobHandle:
         """Submit the job, or re-attach to this run dir's job if it is still queued or running the
-        same script (a retried task must not put a second gang on the same checkpoints)."""
+        same script (a retried task must not put a second gang on the same checkpoints). After a
+        ``NODE_FAIL``, a spec that may shrink goes in on the nodes up (see the module docstring)."""
         check_recipe(spec)  # before sbatch: a bad recipe is a usage error, not a FATAL job on every node
         spec.run_dir.mkdir(parents=True, exist_ok=True)
-        rendered = self.render(spec)
         try:
             previous = (spec.launch_dir / SLURM_JOB_ID).read_text().strip()
             previous_script = (spec.launch_dir / SLURM_SCRIPT).read_text()
         except OSError:
             previous = ""
+        shrink = None
         if previous:
             handle = JobHandle(backend=self.name, job_id=previous, run_dir=str(spec.run_dir))
             state, _, _ = self._slurm_state(previous)
             if state in _PENDING or state in _RUNNING:
-                if previous_script == rendered:
+                if same_job(previous_script, self.render(_as_it_ran(spec))):
                     return handle
                 self.cancel(handle)
+            elif state == "NODE_FAIL" and spec.least_nodes < spec.nodes:
+                recorded_shrinks(spec.run_dir)  # a record that cannot take the shrink fails before sbatch
+                spec, shrink = self._size_after_node_loss(spec, previous)
+        rendered = self.render(spec, notes=(shrink.in_words(),) if shrink else ())
         folder = clear_launch_state(spec)
         (folder / LAUNCH_SPEC).write_text(json.dumps(spec.to_json(), indent=2, sort_keys=True))
         script = folder / SLURM_SCRIPT
@@ -160,7 +190,40 @@ class SlurmLauncher:
         if not job_id.isdigit():
             raise LaunchError(f"sbatch answered {out.stdout!r}, not a job id")
         (folder / SLURM_JOB_ID).write_text(job_id)
+        if shrink is not None:
+            record_shrink(spec.run_dir, replace(shrink, job_id=job_id))
         return JobHandle(backend=self.name, job_id=job_id, run_dir=str(spec.run_dir))
+
+    def nodes_up(self, run_dir: str | Path) -> list[str]:
+        """The nodes of this launcher's partition that take jobs (idle, allocated, mixed, completing;
+        not down, drained, failing or unresponsive), less those it or the run dir excludes."""
+        out = _run(["sinfo", "-h", "-N", "-o", "%N %t", *([f"--partition={self.partition}"] if self.partition else [])],
+                   self.env)
+        if out.returncode != 0:
+            raise LaunchError(f"sinfo failed: {out.stderr.strip() or out.stdout.strip()}")
+        excluded = {*self.exclude, *excluded_nodes(run_dir)}
+        return sorted({parts[0] for parts in (line.split() for line in out.stdout.splitlines())
+                       if len(parts) == 2 and parts[1] in _UP and parts[0] not in excluded})
+
+    def _size_after_node_loss(self, spec: LaunchSpec, lost_job: str,
+                              poll_s: float = 1.0) -> tuple[LaunchSpec, Shrink | None]:
+        """``spec`` whole when its nodes are up (at once, or within ``replacement_timeout_s``), else
+        on the nodes up with the shrink to record; ``LaunchError`` below ``min_nodes``."""
+        deadline = time.monotonic() + spec.replacement_timeout_s
+        while len(up := self.nodes_up(spec.run_dir)) < spec.nodes and time.monotonic() < deadline:
+            time.sleep(max(0.0, min(poll_s, deadline - time.monotonic())))
+        if len(up) >= spec.nodes:
+            return spec, None
+        where = f"partition {self.partition}" if self.partition else "the cluster"
+        no_replacement = f"{len(up)} node(s) of {where} up: {','.join(up) or 'none'}"
+        if len(up) < spec.least_nodes:
+            raise LaunchError(
+                f"slurm job {lost_job} ended NODE_FAIL and after replacement_timeout_s={spec.replacement_timeout_s} s "
+                f"only {no_replacement}, fewer than min_nodes={spec.least_nodes}: not resubmitting")
+        shrink = Shrink(backend=self.name, job_id="", lost=f"a node of slurm job {lost_job} (NODE_FAIL)",
+                        from_nodes=spec.nodes, to_nodes=len(up), timeout_s=spec.replacement_timeout_s,
+                        no_replacement=no_replacement, time=time.time())
+        return replace(spec, nodes=len(up)), shrink
 
     def _slurm_state(self, job_id: str) -> tuple[str, str, str]:
         """(Slurm state, exit code "a:b", reason) from squeue, then scontrol, then sacct."""
@@ -186,17 +249,18 @@ class SlurmLauncher:
             if state in _PENDING or state in _RUNNING:
                 self.cancel(handle)  # a fatal fault: torchrun's restarts would only repeat it
             return JobStatus(state="FATAL", reason=fatal_reason(markers))
+        shrinks = shrinks_for_status(handle.run_dir)
         if state in _PENDING:
-            return JobStatus(state="PENDING", reason=reason)
+            return JobStatus(state="PENDING", reason=reason, shrinks=shrinks)
         if state in _RUNNING:
-            return JobStatus(state="RUNNING")
+            return JobStatus(state="RUNNING", shrinks=shrinks)
         if state == "COMPLETED":
-            return JobStatus(state="SUCCEEDED")
+            return JobStatus(state="SUCCEEDED", shrinks=shrinks)
         detail = (f"Slurm state {state}" + (f", exit {exit_code}" if exit_code else "")
                   + (f", reason {reason}" if reason and reason != "None" else ""))
         if state.startswith("CANCELLED"):
-            return JobStatus(state="CANCELLED", reason=detail)
-        return JobStatus(state="FAILED", reason=detail)
+            return JobStatus(state="CANCELLED", reason=detail, shrinks=shrinks)
+        return JobStatus(state="FAILED", reason=detail, shrinks=shrinks)
 
     def cancel(self, handle: JobHandle) -> None:
         out = _run(["scancel", "--full", handle.job_id], self.env)
@@ -218,6 +282,16 @@ class SlurmLauncher:
         status = self.poll(handle)
         text, _ = self.logs(handle, 0)
         return result_for(status, handle, tail_text(text) if status.state != "SUCCEEDED" else "")
+
+
+def _as_it_ran(spec: LaunchSpec) -> LaunchSpec:
+    """``spec`` at the node count its run dir's last submission ran it with (smaller after an elastic
+    shrink), so that a retry re-attaches to the shrunk job instead of cancelling it."""
+    try:
+        nodes = int(json.loads((spec.launch_dir / LAUNCH_SPEC).read_text())["nodes"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return spec
+    return replace(spec, nodes=nodes) if spec.least_nodes <= nodes < spec.nodes else spec
 
 
 def excluded_nodes(run_dir: str | Path) -> tuple[str, ...]:

@@ -23,7 +23,12 @@ is torchrun (the same arguments, parsed by torch's own parser, the same elastic 
   state syncs): with the store on this host the polling costs nothing and each re-rendezvous is
   1-2 s shorter. On a large cluster keep torch's default (plain torchrun, as the Slurm backend does);
 * with ``torch._dynamo`` preloaded, the agent's log of a dead worker is instant too: torch's log
-  formatter imports it to render any traceback (seconds, on the restart path, without the preload).
+  formatter imports it to render any traceback (seconds, on the restart path, without the preload);
+* elastic (``--nnodes=MIN:MAX``, the local backend's elastic shrink): the agent's *first* rendezvous
+  waits for all MAX nodes, as a gang scheduler starts a job whole. torch's rule (once MIN nodes are
+  in, wait ``last_call_timeout``, then go on with those there) holds from the second round on, so
+  only a lost node that nobody replaces in time makes the group smaller, never an agent that was
+  slow to import torch at the start.
 
 Workers are children of the agent (their cmdline is the agent's, which names this module).
 """
@@ -37,6 +42,7 @@ import signal
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 from kiln.launchers.base import FATAL_LINE
 from kiln.runs import FATAL_SUBDIR, LAUNCH_SUBDIR
@@ -135,6 +141,38 @@ def _fast_rendezvous_polling() -> None:
     dr._delay = delay
 
 
+def _whole_first_gang() -> None:
+    """The first rendezvous of each agent (its handler's first ``next_rendezvous``) needs MAX nodes;
+    later ones use MIN as torch does. torch holds MIN in a frozen ``RendezvousSettings`` shared by the
+    handler, its state holder and its op executor, so the round runs with a copy saying MIN = MAX."""
+    import dataclasses
+
+    from torch.distributed.elastic.rendezvous import dynamic_rendezvous as dr
+
+    handler_class = getattr(dr, "DynamicRendezvousHandler", None)
+    original = getattr(handler_class, "next_rendezvous", None)
+    if handler_class is None or original is None or getattr(handler_class, "_kiln_whole_first_gang", False):
+        return  # torch moved it (keep its rule), or done already
+
+    def next_rendezvous(self: Any) -> Any:
+        if getattr(self, "_kiln_gang_formed", False):
+            return original(self)
+        holders = [h for h in (self, getattr(self, "_state_holder", None), getattr(self, "_op_executor", None))
+                   if h is not None and hasattr(h, "_settings")]
+        settings = self._settings
+        for holder in holders:
+            holder._settings = dataclasses.replace(settings, min_nodes=settings.max_nodes)
+        try:
+            return original(self)
+        finally:
+            for holder in holders:
+                holder._settings = settings
+            self._kiln_gang_formed = True
+
+    handler_class.next_rendezvous = next_rendezvous
+    handler_class._kiln_whole_first_gang = True
+
+
 def _warm_data_path(trainer_argv: list[str]) -> None:
     """A process's first parquet read costs seconds (pyarrow's lazy initialisation; 4 s at load 20
     here, 0.04 s the second time): read one shard of the run's manifest before forking, so each
@@ -170,6 +208,8 @@ def agent_main(argv: list[str]) -> int:
 
     _warm_data_path(list(args.training_script_args))
     _fast_rendezvous_polling()
+    if config.min_nodes < config.max_nodes:
+        _whole_first_gang()
     try:
         elastic_launch(config=config, entrypoint=forked_worker)(*args.training_script_args)
     except ChildFailedError as exc:

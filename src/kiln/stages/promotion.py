@@ -139,6 +139,9 @@ def outcome_stage(
         message = f"NOT promoted: the review was {review.outcome} by {review.reviewer}"
     else:
         message = "NOT promoted: the review was not given by nobody"
+    training = _training_in_words(key)
+    if training:
+        message = f"{message}; training: {training}"
     outcome = RunOutcome(
         candidate_model=candidate.model_name, candidate_version=candidate.version, decision=decision.action,
         decision_reasons=decision.reasons, promoted=promotion is not None, message=message,
@@ -151,6 +154,15 @@ def outcome_stage(
                                       alias=promotion.alias, approver=promotion.approver)
     write_summary(key, outcome.to_json())
     return outcome
+
+
+def _training_in_words(key: str) -> str:
+    """What happened to the run's training that its model does not show: each elastic shrink (a lost
+    node, not replaced in time; the job went on with fewer), as its launcher recorded it, or ""."""
+    from kiln.launchers.elastic import shrinks_for_status
+
+    shrinks = shrinks_for_status(run_dir(key) / runs.TRAIN_SUBDIR)
+    return f"elastic shrink: {'; '.join(shrinks)}" if shrinks else ""
 
 
 def write_summary(key: str, summary: dict[str, Any]) -> Path:

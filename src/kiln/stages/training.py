@@ -38,6 +38,8 @@ def prepare_train(
         result = read_result(spec_dir)
         made = _made_training(spec_dir, result, _verify_checkpoint(result.checkpoint))
         asked = _asked_training(recipe, overrides, nodes * policy.nproc_per_node, manifest)
+        if made["world_size"] in _shrunk_world_sizes(spec_dir, policy.nproc_per_node):
+            asked["world_size"] = made["world_size"]  # it lost a node and went on smaller, as the policy allows
         refuse_other_inputs(f"training result {spec_dir / runs.RESULT_FILE} of run {key}", made, asked)
         return result
     mlflow_run_id = mlflow_run_of(
@@ -49,6 +51,9 @@ def prepare_train(
     spec = LaunchSpec(
         run_dir=spec_dir, manifest=manifest_path, recipe=recipe, run_key=key, nodes=nodes,
         nproc_per_node=policy.nproc_per_node, max_restarts=policy.max_restarts, overrides=tuple(overrides),
+        # A run asking for fewer nodes than the policy's min_nodes simply cannot shrink.
+        min_nodes=None if policy.min_nodes is None else min(policy.min_nodes, nodes),
+        replacement_timeout_s=policy.replacement_timeout_s, spare_nodes=policy.spare_nodes,
         env={"MLFLOW_RUN_ID": mlflow_run_id, "MLFLOW_TRACKING_URI": s.mlflow_uri,
              # Packed tokens named by an s3:// URL (KILN_TOKENS_REMOTE) are on the S3 service DVC uses.
              **({"AWS_ENDPOINT_URL": s.dvc_remote_endpoint}
@@ -69,6 +74,13 @@ def _asked_training(recipe: Path, overrides: list[str], world_size: int, manifes
         "training_manifest_sha256": manifest.sha256,
         "snapshot_id": manifest.snapshot_id,
     }
+
+
+def _shrunk_world_sizes(train_dir: Path, nproc_per_node: int) -> set[int]:
+    """World sizes this run's job went on at after an elastic shrink (its launcher's record)."""
+    from kiln.launchers.elastic import recorded_shrinks
+
+    return {s.to_nodes * nproc_per_node for s in recorded_shrinks(train_dir)}
 
 
 def _made_training(train_dir: Path, result: TrainResult, checkpoint: dict[str, Any]) -> dict[str, Any]:
@@ -169,6 +181,7 @@ def finish_train(policy: Policy, plan: LaunchPlan, handle: JobHandle, ended: Job
     from kiln.launchers.base import result_for
 
     client = tracking.tracking_client()
+    _tag_elastic_shrinks(client, plan)
     try:
         if ended is None:
             result = plan.launcher().result(handle)
@@ -182,6 +195,30 @@ def finish_train(policy: Policy, plan: LaunchPlan, handle: JobHandle, ended: Job
     if not result.mlflow_run_id:
         result = dataclasses.replace(result, mlflow_run_id=plan.mlflow_run_id)
     return result
+
+
+ELASTIC_TAG = "kiln.elastic_shrink"
+"""MLflow run tag: the launcher's reason for each elastic shrink of the run's training jobs."""
+ELASTIC_METRIC = "elastic_shrinks"
+"""MLflow run metric: how many times the run's training went on with fewer nodes (0: never)."""
+
+
+def _tag_elastic_shrinks(client: Any, plan: LaunchPlan) -> None:
+    """The run's elastic shrinks on its MLflow run: the launcher's words as a tag, the count as a
+    metric. A record that cannot be read is tagged as such: the training result does not hang on it."""
+    from kiln.errors import LaunchError
+    from kiln.launchers.elastic import recorded_shrinks, shrinks_in_words
+
+    if not plan.mlflow_run_id:
+        return
+    try:
+        shrinks = recorded_shrinks(plan.spec.run_dir)
+    except LaunchError as exc:
+        client.set_tag(plan.mlflow_run_id, ELASTIC_TAG, f"unknown: {exc}"[:5000])
+        return
+    if shrinks:
+        client.set_tag(plan.mlflow_run_id, ELASTIC_TAG, shrinks_in_words(shrinks)[:5000])
+    client.log_metric(plan.mlflow_run_id, ELASTIC_METRIC, len(shrinks))
 
 
 def train_stage(

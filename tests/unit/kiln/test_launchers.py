@@ -44,10 +44,12 @@ def test_agent_argv_forms_one_multi_node_gang(tmp_path):
     assert argv[-4:] == ["--set", "train.seed=7", "--max-steps", "20"]
 
 
-@pytest.mark.parametrize("field,value", [("nodes", 0), ("nproc_per_node", 0), ("max_restarts", -1), ("max_steps", 0)])
+@pytest.mark.parametrize("field,value", [("nodes", 0), ("nproc_per_node", 0), ("max_restarts", -1), ("max_steps", 0),
+                                         ("min_nodes", 0), ("min_nodes", 3), ("replacement_timeout_s", -1),
+                                         ("replacement_timeout_s", 1.5), ("spare_nodes", -1)])
 def test_launch_spec_names_the_bad_field(tmp_path, field, value):
     with pytest.raises(ConfigError, match=field):
-        _spec(tmp_path, **{field: value})
+        _spec(tmp_path, **{"nodes": 2, field: value})
 
 
 def test_launch_spec_round_trips_through_json(tmp_path):
@@ -482,3 +484,232 @@ def test_a_launch_plan_crosses_a_deferral_as_json_and_a_malformed_one_is_named(t
     for broken in ({}, {"spec": {}, "backend": "slurm"}, {"spec": spec.to_json()}, []):
         with pytest.raises(LaunchError, match="not a launch plan"):
             LaunchPlan.from_json(broken)  # type: ignore[arg-type]
+
+
+# ------------------------------------------------------------------------------- elastic shrink
+def test_elastic_agents_rendezvous_min_to_max_and_wait_the_replacement_timeout(tmp_path):
+    plain = agent_argv(_spec(tmp_path, nodes=2, max_restarts=1), 0, 29400)
+    assert "--nnodes=2" in plain and "--rdzv-conf=is_host=false" in plain  # no elastic policy: as before
+    assert agent_argv(_spec(tmp_path, nodes=2, max_restarts=1, min_nodes=2), 0, 29400) == plain  # min = nodes: same
+    elastic = agent_argv(_spec(tmp_path, nodes=3, min_nodes=1, replacement_timeout_s=45), 0, 29400)
+    assert "--nnodes=1:3" in elastic and "--rdzv-conf=is_host=false,last_call_timeout=45" in elastic
+    assert not [a for a in elastic if a.startswith("--nnodes=3")]
+    no_wait = agent_argv(_spec(tmp_path, nodes=2, min_nodes=1, replacement_timeout_s=0), 0, 29400)
+    assert "--rdzv-conf=is_host=false,last_call_timeout=1" in no_wait  # torch's shortest last call
+    assert _spec(tmp_path, nodes=3).least_nodes == 3 and _spec(tmp_path, nodes=3, min_nodes=2).least_nodes == 2
+
+
+@pytest.mark.parametrize("left,min_nodes,replacement,action", [
+    (1, 1, True, "replace"), (1, 2, True, "replace"),  # a replacement always wins
+    (1, 1, False, "shrink"), (2, 2, False, "shrink"),
+    (1, 2, False, "fail"), (0, 1, False, "fail"),
+])
+def test_after_a_lost_node_replace_else_shrink_else_fail(left, min_nodes, replacement, action):
+    from kiln.launchers.elastic import after_node_loss
+
+    assert after_node_loss(nodes_left=left, min_nodes=min_nodes, replacement=replacement) == action
+
+
+def _shrink(**kw):
+    from kiln.launchers.elastic import Shrink
+
+    return Shrink(**{"backend": "local", "job_id": "7", "lost": "node 0 (agent killed by signal 9)", "from_nodes": 2,
+                     "to_nodes": 1, "timeout_s": 30, "no_replacement": "no spare node slot left", "time": 1.0, **kw})
+
+
+def test_the_kubernetes_launcher_refuses_a_spec_that_may_shrink(tmp_path):
+    from kiln.launchers import render_trainjob
+
+    with pytest.raises(ConfigError, match="min_nodes=1: elastic shrink is not available on the kubernetes launcher"):
+        render_trainjob(_spec(tmp_path, nodes=2, min_nodes=1), namespace="kiln", queue="q", priority_class=None,
+                        shared_root=tmp_path, checkpoint_claim="c")
+
+
+def test_the_elastic_record_keeps_every_shrink_and_refuses_to_overwrite_a_bad_one(tmp_path):
+    from kiln.launchers.elastic import elastic_record_path, record_shrink, recorded_shrinks, shrinks_for_status
+
+    assert recorded_shrinks(tmp_path) == [] and shrinks_for_status(tmp_path) == ()
+    record_shrink(tmp_path, _shrink())
+    record_shrink(tmp_path, _shrink(job_id="8", from_nodes=1, to_nodes=1))
+    assert [s.job_id for s in recorded_shrinks(tmp_path)] == ["7", "8"]
+    assert shrinks_for_status(tmp_path)[0] == ("node 0 (agent killed by signal 9) lost, no replacement within 30 s "
+                                               "(no spare node slot left): shrunk 2 -> 1 node(s)")
+    path = elastic_record_path(tmp_path)
+    assert json.loads(path.read_text())[0]["reason"] == shrinks_for_status(tmp_path)[0]
+    path.write_text('{"not": "a list"}')
+    with pytest.raises(LaunchError, match=re.escape(str(path))):
+        recorded_shrinks(tmp_path)
+    with pytest.raises(LaunchError, match="not a list of shrinks"):
+        record_shrink(tmp_path, _shrink())
+    assert path.read_text() == '{"not": "a list"}'  # nothing stored is lost
+    assert "not a list of shrinks" in shrinks_for_status(tmp_path)[0]  # a poll names it, never fails on it
+
+
+def test_a_shrunk_slurm_job_says_so_in_its_log_and_is_the_same_job_without_the_note(tmp_path):
+    from kiln.launchers.slurm import same_job
+
+    spec = _spec(tmp_path, nodes=2, min_nodes=1)
+    whole = render_sbatch(spec)
+    shrunk = render_sbatch(LaunchSpec.from_json({**spec.to_json(), "nodes": 1}), notes=("elastic shrink: 2 -> 1",))
+    assert "#SBATCH --nodes=1\n" in shrunk and "--nnodes=1 " in shrunk and "--ntasks=1 " in shrunk
+    assert "echo '[launcher] elastic shrink: 2 -> 1'" in shrunk
+    # torchrun inside one Slurm job keeps a fixed size: Slurm shrinks by resubmitting.
+    assert "--nnodes=2 " in whole and "last_call_timeout" not in whole
+    bare = render_sbatch(LaunchSpec.from_json({**spec.to_json(), "nodes": 1}))
+    assert same_job(shrunk, bare) and not same_job(whole, bare)
+
+
+def test_a_retry_reattaches_to_a_shrunk_slurm_job(tmp_path):
+    from kiln.launchers.slurm import _as_it_ran
+    from kiln.runs import LAUNCH_SPEC
+
+    spec = _spec(tmp_path, nodes=3, min_nodes=2)
+    assert _as_it_ran(spec) == spec  # nothing submitted yet
+    spec.launch_dir.mkdir(parents=True)
+    (spec.launch_dir / LAUNCH_SPEC).write_text(json.dumps({**spec.to_json(), "nodes": 2}))
+    assert _as_it_ran(spec).nodes == 2
+    (spec.launch_dir / LAUNCH_SPEC).write_text(json.dumps({**spec.to_json(), "nodes": 1}))  # below min_nodes
+    assert _as_it_ran(spec) == spec
+
+
+@pytest.mark.parametrize("raw,match", [
+    ('{"min_nodes": 3}', r"min_nodes must be within \[1, nodes=2\]"),
+    ('{"min_nodes": 0}', "min_nodes must be within"),
+    ('{"min_nodes": "1"}', "min_nodes must be a whole number"),
+    ('{"replacement_timeout_s": -1}', "replacement_timeout_s must be >= 0"),
+    ('{"replacement_timeout_s": 2.5}', "replacement_timeout_s must be a whole number"),
+    ('{"spare_nodes": -1}', "spare_nodes must be >= 0"),
+    ('{"launcher": "kubernetes", "min_nodes": 1}', "min_nodes .* needs launcher 'local' or 'slurm'"),
+])
+def test_the_elastic_policy_names_the_bad_field(raw, match):
+    from kiln.errors import PolicyError
+    from kiln.policy import PRODUCTION
+
+    with pytest.raises(PolicyError, match=match):
+        PRODUCTION.with_launcher(raw, "Airflow Variable kiln_production_launcher")
+
+
+def test_policies_never_shrink_unless_a_deployment_says_so():
+    from kiln.policy import PRODUCTION, SANDBOX
+
+    assert PRODUCTION.min_nodes is None and SANDBOX.min_nodes is None and PRODUCTION.spare_nodes is None
+    assert PRODUCTION.replacement_timeout_s == 300 and SANDBOX.replacement_timeout_s == 60
+    elastic = PRODUCTION.with_launcher('{"min_nodes": 1, "spare_nodes": 0, "replacement_timeout_s": 120}', "v")
+    assert (elastic.min_nodes, elastic.spare_nodes, elastic.replacement_timeout_s) == (1, 0, 120)
+
+
+def test_the_train_stage_passes_the_elastic_policy_into_the_launch_spec(tmp_path, monkeypatch):
+    """prepare_train, through to its LaunchSpec, from the run's own training manifest and a stand-in
+    for the MLflow run: min_nodes is the policy's, but never above the run's nodes."""
+    from test_stages import _manifest, _snapshot_of
+
+    from kiln import stages
+    from kiln.launchers import LaunchPlan
+    from kiln.policy import PRODUCTION, SANDBOX
+
+    monkeypatch.setenv("KILN_HOME", str(tmp_path))
+    monkeypatch.setattr(stages.training, "mlflow_run_of", lambda policy, key, tags: "mlflow-run-1")
+    key = "kiln_sandbox/manual__elastic"
+    data = _manifest(tmp_path, key=key)
+    policy = SANDBOX.with_launcher('{"min_nodes": 1, "spare_nodes": 0, "replacement_timeout_s": 7}', "v")
+    plan = stages.prepare_train(policy, _snapshot_of(data), data, {"nodes": 3}, key)
+    assert isinstance(plan, LaunchPlan)
+    assert (plan.spec.nodes, plan.spec.min_nodes, plan.spec.spare_nodes, plan.spec.replacement_timeout_s) == (3, 1, 0, 7)
+    two = PRODUCTION.with_launcher('{"min_nodes": 2}', "v")  # production runs 2 nodes; this run asks 1
+    small = stages.prepare_train(two, _snapshot_of(data), data, {"nodes": 1}, key)
+    assert isinstance(small, LaunchPlan) and (small.spec.nodes, small.spec.least_nodes) == (1, 1)
+    plain = stages.prepare_train(SANDBOX, _snapshot_of(data), data, {"nodes": 2}, key)
+    assert isinstance(plain, LaunchPlan) and plain.spec.least_nodes == 2 and plain.spec.spare_nodes is None
+
+
+def test_a_retry_after_a_shrunk_training_gets_its_result_not_a_mismatch(tmp_path, monkeypatch):
+    """A 2-node run that finished on 1 node after an elastic shrink: its retry hands back the result
+    (the launcher recorded the shrink). Without that record a 1-rank checkpoint is another run's."""
+    from test_stages import _finished_training, _manifest, _snapshot_of
+
+    from kiln import runs, stages
+    from kiln.errors import RunMismatchError
+    from kiln.launchers.elastic import record_shrink
+    from kiln.policy import SANDBOX
+    from kiln.refs import TrainResult
+
+    monkeypatch.setenv("KILN_HOME", str(tmp_path))
+    key = "kiln_sandbox/manual__shrunk"
+    data = _manifest(tmp_path, key=key)
+    made = _finished_training(key, data, seed=5, steps=20)  # world size 1
+    asked = {"seed": 5, "max_steps": 20, "nodes": 2}
+    with pytest.raises(RunMismatchError, match="world_size: made 1, asked 2"):
+        stages.prepare_train(SANDBOX, _snapshot_of(data), data, asked, key)
+    record_shrink(runs.run_dir(key) / runs.TRAIN_SUBDIR, _shrink())
+    done = stages.prepare_train(SANDBOX, _snapshot_of(data), data, asked, key)
+    assert isinstance(done, TrainResult) and done.weights_sha256 == made.weights_sha256
+
+
+def test_the_outcome_tells_an_elastic_shrink_of_the_runs_training(tmp_path, monkeypatch):
+    from kiln import runs, stages
+    from kiln.launchers.elastic import record_shrink
+    from kiln.policy import SANDBOX
+    from kiln.refs import Decision, RegisteredCandidate
+
+    monkeypatch.setenv("KILN_HOME", str(tmp_path))
+    key = runs.run_key("kiln_sandbox", "manual__shrunk")
+    candidate = RegisteredCandidate(model_name="sandbox.kiln-stdlib-lm", version="3",
+                                    decision=Decision(action="hold", reasons=["threshold: FAILED 9.1 > 8.0"],
+                                                      candidate_bits_per_byte=9.1))
+    assert "training" not in stages.outcome_stage(SANDBOX, candidate, None, key).message
+    record_shrink(runs.run_dir(key) / runs.TRAIN_SUBDIR, _shrink())
+    out = stages.outcome_stage(SANDBOX, candidate, None, key)
+    assert out.message.startswith("NOT promoted: the model gate said hold")
+    assert out.message.endswith("; training: elastic shrink: node 0 (agent killed by signal 9) lost, no replacement "
+                                "within 30 s (no spare node slot left): shrunk 2 -> 1 node(s)")
+    summary = json.loads((runs.run_dir(key) / runs.SUMMARY).read_text())
+    assert summary["message"] == out.message
+
+
+@pytest.mark.slow
+def test_an_elastic_agents_first_rendezvous_waits_for_every_node_later_ones_for_min_nodes(monkeypatch):
+    """torch's c10d rendezvous, in this process, with the agents' patch (``worker._whole_first_gang``):
+    min 1, max 2, a last call of 1 s (torch's shortest). The first round still needs both nodes;
+    once one of them is gone (its heartbeats stop), the other's next round completes alone."""
+    import threading
+    import time
+    from datetime import timedelta
+
+    from torch.distributed import TCPStore
+    from torch.distributed.elastic.rendezvous import RendezvousParameters
+    from torch.distributed.elastic.rendezvous import dynamic_rendezvous as dr
+    from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRendezvousBackend
+
+    from kiln.launchers import worker
+
+    handler_class = dr.DynamicRendezvousHandler
+    monkeypatch.setattr(handler_class, "next_rendezvous", handler_class.next_rendezvous)  # restored afterwards
+    monkeypatch.setattr(handler_class, "_kiln_whole_first_gang", False, raising=False)
+    monkeypatch.setenv("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+    worker._whole_first_gang()
+    master = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, multi_tenant=True,
+                      timeout=timedelta(seconds=30))
+
+    def handler() -> dr.DynamicRendezvousHandler:
+        store = TCPStore("127.0.0.1", master.port, is_master=False, timeout=timedelta(seconds=30))
+        params = RendezvousParameters(backend="c10d", endpoint=f"127.0.0.1:{master.port}", run_id="elastic",
+                                      min_nodes=1, max_nodes=2, last_call_timeout=1, join_timeout=60,
+                                      keep_alive_interval=1, keep_alive_max_attempt=2)
+        return dr.create_handler(store, C10dRendezvousBackend(store, "elastic"), params)
+
+    first, second = handler(), handler()
+    worlds: dict[str, int] = {}
+
+    def join(name: str, h: dr.DynamicRendezvousHandler) -> None:
+        worlds[name] = h.next_rendezvous().world_size
+
+    early = threading.Thread(target=join, args=("first", first))
+    early.start()
+    time.sleep(2.0)  # torch's own rule (min 1, a last call of 1 s) would have completed a world of 1 by now
+    join("second", second)
+    early.join(timeout=60)
+    assert worlds == {"first": 2, "second": 2}, "the first round must wait for every node"
+    second._stop_heartbeats()  # node lost: no more heartbeats, so the rendezvous drops it
+    join("again", first)
+    assert worlds["again"] == 1, "a later round goes on with min_nodes"
+    first.shutdown()
