@@ -1,7 +1,7 @@
 """Elastic shrink on the local backend, for real: 2 torchrun agents ("nodes") x 1 worker on this host.
 
-(a) A whole node (agent and worker) SIGKILLed mid-training with no spare node slot: the job goes on
-with the node left once the rendezvous has waited ``replacement_timeout_s``, SUCCEEDS on 1 node,
+(a) A whole node (agent and worker) of an fsdp job SIGKILLed mid-training with no spare node slot:
+the job goes on with the node left once the rendezvous has waited ``replacement_timeout_s``, SUCCEEDS on 1 node,
 records the shrink (job log line, status, the run's elastic record) and the trainer's
 ``world_size_change`` event; its final weights are within ``WEIGHTS_ATOL`` of an uninterrupted
 2-node run; the train stage's ``finish_train`` puts the launcher's reason and a metric on the
@@ -34,8 +34,10 @@ REPO = Path(__file__).resolve().parents[2]
 TINY = REPO / "training" / "recipes" / "tiny.toml"
 STEPS = 80
 OVERRIDES = (f"train.steps={STEPS}", "checkpoint.every_steps=10", "checkpoint.keep_last=2", "train.log_every=20",
-             "optim.warmup_steps=10", "data.micro_batch_size=4")
-"""micro 4: 2 micro-batches per rank on 2 nodes, 4 on 1 -- the same global batch of 16 summed in another order."""
+             "optim.warmup_steps=10", "data.micro_batch_size=4", "parallel.strategy=fsdp")
+"""micro 4: 2 micro-batches per rank on 2 nodes, 4 on 1 -- the same global batch of 16 summed in another order.
+fsdp: the survivor reshards the 2-rank checkpoint's shards (DCP) to hold the whole state alone (a ddp
+checkpoint's 2 -> 1 is tests/integration/test_world_size_change.py)."""
 TIMEOUT_S = 3
 """The replacement timeout of the shrinking job: short, as nothing can replace the node here."""
 
@@ -66,15 +68,10 @@ def _committed_steps(run_dir: Path) -> list[int]:
 
 
 def _final_weights(run_dir: Path):
-    """The result's weights: ``model.pt`` while checkpoints hold one, else the trainer's own loader."""
-    import torch
-
-    step_dir = Path(json.loads((run_dir / "result.json").read_text())["checkpoint"])
-    if (step_dir / "model.pt").is_file():
-        return torch.load(step_dir / "model.pt", map_location="cpu", weights_only=True)
+    """The result's whole model state (a sharded checkpoint consolidated)."""
     from kiln_trainer.checkpoint import load_model_weights
 
-    return load_model_weights(step_dir)[1]
+    return load_model_weights(json.loads((run_dir / "result.json").read_text())["checkpoint"])[1]
 
 
 def _tagged_processes(rdzv_id: str) -> list[int]:
@@ -132,6 +129,8 @@ def test_a_lost_node_nobody_replaces_shrinks_the_job_to_one_node_within_toleranc
     [change] = [e for e in result.events if e["kind"] == "world_size_change"]
     assert (change["from_world_size"], change["to_world_size"]) == (2, 1) and 20 <= change["at_step"] < STEPS
     assert change["accum_steps"] == 4  # the same global batch: twice the micro-batches on one rank
+    last = json.loads((Path(result.checkpoint) / "manifest.json").read_text())
+    assert (last["format"], last["strategy"], last["world_size"]) == (3, "fsdp", 1)  # the survivor's own shards
     assert "resumed at world size 1 from a checkpoint of world size 2" in log_text
 
     # Same samples, same global batch: the weights differ from the 2-node run by float order only.
