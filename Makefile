@@ -14,6 +14,7 @@ PYTEST_ARGS ?=
 
 help:
 	@echo "make demo   set everything up and run the production DAG end to end on the embedded stack"
+	@echo "make demo CORPUS=prose   the sandbox DAG on another corpus (prose: text found on this machine, imported)"
 	@echo "make test   set everything up, run make lint, then the whole test suite"
 	@echo "make lint   ruff (rules in pyproject.toml [tool.ruff]) and mypy ([tool.mypy]); both must pass"
 	@echo "make up     start Airflow + MLflow in the background (prints URLs and logins); make down stops them"
@@ -41,7 +42,7 @@ status: venv
 	$(BIN)/kiln stack status
 
 demo: venv
-	$(BIN)/kiln demo
+	$(BIN)/kiln demo $(if $(CORPUS),--corpus $(CORPUS))
 
 test: venv system-deps lint
 	$(BIN)/python -m pytest $(PYTEST_ARGS)

@@ -43,7 +43,8 @@ COPY constraints.txt /opt/kiln/constraints.txt
 # (celery provider for the CeleryExecutor over Redis, psycopg2 + asyncpg for the PostgreSQL metadata database,
 # the FAB provider for per-DAG permissions), and the `kubernetes` launcher's client and Kubeflow Trainer's
 # API types (TrainJobs are validated strictly before they are submitted; docker/helm/ runs on it), and
-# `tokenizers` for the tokenize stage (BPE trained and applied on the orchestration side, torch-free).
+# `tokenizers` for the tokenize stage (BPE trained and applied on the orchestration side, torch-free),
+# and `datatrove` + `datasketch` for the web-text@1 contract's document rules and near-duplicates.
 # The lock pins torch to a CPU build; torch is filtered out of the constraints here because it is
 # never installed in this image.
 RUN grep -v '^torch==' /opt/kiln/constraints.txt > /tmp/constraints.txt \
@@ -62,6 +63,8 @@ RUN grep -v '^torch==' /opt/kiln/constraints.txt > /tmp/constraints.txt \
         boto3 \
         requests \
         "tokenizers==0.23.3" \
+        "datatrove==0.10.1" \
+        "datasketch==2.0.0" \
         kubernetes \
         "kubeflow-trainer-api==2.3.0" \
     && rm /tmp/constraints.txt

@@ -2,6 +2,8 @@
 
     KilnError                      base; ``retryable`` tells Airflow whether a retry can help
     ├── ConfigError                bad recipe / params / settings (names the bad field)
+    │   └── CorpusInputError       input to ``kiln corpus import`` that cannot become a corpus (names the
+    │                              file and line or row, and the field)
     ├── SnapshotError              DVC add/push/restore failed, unknown snapshot id
     │   └── SnapshotMismatchError  the bytes found are not the snapshot an asset event announced (no retry)
     ├── ContractError              unknown contract, malformed suite JSON
@@ -31,6 +33,11 @@ class KilnError(Exception):
 
 class ConfigError(KilnError):
     retryable = False
+
+
+class CorpusInputError(ConfigError):
+    """A file given to ``kiln corpus import`` is unreadable, lacks a field, holds bytes that are not
+    UTF-8, or the input holds no document: the message names the file and the line or row."""
 
 
 class SnapshotError(KilnError):

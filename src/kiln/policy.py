@@ -3,21 +3,106 @@
 A DAG is built from the one factory plus one of these objects; nothing else in kiln branches on
 "is this production?". The sandbox policy refuses to write any production name (``PolicyError``,
 never retried).
+
+What production trains on and serves — its corpus, its contract, its registered model — is not
+code: it is the reviewed file ``config/production.toml`` (``ProductionConfig``), read when this
+module is imported (a small shipped file, like the recipes the DAG's form lists). Every candidate
+version records its values and sha256 (``kiln.registry``), so ``kiln audit`` shows when a change
+took effect. The separation does not rest on that file: sandbox names are ``sandbox.*`` and a
+production name never is, whatever the file says.
 """
 
 from __future__ import annotations
 
+import hashlib
+import re
+import tomllib
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
 
 from kiln.errors import PolicyError
-from kiln.shipped import RECIPES_DIR
+from kiln.shipped import CHECKOUT, CONFIG_DIR, RECIPES_DIR
 
 PRODUCTION_RECIPES_DIR = RECIPES_DIR / "production"
+PRODUCTION_CONFIG = CONFIG_DIR / "production.toml"
+"""The reviewed file the production policy's corpus, contract and model come from."""
+SANDBOX_PREFIX = "sandbox."
+"""Every registered model the sandbox writes is named ``sandbox.*``; no production name may be."""
+_MODEL_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,99}$")
 
-PRODUCTION_MODEL = "kiln-stdlib-lm"
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ProductionConfig:
+    """The reviewed inputs of the production policy (``config/production.toml``)."""
+
+    corpus: str
+    """Corpus folder under the corpus root: the only corpus production snapshots."""
+    contract: str
+    """``NAME@VERSION`` of the contract production validates with (the version is required)."""
+    model: str
+    """Registered model that serves; candidates go to ``<model>.candidates``, sandbox runs to
+    ``sandbox.<model>``."""
+    source: str = "config/production.toml"
+    """Where the values were read (shown in the DAG doc and the task log)."""
+    sha256: str = ""
+    """sha256 of the file's bytes: recorded on every candidate version."""
+
+    def __post_init__(self) -> None:
+        from kiln.data.contracts import parse_contract_ref
+        from kiln.data.snapshot import CORPUS_NAME
+        from kiln.errors import ContractError
+
+        for name in ("corpus", "contract", "model"):
+            if not isinstance(getattr(self, name), str):
+                raise PolicyError(f"{self.source}: {name} must be a string, got {getattr(self, name)!r}")
+        if not CORPUS_NAME.fullmatch(self.corpus):
+            raise PolicyError(f"{self.source}: corpus {self.corpus!r} is not a corpus name ([a-z0-9][a-z0-9_.-]*)")
+        try:
+            _, version = parse_contract_ref(self.contract)
+        except ContractError as exc:
+            raise PolicyError(f"{self.source}: contract: {exc}") from None
+        if version is None:
+            raise PolicyError(f"{self.source}: contract {self.contract!r} must pin a version (NAME@VERSION)")
+        if not _MODEL_NAME.match(self.model):
+            raise PolicyError(f"{self.source}: model {self.model!r} is not a registered-model name "
+                              "([A-Za-z0-9][A-Za-z0-9_.-]*, at most 100 characters)")
+        if self.model.lower().startswith(SANDBOX_PREFIX):
+            raise PolicyError(f"{self.source}: model {self.model!r} is in the sandbox's namespace ({SANDBOX_PREFIX}*); "
+                              "a production model may never be")
+
+    def values(self) -> dict[str, str]:
+        """What the file sets (what a model version records)."""
+        return {"corpus": self.corpus, "contract": self.contract, "model": self.model}
+
+
+def load_production_config(path: Path = PRODUCTION_CONFIG) -> ProductionConfig:
+    """Read the production policy's reviewed inputs; ``PolicyError`` naming the file, and the line
+    (a TOML error) or the key (a missing, unknown or bad value)."""
+    shown = path.relative_to(CHECKOUT).as_posix() if path.is_relative_to(CHECKOUT) else str(path)
+    try:
+        raw = path.read_bytes()
+    except OSError as exc:
+        raise PolicyError(f"{shown}: cannot read the production config: {exc.strerror or exc}") from exc
+    try:
+        data = tomllib.loads(raw.decode("utf-8"))
+    except UnicodeDecodeError as exc:
+        raise PolicyError(f"{shown}: not UTF-8 text ({exc.reason} at byte {exc.start})") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise PolicyError(f"{shown}: not valid TOML: {exc}") from None
+    keys = ("corpus", "contract", "model")
+    unknown = sorted(set(data) - set(keys))
+    if unknown:
+        raise PolicyError(f"{shown}: unknown key(s) {', '.join(unknown)}; the file sets {', '.join(keys)}")
+    missing = [k for k in keys if k not in data]
+    if missing:
+        raise PolicyError(f"{shown}: missing key(s) {', '.join(missing)}")
+    return ProductionConfig(**{k: data[k] for k in keys}, source=shown, sha256=hashlib.sha256(raw).hexdigest())
+
+
+PRODUCTION_INPUTS = load_production_config()
+PRODUCTION_MODEL = PRODUCTION_INPUTS.model
 """The registered model that serves: only the production identity may write it."""
 APPROVAL_TIMEOUT_MIN_S = 60
 APPROVAL_TIMEOUT_MAX_S = 30 * 24 * 3600
@@ -141,6 +226,8 @@ class Policy:
     mlflow_conn_id: str | None = None
     """Airflow connection (login/password) of the MLflow identity every task of this policy uses
     (``kiln.mlflow_auth.MlflowIdentity``); without it ``KILN_MLFLOW_<POLICY>_USERNAME/PASSWORD``."""
+    config: ProductionConfig | None = None
+    """The reviewed file corpus, contract and models came from (production); recorded on every version."""
 
     def __post_init__(self) -> None:
         for name in ("min_nodes", "replacement_timeout_s", "spare_nodes"):
@@ -171,6 +258,14 @@ class Policy:
                 raise PolicyError(f"policy {self.name!r} names model {model!r} it may not write")
         if self.name == "sandbox" and PRODUCTION_MODEL in self.writable_models:
             raise PolicyError("the sandbox policy may never write the production model")
+        outside = [m for m in self.writable_models if m.lower().startswith(SANDBOX_PREFIX) != (self.name == "sandbox")]
+        if outside:
+            raise PolicyError(
+                f"the sandbox policy may never write a name outside {SANDBOX_PREFIX}*: {', '.join(outside)}"
+                if self.name == "sandbox" else
+                f"policy {self.name!r} may never write a name in the sandbox's namespace {SANDBOX_PREFIX}*: "
+                f"{', '.join(outside)}"
+            )
         if self.straggler_action not in ("alert", "exclude_node"):
             raise PolicyError(f"straggler_action must be 'alert' or 'exclude_node', got {self.straggler_action!r}")
         if self.straggler_action == "exclude_node" and self.launcher != "slurm":
@@ -257,6 +352,7 @@ class Policy:
     def summary(self) -> dict[str, Any]:
         data = asdict(self)
         data["recipes_dir"] = str(Path("training", "recipes", self.recipes_dir.relative_to(RECIPES_DIR)))
+        data["config"] = f"{self.config.source} (sha256 {self.config.sha256[:16]}…)" if self.config else None
         return data
 
     def doc_md(self, run_time_settings: Sequence[tuple[str, str, str]] = ()) -> str:
@@ -264,7 +360,8 @@ class Policy:
         time (``run_time_settings``: Variable, what it sets, which task reads it). The DAG file is
         parsed without reading them, so the doc cannot show their values: the task log does."""
         rows = "\n".join(f"| `{k}` | `{v}` |" for k, v in self.summary().items() if k not in ("description",))
-        doc = f"{self.description}\n\n**Policy `{self.name}`** (as coded)\n\n| setting | value |\n|---|---|\n{rows}\n"
+        source = (f"; corpus, contract and models from the reviewed `{self.config.source}`" if self.config else "")
+        doc = f"{self.description}\n\n**Policy `{self.name}`** (as coded{source})\n\n| setting | value |\n|---|---|\n{rows}\n"
         if run_time_settings:
             settings = "\n".join(f"| `{name}` (or `AIRFLOW_VAR_{name.upper()}`) | {sets} | {read_by} |"
                                   for name, sets, read_by in run_time_settings)
@@ -278,88 +375,99 @@ class Policy:
         return doc
 
 
-SANDBOX = Policy(
-    name="sandbox",
-    dag_id="kiln_sandbox",
-    description=(
-        "Free experiments: trigger from the form, any recipe under `training/recipes/`, "
-        "registers only under sandbox model names, lower priority in its own pool."
-    ),
-    pool="kiln_sandbox",
-    pool_slots=1,
-    priority_weight=1,
-    retries=1,
-    owner="ml-platform",
-    tags=("kiln", "sandbox"),
-    corpus="stdlib-py",
-    contract="stdlib-py@1",
-    max_quarantine_share=0.5,
-    validation_batch_shards=500,
-    default_recipe="tiny.toml",
-    recipes_dir=RECIPES_DIR,
-    nodes=1,
-    nproc_per_node=1,
-    max_restarts=1,
-    # Never shrink unless a deployment says so (launcher Variable: min_nodes, spare_nodes); an
-    # experiment waits a minute for a replacement, then goes on.
-    min_nodes=None,
-    replacement_timeout_s=60,
-    k8s_queue="kiln-sandbox",
-    k8s_priority_class="kiln-sandbox",
-    candidate_model="sandbox.kiln-stdlib-lm",
-    target_model="sandbox.kiln-stdlib-lm",
-    alias="sandbox-champion",
-    requires_approval=False,
-    gate=GatePolicy(max_bits_per_byte=8.0, max_regression=8.0),
-    writable_models=("sandbox.kiln-stdlib-lm",),
-    mlflow_conn_id="kiln_mlflow_sandbox",
-)
+def build_sandbox_policy(config: ProductionConfig) -> Policy:
+    """The sandbox policy next to the production config ``config``: its corpus as the form's default,
+    its model under ``sandbox.``."""
+    return Policy(
+        name="sandbox",
+        dag_id="kiln_sandbox",
+        description=(
+            "Free experiments: trigger from the form, any recipe under `training/recipes/`, "
+            "registers only under sandbox model names, lower priority in its own pool."
+        ),
+        pool="kiln_sandbox",
+        pool_slots=1,
+        priority_weight=1,
+        retries=1,
+        owner="ml-platform",
+        tags=("kiln", "sandbox"),
+        corpus=config.corpus,
+        contract=config.contract,
+        max_quarantine_share=0.5,
+        validation_batch_shards=500,
+        default_recipe="tiny.toml",
+        recipes_dir=RECIPES_DIR,
+        nodes=1,
+        nproc_per_node=1,
+        max_restarts=1,
+        # Never shrink unless a deployment says so (launcher Variable: min_nodes, spare_nodes); an
+        # experiment waits a minute for a replacement, then goes on.
+        min_nodes=None,
+        replacement_timeout_s=60,
+        k8s_queue="kiln-sandbox",
+        k8s_priority_class="kiln-sandbox",
+        candidate_model=SANDBOX_PREFIX + config.model,
+        target_model=SANDBOX_PREFIX + config.model,
+        alias="sandbox-champion",
+        requires_approval=False,
+        gate=GatePolicy(max_bits_per_byte=8.0, max_regression=8.0),
+        writable_models=(SANDBOX_PREFIX + config.model,),
+        mlflow_conn_id="kiln_mlflow_sandbox",
+    )
 
-PRODUCTION = Policy(
-    name="production",
-    dag_id="kiln_production",
-    description=(
-        "Regulated retraining: scheduled and triggered by new corpus snapshots, pinned recipes, "
-        "strict data contract, human approval before the `champion` alias moves."
-    ),
-    pool="kiln_production",
-    pool_slots=1,
-    priority_weight=100,
-    retries=2,
-    owner="ml-platform",
-    tags=("kiln", "production"),
-    corpus="stdlib-py",
-    contract="stdlib-py@1",
-    max_quarantine_share=0.25,
-    validation_batch_shards=500,
-    default_recipe="production/small.toml",
-    recipes_dir=PRODUCTION_RECIPES_DIR,
-    nodes=2,
-    nproc_per_node=1,
-    max_restarts=2,
-    # Never shrink unless a deployment says so; a retrain is long, so waiting five minutes for a
-    # re-provisioned node costs less than running the rest of it on fewer.
-    min_nodes=None,
-    replacement_timeout_s=300,
-    k8s_queue="kiln-production",
-    k8s_priority_class="kiln-production",
-    candidate_model="kiln-stdlib-lm.candidates",
-    target_model=PRODUCTION_MODEL,
-    alias="champion",
-    requires_approval=True,
-    pinned_inputs=True,
-    schedule_cron="0 3 * * 1",
-    schedule_on_corpus_asset=True,
-    # Daily, off the Monday 03:00 retrain: a stale champion is caught within a day.
-    champion_watch_dag_id="kiln_champion_watch",
-    champion_watch_cron="30 5 * * *",
-    max_active_runs=1,
-    reviewers=("demo-reviewer", "reviewer"),
-    approval_timeout_s=24 * 3600,
-    gate=GatePolicy(max_bits_per_byte=7.5, max_regression=0.05),
-    writable_models=("kiln-stdlib-lm.candidates", PRODUCTION_MODEL),
-    mlflow_conn_id="kiln_mlflow_production",
-)
+
+def build_production_policy(config: ProductionConfig) -> Policy:
+    """The production policy with the reviewed inputs ``config``."""
+    return Policy(
+        name="production",
+        dag_id="kiln_production",
+        description=(
+            "Regulated retraining: scheduled and triggered by new corpus snapshots, pinned recipes, "
+            "strict data contract, human approval before the `champion` alias moves."
+        ),
+        pool="kiln_production",
+        pool_slots=1,
+        priority_weight=100,
+        retries=2,
+        owner="ml-platform",
+        tags=("kiln", "production"),
+        corpus=config.corpus,
+        contract=config.contract,
+        max_quarantine_share=0.25,
+        validation_batch_shards=500,
+        default_recipe="production/small.toml",
+        recipes_dir=PRODUCTION_RECIPES_DIR,
+        nodes=2,
+        nproc_per_node=1,
+        max_restarts=2,
+        # Never shrink unless a deployment says so; a retrain is long, so waiting five minutes for a
+        # re-provisioned node costs less than running the rest of it on fewer.
+        min_nodes=None,
+        replacement_timeout_s=300,
+        k8s_queue="kiln-production",
+        k8s_priority_class="kiln-production",
+        candidate_model=f"{config.model}.candidates",
+        target_model=config.model,
+        alias="champion",
+        requires_approval=True,
+        pinned_inputs=True,
+        schedule_cron="0 3 * * 1",
+        schedule_on_corpus_asset=True,
+        # Daily, off the Monday 03:00 retrain: a stale champion is caught within a day.
+        champion_watch_dag_id="kiln_champion_watch",
+        champion_watch_cron="30 5 * * *",
+        max_active_runs=1,
+        reviewers=("demo-reviewer", "reviewer"),
+        approval_timeout_s=24 * 3600,
+        gate=GatePolicy(max_bits_per_byte=7.5, max_regression=0.05),
+        writable_models=(f"{config.model}.candidates", config.model),
+        mlflow_conn_id="kiln_mlflow_production",
+        config=config,
+    )
+
+
+SANDBOX = build_sandbox_policy(PRODUCTION_INPUTS)
+PRODUCTION = build_production_policy(PRODUCTION_INPUTS)
 
 POLICIES: dict[str, Policy] = {p.name: p for p in (SANDBOX, PRODUCTION)}
 

@@ -252,3 +252,33 @@ def test_dag_code_passes_ruffs_airflow_rules():
     out = subprocess.run([*ruff, "--output-format", "json", "--stdin-filename", "dags/probe.py", "-"], input=probe,
                          cwd=REPO, capture_output=True, text=True)
     assert out.returncode == 1 and [d["code"] for d in json.loads(out.stdout)] == ["AIR003"], out.stdout + out.stderr
+
+
+def test_the_sandbox_form_offers_the_imported_corpora_and_the_contracts_that_fit_them(tmp_path, monkeypatch):
+    """What the form lists is read when the file is parsed: the corpus root's folders and their
+    corpus.json (a broken one is listed, never an import error), and the shipped contracts."""
+    from airflow.sdk.exceptions import ParamValidationError
+
+    from kiln.airflow.dagfactory import build_dag
+    from kiln.data.corpus_import import ImportConfig, import_corpus
+    from kiln.policy import SANDBOX
+    from kiln.settings import load
+
+    monkeypatch.setenv("KILN_HOME", str(tmp_path / "home"))
+    src = tmp_path / "in.jsonl"
+    src.write_text("".join(json.dumps({"text": f"document {i} of my own corpus, long enough"}) + "\n" for i in range(40)))
+    import_corpus(src, load().corpus_root / "my-docs", ImportConfig(name="my-docs", format="jsonl", kind="python-source",
+                                                                   eval_fraction=0.2))
+    (load().corpus_root / "broken").mkdir()
+    (load().corpus_root / "broken" / "corpus.json").write_text("not json")
+    params = build_dag(SANDBOX).params
+    corpus, contract = params.get_param("corpus").schema, params.get_param("contract").schema
+    assert corpus["examples"] == ["broken", "my-docs", SANDBOX.corpus]
+    assert "python-source, contract stdlib-py@1" in corpus["values_display"]["my-docs"]
+    assert contract["enum"][0] == "" and "stdlib-py@1" in contract["enum"]
+    assert contract["values_display"]["stdlib-py@1"] == "stdlib-py@1 — fits my-docs"
+    # Offered, not enforced: a corpus imported after the last parse is typed; the snapshot task checks it.
+    assert params.get_param("corpus").resolve("imported-after-the-parse") == "imported-after-the-parse"
+    assert params.get_param("contract").resolve("stdlib-py@1") == "stdlib-py@1"
+    with pytest.raises(ParamValidationError, match="no-such@9"):
+        params.get_param("contract").resolve("no-such@9")

@@ -796,6 +796,29 @@ def test_rerun_after_rollback_needs_a_fresh_approval_and_audit_tells_the_story(
         registry.audit_history(f"{target}-missing")
 
 
+def test_a_change_of_the_reviewed_production_config_shows_in_the_audit_trail(tmp_path, client, unique_name,
+                                                                             logged_models, capsys):
+    """Each candidate records the production config it ran under; ``kiln audit`` shows a ``config``
+    event at the first version trained after the file changed, saying what changed."""
+    from kiln.cli.audit import format_table
+    from kiln.policy import PRODUCTION_INPUTS
+
+    before = production_policy(unique_name)
+    edited = dataclasses.replace(PRODUCTION_INPUTS, contract="stdlib-py@2", sha256="e" * 64)
+    after = dataclasses.replace(before, contract=edited.contract, config=edited)
+    for policy, name, bpb in ((before, "a", 3.0), (before, "b", 2.9), (after, "c", 2.8)):
+        candidate = make_candidate(tmp_path, name, bpb)
+        registry.register_candidate(policy=policy, run_key=f"kiln_production/{name}-{unique_name}", **candidate.kwargs())
+    tags = client.get_model_version(before.candidate_model, "1").tags
+    assert json.loads(tags["kiln.policy.config"]) == PRODUCTION_INPUTS.values()
+    assert tags["kiln.policy.config_sha256"] == PRODUCTION_INPUTS.sha256
+    events = [e for e in registry.audit_history(before.candidate_model, before) if e["event"] == "config"]
+    assert [(e["model"], e["version"], e["changes"], e["to_sha256"]) for e in events] == [
+        (before.candidate_model, "3", "contract stdlib-py@1 -> stdlib-py@2", "e" * 64)]
+    assert events[0]["at"] and events[0]["actor"].startswith("git ")
+    assert "production config: contract stdlib-py@1 -> stdlib-py@2" in format_table(events)
+
+
 # ------------------------------------------------------------------ approval: only a recorded review
 
 

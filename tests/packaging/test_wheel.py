@@ -82,7 +82,7 @@ def test_the_installed_copy_is_what_runs_and_it_ships_its_files(installed):
                           "checkout": s.in_checkout(),
                           "files": {n: sorted(p.name for p in d.iterdir() if p.name != "__pycache__") for n, d in
                                     [("contracts", s.CONTRACTS_DIR), ("recipes", s.RECIPES_DIR), ("dags", s.DAGS_DIR),
-                                     ("plugins", s.PLUGINS_DIR)]}}))
+                                     ("plugins", s.PLUGINS_DIR), ("config", s.CONFIG_DIR)]}}))
     """))
     assert probe.returncode == 0, probe.stderr
     facts = json.loads(probe.stdout)
@@ -93,6 +93,7 @@ def test_the_installed_copy_is_what_runs_and_it_ships_its_files(installed):
     assert {"tiny.toml", "small.toml", "production"} <= set(facts["files"]["recipes"])
     assert facts["files"]["dags"] == sorted(p.name for p in (ROOT / "dags").glob("*.py"))
     assert "kiln_signals.py" in facts["files"]["plugins"]
+    assert facts["files"]["config"] == ["production.toml"]  # the production policy reads it at import
 
 
 def test_test_and_dev_tooling_is_not_in_the_wheel(installed):

@@ -37,6 +37,8 @@ from airflow.sdk import (
     task,
 )
 
+from kiln.data.corpora import RUN_CORPUS_CONTRACT, form_choices
+from kiln.data.snapshot import CORPUS_NAME
 from kiln.policy import RECIPES_DIR, Policy
 from kiln.refs import (
     ApprovalAnswer,
@@ -84,6 +86,7 @@ def _params(policy: Policy) -> dict[str, Param]:
             "reason": Param("", type="string", maxLength=200, title="Reason",
                             description="Why this run was started (kept in the audit trail)."),
         }
+    choices = form_choices(policy.corpus)
     return {
         "recipe": Param(policy.default_recipe, type="string", enum=_recipe_choices(policy), title="Recipe",
                         description="Training recipe under training/recipes/."),
@@ -95,8 +98,18 @@ def _params(policy: Policy) -> dict[str, Param]:
         "strategy": Param(None, type=["null", "string"], enum=[None, *PARALLEL_STRATEGIES], title="Parallel strategy",
                           description="ddp (replicated model, rank 0 writes checkpoints) or fsdp (FSDP2: sharded "
                                       "model and optimizer, every rank writes its shards); empty = the recipe's."),
-        "corpus": Param(policy.corpus, type="string", pattern="^[a-z0-9][a-z0-9_.-]{0,63}$", title="Corpus",
-                        description="Corpus name under the DVC workspace's corpora/ folder."),
+        # Offered: the corpora under the corpus root and the shipped contracts, listed at parse time
+        # (a directory listing and one small corpus.json per corpus, kiln.data.corpora.form_choices).
+        # `examples`, not `enum`, for the corpus: one imported after the last parse can still be typed.
+        "corpus": Param(policy.corpus, type="string", pattern=CORPUS_NAME.pattern, title="Corpus",
+                        examples=choices.corpora, values_display=choices.corpus_labels,
+                        description="A corpus under the DVC workspace's corpora/ folder (`kiln corpus list`; "
+                                    "`kiln corpus import` adds one)."),
+        "contract": Param(RUN_CORPUS_CONTRACT, type="string", enum=choices.contracts,
+                          values_display=choices.contract_labels, title="Data contract",
+                          description="The contract the shards are validated with; empty: the one the corpus' "
+                                      "corpus.json names. A contract of another family than the corpus' is refused "
+                                      "in the first task."),
     }
 
 
@@ -587,7 +600,7 @@ def build_dag(policy: Policy):  # one function, so the wiring reads top to botto
     def kiln_pipeline():
         @task(multiple_outputs=False)
         def snapshot() -> dict[str, Any]:
-            from kiln.stages import check_run_conf, snapshot_stage
+            from kiln.stages import check_run_conf, run_policy, snapshot_stage
 
             ctx = get_current_context()
             # The declared form, not ctx["params"]: Airflow merges unknown conf keys into the latter.
@@ -600,6 +613,7 @@ def build_dag(policy: Policy):  # one function, so the wiring reads top to botto
                 if (ev.extra or {}).get("snapshot_id")
             ]
             pinned = _run(snapshot_stage, policy, ctx["params"].get("corpus"), expected or None, mlflow_as=policy)
+            _run(run_policy, policy, dict(ctx["params"]), pinned, mlflow_as=None)  # a contract that does not fit: now
             return pinned.to_json()
 
         @task(multiple_outputs=False)
@@ -613,18 +627,21 @@ def build_dag(policy: Policy):  # one function, so the wiring reads top to botto
                       map_index_template="{{ task.op_kwargs['shards'][0].rsplit('/', 1)[-1] }}"
                                          " … {{ task.op_kwargs['shards'][-1].rsplit('/', 1)[-1] }}")
         def validate_shards(snapshot: dict[str, Any], shards: list[str]) -> list[dict[str, Any]]:
-            from kiln.stages import validate_stage
+            from kiln.stages import run_policy, validate_stage
 
-            reports = _run(validate_stage, policy, _from_xcom(PinnedSnapshot, snapshot), shards, _key(), mlflow_as=policy)
+            pinned = _from_xcom(PinnedSnapshot, snapshot)
+            with_contract = _run(run_policy, policy, dict(get_current_context()["params"]), pinned, mlflow_as=None)
+            reports = _run(validate_stage, with_contract, pinned, shards, _key(), mlflow_as=policy)
             return [r.to_json() for r in reports]
 
         @_linked_task(policy, "data_gate")
         def data_gate(snapshot: dict[str, Any], batches: list[list[dict[str, Any]]]) -> dict[str, Any]:
-            from kiln.stages import data_gate_stage
+            from kiln.stages import data_gate_stage, run_policy
 
             reports = [[_from_xcom(ShardReport, r) for r in batch] for batch in batches]
-            return _run(data_gate_stage, policy, _from_xcom(PinnedSnapshot, snapshot), reports, _key(),
-                        mlflow_as=policy).to_json()
+            pinned = _from_xcom(PinnedSnapshot, snapshot)
+            with_contract = _run(run_policy, policy, dict(get_current_context()["params"]), pinned, mlflow_as=None)
+            return _run(data_gate_stage, with_contract, pinned, reports, _key(), mlflow_as=policy).to_json()
 
         @task(multiple_outputs=False)
         def tokenizer(data: dict[str, Any]) -> dict[str, Any]:

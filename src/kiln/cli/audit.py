@@ -1,4 +1,4 @@
-"""``kiln audit MODEL``: who approved, promoted and rolled back what, and when.
+"""``kiln audit MODEL``: who approved, promoted and rolled back what, when, and under which config.
 
 ::
 
@@ -7,7 +7,8 @@
 
 Read from the versions' audit tags (``kiln.audit.*``, written by ``kiln.registry.promote``,
 ``rollback`` and ``record_review``); for the production model the reviews of its candidate model
-are included, so rejected and timed-out reviews show too. Read-only: any MLflow identity with
+are included, so rejected and timed-out reviews show too, and so are the changes of the reviewed
+production config (``config/production.toml``) between its candidates (event ``config``). Read-only: any MLflow identity with
 READ may run it.
 """
 
@@ -41,6 +42,9 @@ def _policy_for(model: str, name: str | None):  # -> Policy | None
 
 def _detail(event: dict) -> str:
     kind = event["event"]
+    if kind == "config":
+        return (f"production config: {event.get('changes', '')} (sha256 {str(event.get('from_sha256'))[:12]} -> "
+                f"{str(event.get('to_sha256'))[:12]}, first used by this version)")
     if kind == "review":
         text = f"review: {event.get('decision', '?')}"
         return text + (f" — {event['comment']}" if event.get("comment") else "")

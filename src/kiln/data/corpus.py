@@ -12,6 +12,7 @@ Layout written under ``out``::
 
     out/train/shard-00000.parquet ... shard-{N-1}.parquet
     out/eval/eval-00000.parquet        held-out split, never overlapping train (split by file)
+    out/corpus.json                    its record (``kiln.data.corpora``): Python source, contract stdlib-py@1
 
 Deterministic: the same arguments on the same interpreter give byte-identical files (seeded
 shuffles, fixed row-group size, no timestamps, no pandas metadata). ``poison`` turns chosen shard
@@ -27,6 +28,7 @@ import csv
 import hashlib
 import io
 import os
+import platform
 import random
 import shutil
 import sysconfig
@@ -37,6 +39,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from kiln.data.corpora import METADATA_FILE, CorpusMetadata, SplitStats, write_metadata
 from kiln.errors import ConfigError, KilnError
 from kiln.util.fs import atomic_write_bytes, fsync_dir, os_error_text, unusable_target_reason
 
@@ -52,6 +55,8 @@ DEFAULT_MAX_BYTES = 4 * 1024 * 1024
 EVAL_FRACTION = 0.1
 """Share of ``max_bytes`` given to the held-out evaluation split."""
 COMPRESSION = "zstd"
+SAMPLE_CONTRACT = "stdlib-py@1"
+"""The contract the sample corpus is made for (its ``corpus.json``)."""
 
 _EXCLUDED_DIRS = frozenset({"site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__"})
 _EXCLUDED_PREFIXES = ("_sysconfigdata", "config-")
@@ -113,7 +118,8 @@ POISON_KINDS: dict[str, PoisonKind] = {
 }
 
 
-def _schema():
+def shard_schema():
+    """The columns of every kiln shard (train and eval), written by ``build_corpus`` and ``kiln.data.corpus_import``."""
     import pyarrow as pa
 
     return pa.schema([("doc_id", pa.string()), ("text", pa.string()), ("source", pa.string())])
@@ -246,7 +252,7 @@ def _table(docs: Sequence[_Doc]):
             "text": pa.array([d.text for d in docs], pa.string()),
             "source": pa.array([d.source for d in docs], pa.string()),
         },
-        schema=_schema(),
+        schema=shard_schema(),
     )
 
 
@@ -389,8 +395,8 @@ _SPLITS = (("train", "shard-*.parquet"), ("eval", "eval-*.parquet"))
 
 
 def _swap_in(staging: Path, out: Path) -> None:
-    """Replace ``out/train`` and ``out/eval`` with the staged ones; files there that a build does
-    not write (anything but its shard names) move over to the new folders.
+    """Replace ``out/train``, ``out/eval`` and ``out/corpus.json`` with the staged ones; files there
+    that a build does not write (anything but its shard names) move over to the new folders.
 
     The old folders go first and the new ``train/`` comes last; a rename that fails undoes the ones
     before it, so ``out`` holds the old corpus or the new one, never old and new shards mixed."""
@@ -411,6 +417,9 @@ def _swap_in(staging: Path, out: Path) -> None:
                 if not entry.match(ours):
                     move(entry, staging / split / entry.name)
             move(old, previous / split)
+        if (out / METADATA_FILE).exists():
+            move(out / METADATA_FILE, previous / METADATA_FILE)
+        move(staging / METADATA_FILE, out / METADATA_FILE)
         move(staging / "eval", out / "eval")
         move(staging / "train", out / "train")  # LAST: the commit point
     except BaseException:
@@ -419,6 +428,22 @@ def _swap_in(staging: Path, out: Path) -> None:
                 os.replace(dst, src)
         raise
     fsync_dir(out)
+
+
+def _metadata(shards: int, seed: int, train_docs: list[_Doc], eval_docs: list[_Doc]) -> CorpusMetadata:
+    """The corpus' record: Python source for the stdlib-py contract. Which shard got which poison
+    stays out of it, like everything else inside ``out`` (the snapshot would hold the answers)."""
+    return CorpusMetadata(
+        kind="python-source",
+        contract=SAMPLE_CONTRACT, producer="kiln corpus build",
+        source={"format": "python-stdlib", "input": "the running interpreter's standard library",
+                "python": platform.python_version(), "files": len({d.source for d in train_docs + eval_docs})},
+        split={"rule": "by source file, a seeded shuffle; eval holds about eval_fraction of the text", "seed": seed,
+               "eval_fraction": EVAL_FRACTION},
+        train=SplitStats(shards=shards, documents=len(train_docs),
+                         text_bytes=sum(len(d.text.encode("utf-8")) for d in train_docs)),
+        eval=SplitStats(shards=1, documents=len(eval_docs), text_bytes=sum(len(d.text.encode("utf-8")) for d in eval_docs)),
+    )
 
 
 def build_corpus(
@@ -504,6 +529,8 @@ def build_corpus(
         eval_data = parquet_bytes(_table(eval_docs))
         atomic_write_bytes(staging / "eval" / "eval-00000.parquet", eval_data)
         total += len(eval_data)
+        metadata = _metadata(shards, seed, train_docs, eval_docs)
+        total += len(write_metadata(staging, metadata).read_bytes())
         _swap_in(staging, out)
     except OSError as exc:
         raise KilnError(

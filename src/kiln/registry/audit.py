@@ -1,4 +1,10 @@
-"""The audit trail: review, promotion and rollback events as tags, and their history."""
+"""The audit trail: review, promotion and rollback events as tags, and their history.
+
+Besides the events written as ``kiln.audit.*`` tags, the history shows a ``config`` event where the
+reviewed production config a candidate ran under (``kiln.policy.config`` / ``_sha256``, recorded at
+registration) differs from the one of the version before it: when a change of corpus, contract or
+model took effect, and what it changed. It is read from the versions' lineage tags, not written.
+"""
 
 from __future__ import annotations
 
@@ -26,6 +32,8 @@ AUDIT_PREFIX = "kiln.audit."
 promotion and rollback. The other ``kiln.*`` tags say how things stand; these say what happened,
 and are never overwritten by a later event."""
 AUDIT_EVENTS = ("review", "promotion", "rollback")
+CONFIG_EVENT = "config"
+"""A change of the reviewed production config, found between two versions' lineage tags."""
 AUDIT_TEXT_MAX = 1000
 """Longest reason/comment kept (MLflow tag values are bounded)."""
 
@@ -73,6 +81,32 @@ def _events_of(mv: ModelVersion) -> list[dict[str, Any]]:
     return events
 
 
+def config_events(versions: list[ModelVersion]) -> list[dict[str, Any]]:
+    """A ``config`` event at each version whose recorded production config differs from that of the
+    version before it (by version number); versions that recorded none are passed over."""
+    events: list[dict[str, Any]] = []
+    before: tuple[str, dict[str, Any]] | None = None
+    for mv in sorted(versions, key=lambda v: int(v.version)):
+        sha = mv.tags.get(TAGS["policy_config_sha256"])
+        if not sha:
+            continue
+        try:
+            values = json.loads(mv.tags.get(TAGS["policy_config"], "{}"))
+        except ValueError:
+            values = {}
+        if before is not None and before[0] != sha:
+            old = before[1]
+            changed = [f"{k} {old.get(k, '?')} -> {values.get(k, '?')}" for k in sorted(set(old) | set(values))
+                       if old.get(k) != values.get(k)] or ["file edited, same values"]
+            at = dt.datetime.fromtimestamp((mv.creation_timestamp or 0) / 1000, dt.UTC).isoformat(timespec="seconds")
+            commit = mv.tags.get(TAGS["git_sha"], "")
+            events.append({"event": CONFIG_EVENT, "at": at, "actor": f"git {commit[:12]}" if commit else "",
+                           "model": mv.name, "version": str(mv.version), "from_sha256": before[0], "to_sha256": sha,
+                           "changes": "; ".join(changed)})
+        before = (sha, values)
+    return events
+
+
 def audit_history(model: str, policy: Policy | None = None) -> list[dict[str, Any]]:
     """Every review, promotion and rollback recorded on ``model``'s versions, oldest first.
 
@@ -96,11 +130,16 @@ def audit_history(model: str, policy: Policy | None = None) -> list[dict[str, An
                         raise RegistryError(f"registered model {model!r} does not exist") from exc
                     continue
                 raise
-            for mv in client.search_model_versions(f"name = {_quote(name, 'model name')}"):
+            found = list(client.search_model_versions(f"name = {_quote(name, 'model name')}"))
+            for mv in found:
                 for event in _events_of(mv):
                     if name != model and event["event"] != "review":
                         continue
                     events.append({"model": mv.name, "version": str(mv.version), **event})
+            # Config changes from every trained candidate (the last model listed): a promoted copy
+            # carries its candidate's tags, and a candidate that was never promoted ran too.
+            if name == models[-1]:
+                events.extend(config_events(found))
         # A promoted copy carries its candidate's tags: the same event twice is one event.
         unique = {json.dumps(e, sort_keys=True): e for e in events}
         events = list(unique.values())

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 import tempfile
 from pathlib import Path
@@ -131,6 +132,9 @@ def lineage_tags(
         TAGS["train_steps"]: f"{train.step}/{train.total_steps or train.step}",
         **_eval_tags(eval_report),
     }
+    if policy.config is not None:  # the reviewed inputs it ran under: `kiln audit` shows where they change
+        tags[TAGS["policy_config"]] = json.dumps(policy.config.values(), sort_keys=True)
+        tags[TAGS["policy_config_sha256"]] = policy.config.sha256
     for key, value in lineage.items():
         full = key if key.startswith("kiln.") else f"kiln.{key}"
         if full == RUN_KEY_TAG:

@@ -30,6 +30,8 @@ CHECKPOINT_MANIFEST_NAME = "manifest.json"
 # Tag keys. Every kiln tag starts with "kiln." so that kiln's facts never collide with a user's.
 TAGS = {
     "policy": "kiln.policy",
+    "policy_config": "kiln.policy.config",
+    "policy_config_sha256": "kiln.policy.config_sha256",
     "snapshot_id": "kiln.snapshot_id",
     "corpus": "kiln.corpus",
     "dvc": "kiln.dvc",

@@ -6,6 +6,13 @@
 4. answer its approval through the HITL REST endpoint the UI uses, as the *demo reviewer*
    (``demo-reviewer``, an explicitly named demo identity);
 5. wait with a progress line per stage and print the summary, checked against MLflow.
+
+``make demo CORPUS=NAME`` (``kiln demo --corpus NAME``) runs the same pipeline on another corpus:
+the sandbox DAG, as a person would from its form — production trains only on the corpus of its
+reviewed ``config/production.toml``. ``NAME`` is a corpus under the corpus root (``kiln corpus
+list``), or ``prose``, which the demo first builds (``kiln corpus build-text``) and imports (``kiln
+corpus import``): natural-language text found on the machine. Its shards are validated with the
+contract its ``corpus.json`` names: ``web-text`` where this kiln ships it, else ``stdlib-py``, said so.
 """
 
 from __future__ import annotations
@@ -17,12 +24,16 @@ from typing import Any
 
 from kiln import settings as kiln_settings
 from kiln.errors import DemoError, KilnError
-from kiln.policy import PRODUCTION
+from kiln.policy import PRODUCTION, SANDBOX
 from kiln.stack.airflow_client import AirflowClient
 
 DEMO_REVIEWER = "demo-reviewer"
 DEMO_POISON = ("secret", "truncated")
 """Two of eight shards poisoned: within production's 25% quarantine threshold, so the run proceeds."""
+PROSE_CORPUS = "prose"
+"""The corpus ``kiln demo --corpus prose`` builds from natural-language text on the machine."""
+PROSE_SHARD_BYTES = 128 * 1024
+"""≈ 700 kB of prose in about five training shards: a demo corpus, not a production shard size."""
 
 TERMINAL = {"success", "failed", "skipped", "upstream_failed", "removed"}
 
@@ -79,14 +90,57 @@ def build_demo_corpus() -> dict[str, Any]:
     return build_corpus(s.corpus_root / PRODUCTION.corpus, shards=8, seed=0, poison=DEMO_POISON)
 
 
-def run_demo() -> int:
+def build_prose_corpus() -> dict[str, Any]:
+    """The prose sample (``kiln.data.prose``) imported as corpus ``prose``: the same machine gives the
+    same bytes, so a second demo re-imports it unchanged (and DVC snapshots nothing new)."""
+    from kiln.data.corpora import corpus_root, default_contract
+    from kiln.data.corpus_import import ImportConfig, import_corpus
+    from kiln.data.prose import build_prose
+    from kiln.errors import ConfigError
+
+    s = kiln_settings.load()
+    source = s.home / "sources" / "prose.jsonl"
+    built = build_prose(source)
+    try:
+        contract = default_contract("natural-language")
+        note = ""
+    except ConfigError:
+        contract = PRODUCTION.contract
+        note = f"the contract made for natural language is not shipped with this kiln: made for {contract} instead"
+    out = corpus_root() / PROSE_CORPUS
+    summary = import_corpus(source, out, ImportConfig(name=PROSE_CORPUS, format="jsonl", id_field="id",
+                                                      shard_bytes=PROSE_SHARD_BYTES, eval_fraction=0.1,
+                                                      kind="natural-language", contract=contract),
+                            replace=out.exists())
+    return {**summary, "by_source": built["by_source"], "note": note}
+
+
+def demo_corpus(name: str) -> dict[str, Any]:
+    """The corpus a ``--corpus`` demo runs on: ``prose`` built and imported, else one already under the
+    corpus root (``DemoError`` naming how to make it when it is not)."""
+    from kiln.data.corpora import corpus_root, read_metadata
+
+    if name == PROSE_CORPUS:
+        return build_prose_corpus()
+    path = corpus_root() / name
+    if not (path / "train").is_dir():
+        raise DemoError(f"corpus {name!r} not found at {path}: import it first (`kiln corpus import SRC --name {name} "
+                        f"--format jsonl|parquet|text`), or run `make demo CORPUS={PROSE_CORPUS}`")
+    meta = read_metadata(path)
+    return {"name": name, "out": str(path), "kind": meta.kind if meta else "?", "contract": meta.contract if meta else "?",
+            "note": "" if meta else "no corpus.json: validated with the policy's contract"}
+
+
+def run_demo(corpus: str | None = None) -> int:
     from kiln.stack import embedded
 
     t0 = time.monotonic()
     s = kiln_settings.load()
+    if corpus is not None:
+        return _run_sandbox_demo(corpus, t0, s)
     say("[1/5] building the sample corpus (Python stdlib sources, 2 poisoned shards)")
-    corpus = build_demo_corpus()
-    for shard, kind in sorted((corpus.get("poisoned") or {}).items()):
+    built = build_demo_corpus()
+    for shard, kind in sorted((built.get("poisoned") or {}).items()):
         say(f"      poisoned on purpose: {shard} <- {kind}")
     say("[2/5] starting the embedded stack (Airflow + MLflow under .kiln/)")
     embedded.up(quiet=True)
@@ -128,6 +182,50 @@ def run_demo() -> int:
     return 0
 
 
+def _run_sandbox_demo(name: str, t0: float, s: kiln_settings.Settings) -> int:
+    """The ``--corpus`` demo: the sandbox DAG on corpus ``name``, triggered as its form would."""
+    from kiln.stack import embedded
+
+    say(f"[1/5] preparing corpus {name!r}")
+    corpus = demo_corpus(name)
+    say(f"      {corpus['out']}: {corpus.get('kind')} text, contract {corpus.get('contract')}"
+        + (f", {corpus['train']['documents']} training and {corpus['eval']['documents']} held-out documents from "
+           f"{', '.join(f'{k} ({v})' for k, v in sorted(corpus['by_source'].items()))}" if "by_source" in corpus else ""))
+    if corpus.get("note"):
+        say(f"      note: {corpus['note']}")
+    say("[2/5] starting the embedded stack (Airflow + MLflow under .kiln/)")
+    embedded.up(quiet=True)
+    t_stack = time.monotonic()
+    operator = AirflowClient(s.airflow_url, "admin", embedded.passwords(s)["admin"])
+    dag_id = SANDBOX.dag_id
+    operator.wait_for_dag(dag_id)
+    operator.unpause(dag_id)
+    run_id = operator.trigger(dag_id, conf=sandbox_conf(name))["dag_run_id"]
+    say(f"[3/5] triggered {dag_id} run {run_id} on corpus {name!r} (contract: the one its corpus.json names); "
+        "following it:")
+    say("[4/5] the sandbox asks no review: a candidate the gate passes moves the sandbox alias")
+    final = follow_run(operator, dag_id, run_id)
+    t_run = time.monotonic()
+    if final["state"] != "success":
+        for ti in [ti for ti in operator.task_instances(dag_id, run_id) if ti.get("state") == "failed"]:
+            say(f"--- log of failed task {ti['task_id']} ---")
+            say(operator.task_log(dag_id, run_id, ti["task_id"], ti.get("try_number") or 1, ti.get("map_index", -1))[-3000:])
+        raise DemoError(f"run {run_id} ended {final['state']}")
+    summary = collect_summary(operator, dag_id, run_id)
+    summary["timings_s"] = {
+        "setup": round(t_stack - t0, 1), "run": round(t_run - t_stack, 1), "total": round(time.monotonic() - t0, 1)
+    }
+    print_summary(summary, s)
+    return 0
+
+
+def sandbox_conf(corpus: str) -> dict[str, Any]:
+    """The sandbox run a ``--corpus`` demo triggers: the form's defaults, that corpus, its own contract."""
+    from kiln.data.corpora import RUN_CORPUS_CONTRACT
+
+    return {"corpus": corpus, "contract": RUN_CORPUS_CONTRACT}
+
+
 def collect_summary(client: AirflowClient, dag_id: str, run_id: str) -> dict[str, Any]:
     """What the run produced, read back through Airflow's API (each task's XCom as the ref it carries)
     and checked against MLflow's registry."""
@@ -148,6 +246,8 @@ def collect_summary(client: AirflowClient, dag_id: str, run_id: str) -> dict[str
     return {
         "dag_id": dag_id,
         "run_id": run_id,
+        "corpus": snap.corpus,
+        "contract": data.contract,
         "snapshot_id": snap.id,
         "snapshot_files": snap.files,
         "quarantined": [q.to_json() for q in data.quarantined],
@@ -173,6 +273,7 @@ def print_summary(summary: dict[str, Any], s: kiln_settings.Settings) -> None:
     promo = summary["promotion"]
     say("[5/5] done. Summary")
     say(f"  snapshot id        : {summary['snapshot_id']}  ({summary['snapshot_files']} files, DVC)")
+    say(f"  corpus / contract  : {summary['corpus']} / {summary['contract']}")
     say(f"  healthy shards     : {summary['healthy_shards']}")
     say(f"  quarantined shards : {len(summary['quarantined'])}")
     for q in summary["quarantined"]:
@@ -194,9 +295,9 @@ def print_summary(summary: dict[str, Any], s: kiln_settings.Settings) -> None:
     say("  logins             : `make up` prints them; the stack keeps running — `make down` stops it")
 
 
-def main() -> int:
+def main(corpus: str | None = None) -> int:
     try:
-        return run_demo()
+        return run_demo(corpus)
     except KilnError as exc:
         print(f"kiln demo: error: {exc}", file=sys.stderr)
         return 1

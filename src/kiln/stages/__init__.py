@@ -9,7 +9,8 @@ records, never the ref an XCom carried (``records``).
 One module per stage (or group of stages); this package re-exports what the DAG tasks, the demo and
 the CLI call::
 
-    inputs       the run's conf checked in its first task; the training inputs its params make
+    inputs       the run's conf checked in its first task; the contract it validates with; the training
+                 inputs its params make
     records      what a writing stage trusts: the run's own records, never an XCom's word
     snapshot     snapshot_stage
     validation   shard_batches, validate_stage, data_gate_stage
@@ -31,7 +32,7 @@ No Airflow here. Heavy libraries (dvc, great_expectations, mlflow, torch) load i
 from __future__ import annotations
 
 from kiln.stages.evaluation import evaluate_stage
-from kiln.stages.inputs import TRAIN_PARAMS, check_run_conf, load_run_recipe, train_inputs
+from kiln.stages.inputs import TRAIN_PARAMS, check_run_conf, load_run_recipe, run_policy, train_inputs
 from kiln.stages.promotion import (
     model_gate_stage,
     outcome_stage,
@@ -69,6 +70,7 @@ __all__ = [
     "prepare_train",
     "promote_stage",
     "register_stage",
+    "run_policy",
     "review_in_words",
     "review_stage",
     "shard_batches",

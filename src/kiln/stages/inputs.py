@@ -1,12 +1,21 @@
-"""What a run asks for: its conf checked in its first task, and the training inputs its params make."""
+"""What a run asks for: its conf checked in its first task, the contract its shards are validated
+with, and the training inputs its params make."""
 
 from __future__ import annotations
 
+import logging
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 from kiln.errors import ConfigError
 from kiln.policy import Policy
+from kiln.refs import SnapshotRef
+
+log = logging.getLogger("kiln.stages")
+
+CONTRACT_PARAM = "contract"
+"""The run parameter naming the contract (sandbox form); ``""`` or absent: the corpus' own."""
 
 
 def check_run_conf(policy: Policy, conf: dict[str, Any], allowed: set[str], params: dict[str, Any] | None = None) -> None:
@@ -63,3 +72,25 @@ def load_run_recipe(recipe: Path, overrides: list[str]):  # -> kiln_trainer.conf
         return load_recipe(recipe, overrides)
     except RecipeError as exc:
         raise ConfigError(f"recipe {recipe} with {overrides or 'no overrides'}: {exc}") from exc
+
+
+def run_policy(policy: Policy, params: dict[str, Any], snapshot: SnapshotRef) -> Policy:
+    """``policy`` with the contract this run validates with (``kiln.data.corpora.run_contract``):
+    the run's ``contract`` parameter, else the contract the corpus' ``corpus.json`` names — read from
+    kiln's pinned copy of ``snapshot``, so every task of the run finds the same — else the policy's.
+    A pinned policy (production) keeps its reviewed contract and refuses a corpus made for another
+    family. ``ConfigError`` for a contract that does not fit the corpus, ``ContractError`` for one
+    that does not exist: both before any shard is read."""
+    from kiln.data.contracts import load_contract
+    from kiln.data.corpora import read_metadata, run_contract
+    from kiln.stages.records import recorded_snapshot
+
+    metadata = read_metadata(recorded_snapshot(snapshot.id).path)
+    contract = run_contract(params.get(CONTRACT_PARAM), metadata, policy.contract, corpus=snapshot.corpus,
+                            pinned=policy.pinned_inputs)
+    load_contract(contract)
+    if contract != policy.contract:
+        log.info("contract in force: %s (%s)", contract,
+                 "asked for by the run" if params.get(CONTRACT_PARAM) else f"named by corpus {snapshot.corpus}'s corpus.json")
+        return replace(policy, contract=contract)
+    return policy

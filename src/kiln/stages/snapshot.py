@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 
 from kiln import settings as kiln_settings
+from kiln.data.snapshot import CORPUS_NAME
 from kiln.errors import ConfigError, SnapshotMismatchError
 from kiln.policy import Policy
 from kiln.refs import PinnedSnapshot
@@ -23,12 +23,13 @@ def snapshot_stage(policy: Policy, corpus: str | None = None, expected_ids: list
     name = corpus or policy.corpus
     if policy.pinned_inputs and name != policy.corpus:
         raise ConfigError(f"{policy.name} runs snapshot only the registered corpus {policy.corpus!r}, not {name!r}")
-    if not re.fullmatch(r"[a-z0-9][a-z0-9_.-]{0,63}", name):
+    if not CORPUS_NAME.fullmatch(name):
         raise ConfigError(f"corpus name {name!r} is not a valid corpus name ([a-z0-9][a-z0-9_.-]*)")
     s = kiln_settings.load()
     corpus_dir = s.corpus_root / name
     if not corpus_dir.is_dir():
-        raise ConfigError(f"corpus {name!r} not found at {corpus_dir}; build it with `kiln corpus build --out {corpus_dir}`")
+        raise ConfigError(f"corpus {name!r} not found at {corpus_dir}; import it with `kiln corpus import SRC --name {name} "
+                          f"--format ...` (or build the sample with `kiln corpus build --out {corpus_dir}`)")
     ref = create_snapshot(corpus_dir)
     if expected_ids and ref.id not in expected_ids:
         raise SnapshotMismatchError(

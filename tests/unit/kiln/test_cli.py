@@ -10,7 +10,8 @@ import pytest
 from kiln.cli import build_parser
 
 SUBCOMMANDS = [
-    ["corpus", "build"], ["snapshot", "create"], ["snapshot", "restore"], ["snapshot", "list"],
+    ["corpus", "build"], ["corpus", "import"], ["corpus", "list"], ["corpus", "build-text"], ["snapshot", "create"],
+    ["snapshot", "restore"], ["snapshot", "list"],
     ["snapshot", "show"], ["validate"], ["promote"], ["rollback"], ["stack"], ["demo"], ["train"], ["evaluate"],
     ["signals"],
 ]

@@ -161,7 +161,7 @@ def test_corpus_rebuild_on_a_full_disk_keeps_the_old_corpus_whole(tmpfs):
     before = tree_hashes(out)
     assert_one_error(kiln("corpus", "build", "--out", str(out)), "corpus build", 1, str(out), FULL)
     assert tree_hashes(out) == before
-    assert sorted(p.name for p in out.iterdir()) == ["eval", "train"]
+    assert sorted(p.name for p in out.iterdir()) == ["corpus.json", "eval", "train"]
     # With room again, the rebuild replaces the shards and carries the foreign file over.
     again = kiln("corpus", "build", "--out", str(out), "--shards", "3", "--max-bytes", "100000")
     assert again.returncode == 0, again.stderr

@@ -87,6 +87,14 @@ COMMANDS: dict[str, st.SearchStrategy[list[str]]] = {
         "--out": good("new-dir", "dir", "dir/sub", bad=paths), "--shards": good("1", "2", "3", bad=numbers),
         "--seed": good("0", "7", bad=numbers), "--max-bytes": good("65536", "70000", bad=numbers),
         "--poison": st.sampled_from(["null_text", "zero_bytes", "nope", ""])}),
+    "corpus-import": _args(["corpus", "import"], {
+        "--name": good("mine", "web.text_2", bad=names),
+        "--format": good("jsonl", bad=st.sampled_from(["parquet", "text", "csv", ""])),
+        "--text-field": good("text", bad=names), "--id-field": good("id", bad=names),
+        "--shard-bytes": good("4K", "1M", bad=numbers), "--eval-fraction": good("0.3", "0.5", bad=numbers),
+        "--seed": good("0", "7", bad=numbers), "--kind": good("python-source", bad=st.sampled_from(["natural-language", "x"])),
+        "--contract": good("stdlib-py@1", "stdlib-py", bad=names), "--root": good("new-dir", "dir", bad=paths),
+        "--replace": None}, [good("docs.jsonl", "corpus", "dir", bad=paths)]),
     "snapshot": st.one_of(
         _args(["snapshot", "create"], {"--name": good("stdlib-py", "mine", bad=names), "--no-push": None},
               [good("corpus", bad=paths)]),
@@ -155,6 +163,8 @@ def populate(root: Path, corpus: Path) -> None:
     import shutil
 
     (root / "file.txt").write_text("not what any command wants\n")
+    (root / "docs.jsonl").write_text("".join(f'{{"id": "d{i}", "text": "document {i} of the import examples"}}\n'
+                                             for i in range(30)))
     (root / "empty.json").write_text("")
     (root / "dir").mkdir()
     (root / "nonempty").mkdir()

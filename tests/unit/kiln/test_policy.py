@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from kiln.errors import PolicyError
@@ -59,3 +61,68 @@ def test_doc_lists_the_coded_settings_and_where_each_run_time_override_is_read()
     assert ("| `kiln_sandbox_launcher` (or `AIRFLOW_VAR_KILN_SANDBOX_LAUNCHER`) | where training runs | "
             "`train`: log line `launcher in force: …` |") in doc
     assert "never when this file is parsed" in doc and "without retry" in doc
+
+
+# ------------------------------------------------------------------ the reviewed production config
+
+
+def _config(tmp_path, text: str):
+    from kiln.policy import load_production_config
+
+    path = tmp_path / "production.toml"
+    path.write_text(text)
+    return load_production_config(path)
+
+
+GOOD = 'corpus = "acme-web"\ncontract = "stdlib-py@1"\nmodel = "acme-lm"\n'
+
+
+def test_production_reads_corpus_contract_and_model_from_the_reviewed_file():
+    import tomllib
+
+    from kiln.policy import PRODUCTION_CONFIG, PRODUCTION_INPUTS
+
+    shipped = tomllib.loads(PRODUCTION_CONFIG.read_text())
+    assert (PRODUCTION.corpus, PRODUCTION.contract, PRODUCTION.target_model) == (
+        shipped["corpus"], shipped["contract"], shipped["model"])
+    assert PRODUCTION.candidate_model == f"{shipped['model']}.candidates" and shipped["model"] == PRODUCTION_MODEL
+    assert PRODUCTION.config == PRODUCTION_INPUTS and PRODUCTION_INPUTS.source == "config/production.toml"
+    assert "from the reviewed `config/production.toml`" in PRODUCTION.doc_md()
+    from kiln.data.contracts import load_contract
+
+    load_contract(PRODUCTION.contract)  # the shipped file names a contract that exists
+
+
+def test_another_config_moves_production_and_the_sandbox_still_cannot_write_its_names(tmp_path):
+    from kiln.policy import build_production_policy, build_sandbox_policy
+
+    config = _config(tmp_path, GOOD)
+    production, sandbox = build_production_policy(config), build_sandbox_policy(config)
+    assert (production.corpus, production.target_model, production.candidate_model) == (
+        "acme-web", "acme-lm", "acme-lm.candidates")
+    assert sandbox.writable_models == ("sandbox.acme-lm",) and sandbox.corpus == "acme-web"
+    for name in production.writable_models:
+        with pytest.raises(PolicyError, match="may not write"):
+            sandbox.check_model_write(name)
+    with pytest.raises(PolicyError, match="sandbox policy may never write a name outside sandbox"):
+        Policy(**{**{f: getattr(sandbox, f) for f in sandbox.__dataclass_fields__},
+                  "writable_models": (sandbox.candidate_model, "acme-lm")})
+    with pytest.raises(PolicyError, match="never write a name in the sandbox's namespace"):
+        Policy(**{**{f: getattr(production, f) for f in production.__dataclass_fields__},
+                  "writable_models": (*production.writable_models, "sandbox.acme-lm")})
+
+
+@pytest.mark.parametrize("text,message", [
+    (GOOD.replace('"acme-lm"', '"sandbox.acme-lm"'), "production.toml: model 'sandbox.acme-lm' is in the sandbox's namespace"),
+    (GOOD.replace('"acme-lm"', '"Sandbox.X"'), "is in the sandbox's namespace"),
+    (GOOD.replace('"stdlib-py@1"', '"stdlib-py"'), "production.toml: contract 'stdlib-py' must pin a version"),
+    (GOOD.replace('"acme-web"', '"../etc"'), "production.toml: corpus '../etc' is not a corpus name"),
+    (GOOD.replace('"acme-lm"', '"a b"'), "production.toml: model 'a b' is not a registered-model name"),
+    (GOOD + 'recipe = "tiny.toml"\n', "production.toml: unknown key(s) recipe"),
+    ('corpus = "acme-web"\nmodel = "acme-lm"\n', "production.toml: missing key(s) contract"),
+    (GOOD + 'model = "again"\n', "production.toml: not valid TOML: Cannot overwrite a value (at line 4"),
+    (GOOD.replace('"acme-lm"', "7"), "production.toml: model must be a string, got 7"),
+])
+def test_a_bad_production_config_is_refused_naming_the_file_and_the_key_or_line(tmp_path, text, message):
+    with pytest.raises(PolicyError, match=re.escape(message)):
+        _config(tmp_path, text)

@@ -79,3 +79,44 @@ def test_the_dag_lists_the_shards_validate_lists_and_names_the_rest(home):
     skipped = {Path(e["path"]).name: e["reason"] for e in result.skipped}
     assert set(skipped) == {"NOTES.txt", "extra"} and all(skipped.values())
     assert all(Path(e["path"]).is_relative_to(result.path) for e in result.skipped)
+
+
+# ---------------------------------------------------------------- the contract a run validates with
+
+
+def _imported(name: str, contract: str = "stdlib-py@1", kind: str = "python-source") -> Path:
+    """A corpus as `kiln corpus import` writes it, whose corpus.json names ``contract``."""
+    from kiln.data.corpora import CorpusMetadata, SplitStats, write_metadata
+
+    root = _corpus(name)
+    stats = SplitStats(shards=2, documents=2, text_bytes=2)
+    write_metadata(root, CorpusMetadata(kind=kind, contract=contract, producer="test", source={}, split={},
+                                        train=stats, eval=stats))
+    return root
+
+
+def test_a_run_validates_with_the_contract_its_corpus_names_unless_it_asks_for_one_that_fits(home):
+    from kiln.errors import ContractError
+    from kiln.stages import run_policy
+
+    _imported("mine")
+    pinned = snapshot_stage(SANDBOX, "mine")
+    assert run_policy(SANDBOX, {}, pinned).contract == "stdlib-py@1"
+    assert run_policy(SANDBOX, {"contract": "stdlib-py@1"}, pinned).contract == "stdlib-py@1"
+    _imported("prose", contract="other-text@1", kind="natural-language")
+    prose = snapshot_stage(SANDBOX, "prose")
+    with pytest.raises(ContractError, match="unknown contract 'other-text'"):
+        run_policy(SANDBOX, {}, prose)  # the corpus' own contract, which this kiln does not ship
+    with pytest.raises(ConfigError, match="contract 'stdlib-py@1' does not fit corpus 'prose'"):
+        run_policy(SANDBOX, {"contract": "stdlib-py@1"}, prose)
+
+
+def test_production_validates_its_reviewed_corpus_with_its_reviewed_contract_only(home):
+    from kiln.stages import run_policy
+
+    _imported(PRODUCTION.corpus)
+    pinned = snapshot_stage(PRODUCTION, None)
+    assert run_policy(PRODUCTION, {}, pinned) is PRODUCTION
+    _imported(PRODUCTION.corpus, contract="other-text@1", kind="natural-language")  # rebuilt for another family
+    with pytest.raises(ConfigError, match=f"contract '{PRODUCTION.contract}' does not fit corpus '{PRODUCTION.corpus}'"):
+        run_policy(PRODUCTION, {}, snapshot_stage(PRODUCTION, None))

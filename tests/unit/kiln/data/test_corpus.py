@@ -27,7 +27,7 @@ def test_same_arguments_give_byte_identical_files(clean_corpus: dict[str, Any], 
     again = build_corpus(tmp_path / "again")
     first, second = _files(Path(clean_corpus["out"])), _files(Path(again["out"]))
     assert first == second
-    assert len(first) == 8 + 1
+    assert len(first) == 8 + 1 + 1  # shards, the eval split, corpus.json
     # Rebuilding in place is idempotent too.
     build_corpus(tmp_path / "again")
     assert _files(tmp_path / "again") == first
@@ -82,7 +82,8 @@ def test_poison_map_is_returned_but_never_written_inside_the_corpus(poisoned_cor
     out = Path(poisoned_corpus["out"])
     assert sorted(poisoned_corpus["poisoned"].values()) == sorted(POISON_KINDS)
     names = set(_files(out))
-    assert names == {f"train/shard-{i:05d}.parquet" for i in range(20)} | {"eval/eval-00000.parquet"}
+    assert names == {f"train/shard-{i:05d}.parquet" for i in range(20)} | {"eval/eval-00000.parquet", "corpus.json"}
+    assert not {kind for kind in POISON_KINDS if kind in (out / "corpus.json").read_text()}, "the record names no poison"
     json.dumps(poisoned_corpus)  # the summary is JSON-safe (the CLI prints it)
 
 
@@ -182,3 +183,14 @@ def test_exact_duplicate_documents_are_kept_once(tmp_path: Path) -> None:
 def test_every_document_text_is_unique(clean_corpus: dict[str, Any]) -> None:
     texts = [r["text"] for p in clean_corpus["train"] + clean_corpus["eval"] for r in _rows(p)]
     assert len(texts) == len(set(texts))
+
+
+def test_the_sample_corpus_records_its_kind_and_contract(clean_corpus: dict[str, Any]) -> None:
+    from kiln.data.corpora import read_metadata
+
+    meta = read_metadata(clean_corpus["out"])
+    assert meta is not None and (meta.kind, meta.contract, meta.producer) == ("python-source", "stdlib-py@1",
+                                                                              "kiln corpus build")
+    assert (meta.train.shards, meta.train.documents, meta.eval.documents) == (
+        8, clean_corpus["documents"]["train"], clean_corpus["documents"]["eval"])
+    assert clean_corpus["stdlib"] not in Path(clean_corpus["out"], "corpus.json").read_text()

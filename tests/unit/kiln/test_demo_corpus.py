@@ -1,0 +1,55 @@
+"""``kiln demo --corpus`` up to the trigger (the stack part is the sandbox DAG's e2e test): the
+prose corpus is built and imported the same way twice, the sandbox form takes the run it triggers,
+and its shards pass the contract its corpus.json names (web-text where shipped, else stdlib-py)."""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+import pytest
+
+from kiln.errors import DemoError
+from kiln.policy import SANDBOX
+
+
+def _files(root: Path) -> dict[str, str]:
+    return {p.relative_to(root).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def test_the_prose_demo_corpus_is_imported_and_passes_the_contract_its_record_names(home):
+    from kiln.airflow.dagfactory import build_dag
+    from kiln.data.corpora import read_metadata
+    from kiln.data.validation import validate_directory
+    from kiln.stack.demo import PROSE_CORPUS, demo_corpus, sandbox_conf
+    from kiln.stages import check_run_conf, run_policy, snapshot_stage
+
+    corpus = demo_corpus(PROSE_CORPUS)
+    first = _files(Path(corpus["out"]))
+    assert len([f for f in first if f.startswith("train/")]) >= 3 and corpus["eval"]["documents"] > 5
+    assert _files(Path(demo_corpus(PROSE_CORPUS)["out"])) == first, "a second demo imports the same bytes"
+    meta = read_metadata(corpus["out"])
+    assert meta is not None and meta.kind == "natural-language" and meta.contract == corpus["contract"]
+    assert bool(corpus["note"]) == (not meta.contract.startswith("web-text@"))
+
+    conf = sandbox_conf(PROSE_CORPUS)
+    params = build_dag(SANDBOX).params
+    for key, value in conf.items():
+        params.get_param(key).resolve(value)  # the form takes it
+    check_run_conf(SANDBOX, conf, set(params.keys()))
+    pinned = snapshot_stage(SANDBOX, conf["corpus"])
+    policy = run_policy(SANDBOX, conf, pinned)
+    assert policy.contract == meta.contract
+    reports = validate_directory(pinned.path, policy.contract)
+    quarantined = [r.reasons for r in reports if r.verdict != "healthy"]
+    assert reports and len(quarantined) / len(reports) <= SANDBOX.max_quarantine_share, quarantined  # the gate passes
+    if policy.contract == "stdlib-py@1":
+        assert quarantined == []  # measured: every prose shard passes the stdlib contract
+
+
+def test_a_demo_corpus_that_does_not_exist_says_how_to_make_it(home):
+    from kiln.stack.demo import demo_corpus
+
+    with pytest.raises(DemoError, match=r"corpus 'nope' not found at .*kiln corpus import SRC --name nope"):
+        demo_corpus("nope")
