@@ -14,8 +14,10 @@ Modules (one concern each)::
     distributed          rank and world from torchrun's environment, process group, threads, seeds, collectives
     model                the decoder-only transformer (``GPT``), ``generate_ids`` and, for bytes, ``generate``
     optim                AdamW and its learning-rate schedule (warmup, then cosine)
-    checkpoint           saving/loading full training state, async writer, retention
-    checkpoint_manifest  torch-free commit protocol: ``verify_checkpoint``, ``latest_committed``
+    parallel             ``[parallel] strategy``: ddp (replicated) or fsdp (FSDP2 per block and root, bf16 policy on CUDA)
+    checkpoint           the ddp strategy's checkpoints (rank 0's async writer), retention, what both formats share
+    sharded_checkpoint   the fsdp strategy's: every rank's shards through DCP; either format into either strategy
+    checkpoint_manifest  torch-free commit protocol of both formats: ``verify_checkpoint``, ``latest_committed``
     metrics              metrics.jsonl + optional MLflow batch logging (rank 0 only)
     timing               in-step marks, the DDP gradient-ready hook, the start-up profile, peak FLOP/s and MFU
     stragglers           torch-free straggler rule: a rank slower than the others' median for K windows

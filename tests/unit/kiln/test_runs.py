@@ -197,7 +197,8 @@ def test_no_module_but_the_owners_spells_a_file_name_of_a_run():
     names = {runs.RUN_RECORD, runs.QUARANTINE_JSON, runs.QUARANTINE_HTML, runs.TRAINING_MANIFEST, runs.EVAL_REPORT,
              runs.SUMMARY, runs.HELDOUT_MANIFEST, runs.REEVALUATION, runs.LAUNCH_SUBDIR, runs.LAUNCH_SPEC,
              runs.LAUNCH_STATUS, runs.LAUNCH_LOG, runs.LAUNCH_PREVIOUS_LOG, runs.SUPERVISOR_PID, runs.JOB_RECORD,
-             runs.SLURM_EXCLUDED_NODES, runs.SLURM_SCRIPT, runs.SLURM_JOB_ID, runs.K8S_LOG, *runs.TRAINER_FILES}
+             runs.SLURM_EXCLUDED_NODES, runs.SLURM_SCRIPT, runs.SLURM_JOB_ID, runs.K8S_LOG, runs.ELASTIC_RECORD,
+             *runs.TRAINER_FILES}
     owners = {repo / "src/kiln/runs.py", repo / "training/kiln_trainer/checkpoint_manifest.py"}
     spelled = []
     for path in sorted([*(repo / "src/kiln").rglob("*.py"), *(repo / "training/kiln_trainer").rglob("*.py"),
