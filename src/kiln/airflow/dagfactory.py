@@ -105,7 +105,7 @@ def _params(policy: Policy) -> dict[str, Param]:
                         examples=choices.corpora, values_display=choices.corpus_labels,
                         description="A corpus under the DVC workspace's corpora/ folder (`kiln corpus list`; "
                                     "`kiln corpus import` adds one)."),
-        "contract": Param(RUN_CORPUS_CONTRACT, type="string", enum=choices.contracts,
+        "contract": Param(RUN_CORPUS_CONTRACT, type=["null", "string"], enum=choices.contracts,
                           values_display=choices.contract_labels, title="Data contract",
                           description="The contract the shards are validated with; empty: the one the corpus' "
                                       "corpus.json names. A contract of another family than the corpus' is refused "

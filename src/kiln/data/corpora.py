@@ -248,13 +248,15 @@ class FormChoices:
 
     corpora: list[str]
     corpus_labels: dict[str, str]
-    contracts: list[str]
-    """``""`` (the corpus' own contract) first, then every shipped ``NAME@VERSION``."""
+    contracts: list[str | None]
+    """``None`` (the corpus' own contract) first, then every shipped ``NAME@VERSION``."""
     contract_labels: dict[str, str]
 
 
-RUN_CORPUS_CONTRACT = ""
-"""The run parameter ``contract`` that means: the contract the corpus' ``corpus.json`` names."""
+RUN_CORPUS_CONTRACT = None
+"""The run parameter ``contract`` that means: the contract the corpus' ``corpus.json`` names (the
+form's empty choice, ``null`` in a REST conf). Not ``""``: the Airflow UI takes an empty string in a
+select for a missing value and will not submit the form."""
 
 
 def form_choices(default_corpus: str, root: Path | None = None, contracts_root: Path | None = None) -> FormChoices:
@@ -268,7 +270,7 @@ def form_choices(default_corpus: str, root: Path | None = None, contracts_root: 
         refs = contract_refs(contracts_root)
     except OSError:
         refs = []
-    contract_labels = {RUN_CORPUS_CONTRACT: "the corpus' own contract (named in its corpus.json)"}
+    contract_labels: dict[str, str] = {}
     for ref in refs:
         fitting = [e.name for e in entries if e.metadata is not None and e.metadata.fits(ref)]
         contract_labels[ref] = f"{ref} — fits {', '.join(fitting)}" if fitting else f"{ref} — fits no corpus built yet"

@@ -66,7 +66,7 @@ def test_the_form_offers_every_corpus_and_each_contract_with_the_corpora_it_fits
     write_metadata(tmp_path / "mine", _meta("python-source", "stdlib-py@1"))
     choices = form_choices("stdlib-py", tmp_path)
     assert choices.corpora == ["mine", "stdlib-py"] and "not built yet" in choices.corpus_labels["stdlib-py"]
-    assert choices.contracts == ["", *contract_refs()] and "stdlib-py@1" in choices.contracts
+    assert choices.contracts == [None, *contract_refs()] and "stdlib-py@1" in choices.contracts
     assert choices.contract_labels["stdlib-py@1"] == "stdlib-py@1 — fits mine"
 
 
