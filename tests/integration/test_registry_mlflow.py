@@ -539,18 +539,10 @@ def test_real_checkpoint_is_registered_as_a_text_model_that_generates_and_serves
 
     manifest = build_manifest(tmp_path)
     step_dir = write_real_checkpoint(tmp_path / "run", manifest)
-    verified = checkpoint_manifest.verify_checkpoint(step_dir)
-    train = TrainResult(run_dir=str(tmp_path / "run"), checkpoint=str(step_dir),
-                        checkpoint_manifest_sha256=sha256_file(step_dir / "manifest.json"),
-                        weights_sha256=verified["weights_sha256"], step=verified["step"], metrics={})
-    report = EvalReport(checkpoint=str(step_dir), weights_sha256=verified["weights_sha256"], split="eval",
-                        bits_per_byte=7.9, loss=5.5, tokens=64)
-    snapshot = SnapshotRef(id=SNAPSHOT_ID, corpus="stdlib-py", files=4, bytes=1024, dvc=DVC_TEXT,
-                           remote="/tmp/dvc-remote", path="/tmp/dvc-repo/stdlib-py")
+    verified, refs = _refs_of(step_dir, manifest)
     policy = sandbox_policy(unique_name)
 
-    ref = registry.register_candidate(policy=policy, train=train, eval_report=report, snapshot=snapshot,
-                                      manifest=manifest, run_key=f"kiln_sandbox/{unique_name}")
+    ref = registry.register_candidate(policy=policy, run_key=f"kiln_sandbox/{unique_name}", **refs)
 
     assert ref["decision"]["action"] == "promote"  # sandbox gate: 8.0 bits/byte ceiling
     uri = f"models:/{policy.candidate_model}/{ref['version']}"
@@ -601,15 +593,21 @@ def _sharded_candidate(tmp_path: Path) -> tuple[Path, dict[str, Any], dict[str, 
     fixtures.write_sharded_checkpoints(tmp_path / "run", [4], snapshot_id=manifest.snapshot_id,
                                        training_manifest_sha256=manifest.sha256)
     step_dir = checkpoint_manifest.latest_committed(tmp_path / "run")
+    verified, refs = _refs_of(step_dir, manifest)
+    return step_dir, verified, refs
+
+
+def _refs_of(step_dir: Path, manifest: TrainingManifest) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The verified manifest of a real checkpoint and the refs register_candidate takes for it."""
     verified = checkpoint_manifest.verify_checkpoint(step_dir)
-    train = TrainResult(run_dir=str(tmp_path / "run"), checkpoint=str(step_dir),
+    train = TrainResult(run_dir=str(step_dir.parents[1]), checkpoint=str(step_dir),
                         checkpoint_manifest_sha256=sha256_file(step_dir / "manifest.json"),
                         weights_sha256=verified["weights_sha256"], step=verified["step"], metrics={})
     report = EvalReport(checkpoint=str(step_dir), weights_sha256=verified["weights_sha256"], split="eval",
                         bits_per_byte=7.9, loss=5.5, tokens=64)
     snapshot = SnapshotRef(id=SNAPSHOT_ID, corpus="stdlib-py", files=4, bytes=1024, dvc=DVC_TEXT,
                            remote="/tmp/dvc-remote", path="/tmp/dvc-repo/stdlib-py")
-    return step_dir, verified, {"train": train, "eval_report": report, "snapshot": snapshot, "manifest": manifest}
+    return verified, {"train": train, "eval_report": report, "snapshot": snapshot, "manifest": manifest}
 
 
 def test_a_sharded_checkpoint_is_verified_then_consolidated_into_todays_text_model(tmp_path, client, unique_name):

@@ -163,18 +163,7 @@ def run_demo(corpus: str | None = None) -> int:
             f"'{DEMO_REVIEWER}' (a named demo identity standing in for a human reviewer)")
 
     final = follow_run(operator, dag_id, run_id, on_awaiting_input=approve)
-    t_run = time.monotonic()
-    if final["state"] != "success":
-        failed = [ti for ti in operator.task_instances(dag_id, run_id) if ti.get("state") == "failed"]
-        for ti in failed:
-            say(f"--- log of failed task {ti['task_id']} ---")
-            say(operator.task_log(dag_id, run_id, ti["task_id"], ti.get("try_number") or 1, ti.get("map_index", -1))[-3000:])
-        raise DemoError(f"run {run_id} ended {final['state']}")
-    summary = collect_summary(operator, dag_id, run_id)
-    summary["timings_s"] = {
-        "setup": round(t_stack - t0, 1), "run": round(t_run - t_stack, 1), "total": round(time.monotonic() - t0, 1)
-    }
-    print_summary(summary, s)
+    summary = _summarise_run(operator, dag_id, run_id, final, t0=t0, t_stack=t_stack, s=s)
     from kiln.runs import run_key
     from kiln.stages import write_summary
 
@@ -205,6 +194,14 @@ def _run_sandbox_demo(name: str, t0: float, s: kiln_settings.Settings) -> int:
         "following it:")
     say("[4/5] the sandbox asks no review: a candidate the gate passes moves the sandbox alias")
     final = follow_run(operator, dag_id, run_id)
+    _summarise_run(operator, dag_id, run_id, final, t0=t0, t_stack=t_stack, s=s)
+    return 0
+
+
+def _summarise_run(operator: AirflowClient, dag_id: str, run_id: str, final: dict[str, Any], *, t0: float,
+                   t_stack: float, s: kiln_settings.Settings) -> dict[str, Any]:
+    """A followed demo run's end: the failed tasks' logs and ``DemoError``, or its printed summary
+    with the setup and run times."""
     t_run = time.monotonic()
     if final["state"] != "success":
         for ti in [ti for ti in operator.task_instances(dag_id, run_id) if ti.get("state") == "failed"]:
@@ -216,7 +213,7 @@ def _run_sandbox_demo(name: str, t0: float, s: kiln_settings.Settings) -> int:
         "setup": round(t_stack - t0, 1), "run": round(t_run - t_stack, 1), "total": round(time.monotonic() - t0, 1)
     }
     print_summary(summary, s)
-    return 0
+    return summary
 
 
 def sandbox_conf(corpus: str) -> dict[str, Any]:
