@@ -15,9 +15,13 @@ Real processes: ``torchrun --standalone --nproc-per-node=2`` running ``kiln_trai
   strategy (rank 0's ``checkpoint_blocking_s`` over ``wall_s``; goal <= 1% when saving every 10 steps).
 - **resume at another world size**: from the same fsdp checkpoint (2 ranks, step ``steps / 2``), the
   time from process start to the first resumed step (the trainer's ``startup`` event) on 1 rank
-  (DCP reshards 2 -> 1) over the same on 2 ranks (same size). The crash-to-restart part before the
-  process starts (agent notices, rendezvous) is the launcher's and the same for both:
-  ``benchmarks/node_loss_recovery.py`` measures it.
+  (DCP reshards 2 -> 1) over the same on 2 ranks (same size).
+- **crash -> first resumed step, shrunk against replaced**: a 2-node fsdp job on the local launcher
+  (``tiny`` recipe), node 0 (agent and worker) SIGKILLed after the step-20 checkpoint; with a spare
+  node slot the launcher starts a replacement and the job resumes on 2 ranks, without one
+  (``min_nodes=1``, ``replacement_timeout_s`` ``KILN_BENCH_SHRINK_TIMEOUT_S``, default 5) the survivor
+  resumes alone, resharding. From the kill to the first resumed step, per case; the shrunk one
+  includes the replacement timeout and torch noticing the lost node's silence (its heartbeats).
 """
 
 from __future__ import annotations
@@ -79,6 +83,41 @@ def _startup_s(run_dir: Path) -> float:
     return float([e for e in events if e.get("event") == "startup"][-1]["process_to_first_step_s"])
 
 
+def _crash_to_first_step(root: Path, manifest: Path, *, shrink: bool, timeout_s: int) -> float:
+    """Kill node 0 of a 2-node fsdp job after its step-20 checkpoint; seconds to the first resumed step."""
+    import signal
+
+    from kiln.launchers import LaunchSpec, LocalLauncher, wait
+    from kiln.launchers.local import agent_pids, worker_pid
+
+    run_dir = root / ("shrunk" if shrink else "replaced") / "run"
+    elastic: dict[str, Any] = {"min_nodes": 1, "spare_nodes": 0, "replacement_timeout_s": timeout_s} if shrink else {}
+    spec = LaunchSpec(run_dir=run_dir, manifest=manifest, recipe=REPO / "training" / "recipes" / "tiny.toml",
+                      run_key=f"bench-{run_dir.parent.name}", nodes=2, nproc_per_node=1, max_restarts=2,
+                      overrides=("train.steps=60", "checkpoint.every_steps=10", "train.log_every=10",
+                                 "optim.warmup_steps=10", "data.micro_batch_size=4", "parallel.strategy=fsdp"),
+                      env={"KILN_TORCH_THREADS": "1", "OMP_NUM_THREADS": "1"}, **elastic)
+    launcher = LocalLauncher()
+    handle = launcher.submit(spec)
+    deadline = time.monotonic() + 600
+    while not (len(agent_pids(run_dir)) == 2 and (run_dir / "checkpoints" / "step-00000020" / "manifest.json").exists()):
+        if time.monotonic() > deadline:
+            raise TimeoutError("no step-20 checkpoint")
+        time.sleep(0.02)
+    agent = agent_pids(run_dir)["0"]
+    worker = worker_pid(agent)
+    t_kill = time.time()
+    for pid in (agent, worker):
+        if pid is not None:
+            os.kill(pid, signal.SIGKILL)
+    status = wait(launcher, handle, log=lambda _line: None, poll_s=0.2)
+    if status.state != "SUCCEEDED":
+        raise RuntimeError(f"the {'shrunk' if shrink else 'replaced'} job ended {status.state}: {status.reason}")
+    events = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    first = [e["first_step_unix"] for e in events if e.get("event") == "startup" and e["first_step_unix"] > t_kill]
+    return first[0] - t_kill
+
+
 def main() -> dict[str, Any]:
     threads = int(os.environ.get("KILN_BENCH_THREADS", "1"))
     steps = int(os.environ.get("KILN_BENCH_STEPS", "60"))
@@ -119,6 +158,14 @@ def main() -> dict[str, Any]:
                        max_steps=steps // 2 + 1)
                 resume[label].append(_startup_s(resumed))
             print(".", end="", flush=True)
+        shrink_timeout = int(os.environ.get("KILN_BENCH_SHRINK_TIMEOUT_S", "5"))
+        crash: dict[str, list[float]] = {"replaced (2 ranks again)": [], "shrunk (1 rank)": []}
+        for rep in range(repeats):
+            for shrink in ((False, True) if rep % 2 == 0 else (True, False)):
+                label = "shrunk (1 rank)" if shrink else "replaced (2 ranks again)"
+                crash[label].append(_crash_to_first_step(root / f"crash-{rep}", manifest, shrink=shrink,
+                                                         timeout_s=shrink_timeout))
+                print("x", end="", flush=True)
         step_dir = _newest(root / "fsdp-0")
         files = sorted(p.name for p in step_dir.iterdir())
     print(flush=True)
@@ -148,6 +195,12 @@ def main() -> dict[str, Any]:
             k: {"median": round(med(v), 2), "runs": ", ".join(f"{x:.2f}" for x in v)} for k, v in resume.items()
         },
         "resume_other_world_size_vs_same": round(other / same, 3),
+        "crash -> first resumed step (s), tiny fsdp job on 2 local nodes": {
+            k: {"median": round(med(v), 2), "runs": ", ".join(f"{x:.2f}" for x in v)} for k, v in crash.items()
+        },
+        "crash_to_first_step_shrunk_vs_replaced": round(med(crash["shrunk (1 rank)"])
+                                                        / med(crash["replaced (2 ranks again)"]), 3),
+        "shrink_replacement_timeout_s": shrink_timeout,
         "final weights identical across repeats": {s: len(w) == 1 for s, w in weights.items()},
         "benchmark_wall_s": round(time.perf_counter() - t_start, 1),
         "load_avg_1m_end": f"{os.getloadavg()[0]:.1f}",
