@@ -14,7 +14,7 @@ Real processes throughout: the local launcher's supervisor, 2 agents ("nodes") x
   plain torchrun agents (``KILN_LOCAL_AGENT=torchrun``: a new interpreter per worker, 1 s monitor),
   i.e. the local backend before its agents forked preloaded workers; ratio = fast / baseline
   (medians). Goal: <= 10 s.
-- **effective training time**: the same job (``KILN_BENCH_EFFECTIVE_STEPS`` steps, default 4000: about
+- **effective training time**: the same job (``KILN_BENCH_EFFECTIVE_STEPS`` steps, default 14000: about
   five minutes here, so about five kills) run uninterrupted and with a worker SIGKILLed every
   ``KILN_BENCH_KILL_EVERY_S`` (60) seconds, ``KILN_BENCH_EFFECTIVE_PAIRS`` (1) pairs in alternating
   order (U K, then K U, ...). Headline: median uninterrupted wall / median wall with kills (submit to
@@ -190,7 +190,7 @@ def effective_time(root: Path, manifest: Path, steps: int, every_s: float, pairs
 
 def main() -> dict[str, Any]:
     kills = int(os.environ.get("KILN_BENCH_KILLS", "3"))
-    steps = int(os.environ.get("KILN_BENCH_EFFECTIVE_STEPS", "4000"))
+    steps = int(os.environ.get("KILN_BENCH_EFFECTIVE_STEPS", "14000"))
     every_s = float(os.environ.get("KILN_BENCH_KILL_EVERY_S", "60"))
     pairs = int(os.environ.get("KILN_BENCH_EFFECTIVE_PAIRS", "1"))
     sys.path.insert(0, str(REPO / "tests" / "integration"))
