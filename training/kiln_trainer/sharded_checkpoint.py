@@ -23,13 +23,13 @@ and every rank then learns whether any rank's part failed (an error can surface 
 e.g. rank 0's manifest on a full disk), so all of them stop together.
 
 Loading executes no pickled code. DCP itself unpickles ``.metadata`` with ``pickle.load`` and its
-default load planner reads non-tensor values with ``torch.load(weights_only=False)``; kiln closes
-both: (a) rank 0 verifies the sealed manifest -- every file's sha256, ``.metadata`` included --
-before any rank reads a byte (``verify_checkpoint``), and (b) DCP reads only through ``SafeReader``
-(``.metadata`` unpickled against an allow-list: DCP's own metadata dataclasses, ``torch.Size``,
-dtypes, layouts, paths) and ``SafeLoadPlanner`` (non-tensor values through ``torch.load(...,
-weights_only=True)``; tensors DCP already reads that way). A file that would need anything else is
-refused with ``CheckpointError``, so even a forged checkpoint with a matching manifest runs no code.
+default load planner reads non-tensor values with torch's full unpickler (``weights_only`` off);
+kiln closes both: (a) rank 0 verifies the sealed manifest -- every file's sha256, ``.metadata``
+included -- before any rank reads a byte (``verify_checkpoint``), and (b) DCP reads only through
+``SafeReader`` (``.metadata`` unpickled against an allow-list: DCP's own metadata dataclasses,
+``torch.Size``, dtypes, layouts, paths) and ``SafeLoadPlanner`` (non-tensor values through the
+weights-only unpickler; tensors DCP already reads that way). A file that would need anything else
+is refused with ``CheckpointError``, so even a forged checkpoint with a matching manifest runs no code.
 
 Loading (``load_model_and_optimizer``), on every rank:
 
