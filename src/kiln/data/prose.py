@@ -15,9 +15,15 @@ platform team's own corpus does. Sources, in this order:
   images drop ``/usr/share/man`` (a dpkg path-exclude), and what is there depends on the packages
   installed, so a corpus with man pages differs from machine to machine.
 
-Each source text is cut at paragraph boundaries (blank lines) into documents of at most
-``MAX_DOC_BYTES`` UTF-8 bytes, lines intact; a piece under ``MIN_DOC_CHARS`` characters (a lone
-heading) is dropped. Ids are ``<source>#<chunk index>``. Deterministic: the same interpreter and the
+Each source text is first made into what a web-text extractor gives for a page (``extract_prose``):
+the English prose only, each paragraph on one line. The sources are hard-wrapped at 70-80 columns,
+while the web-text rules read a line as a paragraph (C4 keeps only lines that end in terminal
+punctuation before it counts sentences; FineWeb wants punctuated line ends): left wrapped, 45 % of
+the sample's documents were dropped and 2 of its 5 shards quarantined, although nothing in them is
+bad. Indented blocks (code examples, grammar productions, literal listings) are left out, as the
+sample is the prose, and so are heading underlines (``*****``). Then the text is cut at paragraph
+boundaries (blank lines) into documents of at most ``MAX_DOC_BYTES`` UTF-8 bytes, lines intact; a
+piece under ``MIN_DOC_CHARS`` characters (a lone heading) is dropped. Ids are ``<source>#<chunk index>``. Deterministic: the same interpreter and the
 same files give the same bytes (sorted file order, no time).
 """
 
@@ -183,6 +189,26 @@ def _pieces(paragraph: str) -> Iterator[str]:
         yield "".join(current)
 
 
+_UNDERLINE = re.compile(r"[ \t]*([*=~^#_+-])\1{2,}[ \t]*")
+CODE_INDENT = 3
+"""A block with a line indented this many columns (or a tab) is code, grammar or a literal listing
+(reStructuredText's literal blocks are indented 3 in pydoc's text); prose paragraphs and list items
+are indented less (the GPL's paragraphs by 2)."""
+
+
+def extract_prose(text: str) -> str:
+    """The prose of a hard-wrapped text as a web-text extractor gives it: every paragraph (a block
+    between blank lines) on one line, paragraphs separated by a blank line; heading underlines and
+    indented blocks left out (see the module docstring)."""
+    paragraphs = []
+    for block in re.split(r"\n[ \t]*\n", text.replace("\r\n", "\n")):
+        lines = [line.rstrip() for line in block.split("\n") if line.strip() and not _UNDERLINE.fullmatch(line)]
+        if not lines or any(line.startswith("\t") or len(line) - len(line.lstrip(" ")) >= CODE_INDENT for line in lines):
+            continue
+        paragraphs.append(" ".join(line.strip() for line in lines))
+    return "\n\n".join(paragraphs) + "\n" if paragraphs else ""
+
+
 def chunk_text(text: str) -> list[str]:
     """``text`` cut into documents of at most ``MAX_DOC_BYTES`` bytes at paragraph boundaries, in order."""
     chunks: list[str] = []
@@ -206,7 +232,7 @@ def prose_documents(man_sections: Sequence[str] = ()) -> Iterator[dict[str, str]
     seen: set[str] = set()
     for sources in (pydoc_topics(), license_texts(), man_pages(man_sections)):
         for source, text in sources:
-            for i, chunk in enumerate(chunk_text(text)):
+            for i, chunk in enumerate(chunk_text(extract_prose(text))):
                 # The chunk index counts every chunk, so ids stay put if the filter below changes.
                 if len(chunk.strip()) < MIN_DOC_CHARS or chunk in seen:
                     continue

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from kiln.data.corpus import MAX_DOC_BYTES, MIN_DOC_CHARS
-from kiln.data.prose import LICENSES_DIR, build_prose, chunk_text, man_pages, roff_to_text
+from kiln.data.prose import LICENSES_DIR, build_prose, chunk_text, extract_prose, man_pages, roff_to_text
 from kiln.errors import ConfigError
 
 
@@ -22,6 +22,21 @@ def test_chunks_keep_every_character_and_stay_under_the_limit() -> None:
     assert "".join(chunks) == text
     assert all(len(c.encode("utf-8")) <= MAX_DOC_BYTES for c in chunks)
     assert all(c.endswith("\n\n") for c in chunks[:3]), "cut between paragraphs"
+
+
+def test_the_prose_of_a_hard_wrapped_text_is_unwrapped_and_its_code_left_out() -> None:
+    text = ("The \"assert\" statement\n**********************\n\n"
+            "Assert statements are a convenient way\nto insert debugging assertions.\n\n"
+            "   assert_stmt ::= \"assert\" expression\n\n"
+            "The simple form is equivalent to\n\n   if __debug__:\n       raise AssertionError\n\n"
+            "  A paragraph indented by two,\nas the GPL's are.\n\n"
+            "* A list item\n  wrapped under its text.\n\n\tTabbed listing\n\n\n")
+    assert extract_prose(text) == ("The \"assert\" statement\n\n"
+                                   "Assert statements are a convenient way to insert debugging assertions.\n\n"
+                                   "The simple form is equivalent to\n\n"
+                                   "A paragraph indented by two, as the GPL's are.\n\n"
+                                   "* A list item wrapped under its text.\n")
+    assert extract_prose("   only code\n\n====\n") == ""
 
 
 def test_roff_becomes_the_words_of_the_page() -> None:
@@ -52,7 +67,8 @@ def test_the_sample_is_deterministic_and_comes_from_pydoc_and_the_licences(tmp_p
     assert first["documents"] == len(docs) and first["by_source"]["pydoc"] > 100
     if LICENSES_DIR.is_dir():  # every Debian machine (base-files)
         assert first["by_source"]["licenses"] > 20
-        assert any("GNU GENERAL PUBLIC LICENSE" in d["text"] for d in docs)
+        # GPL-3's preamble, hard-wrapped at "for" in the file: one line here.
+        assert any("is a free, copyleft license for software and other kinds of works." in d["text"] for d in docs)
     assert len({d["id"] for d in docs}) == len(docs) and len({d["text"] for d in docs}) == len(docs)
     assert all(len(d["text"].strip()) >= MIN_DOC_CHARS and len(d["text"].encode()) <= MAX_DOC_BYTES for d in docs)
     assert docs[0]["id"].startswith("pydoc/") and docs[0]["source"] == docs[0]["id"].split("#")[0]
