@@ -23,8 +23,9 @@ the sample's documents were dropped and 2 of its 5 shards quarantined, although 
 bad. Indented blocks (code examples, grammar productions, literal listings) are left out, as the
 sample is the prose, and so are heading underlines (``*****``). Then the text is cut at paragraph
 boundaries (blank lines) into documents of at most ``MAX_DOC_BYTES`` UTF-8 bytes, lines intact; a
-piece under ``MIN_DOC_CHARS`` characters (a lone heading) is dropped. Ids are ``<source>#<chunk index>``. Deterministic: the same interpreter and the
-same files give the same bytes (sorted file order, no time).
+piece under ``MIN_DOC_CHARS`` characters (a lone heading) is dropped. Ids are ``<source>#<chunk
+index>``. Deterministic: the same interpreter and the same files give the same bytes (sorted file
+order, no time).
 """
 
 from __future__ import annotations

@@ -25,13 +25,13 @@ def test_chunks_keep_every_character_and_stay_under_the_limit() -> None:
 
 
 def test_the_prose_of_a_hard_wrapped_text_is_unwrapped_and_its_code_left_out() -> None:
-    text = ("The \"assert\" statement\n**********************\n\n"
+    text = ('The "assert" statement\n**********************\n\n'
             "Assert statements are a convenient way\nto insert debugging assertions.\n\n"
-            "   assert_stmt ::= \"assert\" expression\n\n"
+            '   assert_stmt ::= "assert" expression\n\n'
             "The simple form is equivalent to\n\n   if __debug__:\n       raise AssertionError\n\n"
             "  A paragraph indented by two,\nas the GPL's are.\n\n"
             "* A list item\n  wrapped under its text.\n\n\tTabbed listing\n\n\n")
-    assert extract_prose(text) == ("The \"assert\" statement\n\n"
+    assert extract_prose(text) == ('The "assert" statement\n\n'
                                    "Assert statements are a convenient way to insert debugging assertions.\n\n"
                                    "The simple form is equivalent to\n\n"
                                    "A paragraph indented by two, as the GPL's are.\n\n"
