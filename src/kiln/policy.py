@@ -65,7 +65,7 @@ class ProductionConfig:
             raise PolicyError(f"{self.source}: contract: {exc}") from None
         if version is None:
             raise PolicyError(f"{self.source}: contract {self.contract!r} must pin a version (NAME@VERSION)")
-        if not _MODEL_NAME.match(self.model):
+        if not _MODEL_NAME.fullmatch(self.model):
             raise PolicyError(f"{self.source}: model {self.model!r} is not a registered-model name "
                               "([A-Za-z0-9][A-Za-z0-9_.-]*, at most 100 characters)")
         if self.model.lower().startswith(SANDBOX_PREFIX):

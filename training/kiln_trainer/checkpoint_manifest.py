@@ -238,7 +238,7 @@ def dcp_data_files(names: Iterable[str], world_size: int) -> set[str]:
     """The names among ``names`` that are DCP data files of a rank of this world (``__R_N.distcp``)."""
     found = set()
     for name in names:
-        match = _DCP_DATA_RE.match(name)
+        match = _DCP_DATA_RE.fullmatch(name)
         if match and int(match.group(1)) < world_size:
             found.add(name)
     return found
@@ -251,7 +251,7 @@ def checkpoint_dirs(run_dir: str | Path) -> list[tuple[int, Path]]:
         return []
     found = []
     for entry in root.iterdir():
-        match = _STEP_DIR_RE.match(entry.name)
+        match = _STEP_DIR_RE.fullmatch(entry.name)
         if match and entry.is_dir():
             found.append((int(match.group(1)), entry))
     return sorted(found)
@@ -283,7 +283,7 @@ def read_manifest(step_dir: str | Path) -> dict[str, Any]:
             raise CheckpointError(f"{path}: field {key!r} missing or not {getattr(typ, '__name__', typ)}")
     if manifest["world_size"] < 1:
         raise CheckpointError(f"{path}: field 'world_size' must be >= 1")
-    match = _STEP_DIR_RE.match(step_dir.name)
+    match = _STEP_DIR_RE.fullmatch(step_dir.name)
     if match and int(match.group(1)) != manifest["step"]:
         raise CheckpointError(f"{path}: field 'step' is {manifest['step']} but the directory is {step_dir.name}")
     if seal(manifest)[SEAL_KEY] != manifest[SEAL_KEY]:

@@ -187,7 +187,7 @@ class S3ShardCache:
         self._lock = threading.Lock()
         self.stats = {"hits": 0, "downloads": 0, "downloaded_bytes": 0, "evictions": 0}
         for path in sorted(self.cache_dir.iterdir(), key=lambda p: p.stat().st_mtime):
-            if _CACHED_RE.match(path.name):
+            if _CACHED_RE.fullmatch(path.name):
                 self._lru[path.name[:64]] = path.stat().st_size  # adopted; re-hashed on first use
             elif path.name.endswith(".tmp"):
                 path.unlink(missing_ok=True)  # a download a crash interrupted

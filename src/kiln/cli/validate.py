@@ -15,10 +15,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import sys
 from pathlib import Path
 
+from kiln.data.snapshot import SNAPSHOT_ID
 from kiln.errors import ContractError, DataGateError, KilnError
 from kiln.policy import SANDBOX
 from kiln.util.fs import check_file_target, names_a_bad_path, os_error_cause
@@ -27,9 +27,6 @@ EXIT_OK = 0
 EXIT_FAULT = 1
 EXIT_USAGE = 2
 EXIT_GATE = 3
-
-_SNAPSHOT_ID = re.compile(r"^[0-9a-f]{32}\.dir$")
-
 
 def _share(value: str) -> float:
     try:
@@ -135,7 +132,7 @@ def handler(args: argparse.Namespace) -> int:
         return _fail(EXIT_USAGE, str(exc))
 
     target = str(args.target)
-    if _SNAPSHOT_ID.match(target):
+    if SNAPSHOT_ID.fullmatch(target):
         from kiln.data.snapshot import checkout_snapshot
 
         try:

@@ -76,7 +76,7 @@ def draft_contract(
 
     from kiln.data.contracts import _NAME
 
-    if not _NAME.match(name):
+    if not _NAME.fullmatch(name):
         raise ConfigError(f"contract name {name!r}: use lowercase letters, digits, '.', '_' or '-' (e.g. my-corpus)")
     template = load_contract(base)
     corpus_dir = Path(corpus_dir)

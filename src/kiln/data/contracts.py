@@ -111,7 +111,7 @@ def contracts_dir() -> Path:
 def parse_contract_ref(spec: str) -> tuple[str, int | None]:
     """``"stdlib-py@1"`` → ``("stdlib-py", 1)``; ``"stdlib-py"`` → ``("stdlib-py", None)`` (latest)."""
     name, sep, version = spec.strip().partition("@")
-    if not _NAME.match(name):
+    if not _NAME.fullmatch(name):
         raise ContractError(f"bad contract name {name!r} in {spec!r}: expected NAME[@VERSION], e.g. stdlib-py@1")
     if not sep:
         return name, None
@@ -125,7 +125,7 @@ def available_versions(name: str, root: Path | None = None) -> list[int]:
     folder = (root or contracts_dir()) / name
     if not folder.is_dir():
         return []
-    return sorted(int(m.group(1)) for p in folder.iterdir() if (m := _VERSION_FILE.match(p.name)))
+    return sorted(int(m.group(1)) for p in folder.iterdir() if (m := _VERSION_FILE.fullmatch(p.name)))
 
 
 def available_contracts(root: Path | None = None) -> list[str]:
@@ -177,7 +177,7 @@ def contract_problems(suite: Any, *, name: str | None = None, version: int | Non
     if not isinstance(suite, dict):
         return ["top level must be a JSON object (a GE expectation suite)"]
     problems: list[str] = []
-    if not isinstance(suite.get("name"), str) or not _NAME.match(suite["name"]):
+    if not isinstance(suite.get("name"), str) or not _NAME.fullmatch(suite["name"]):
         problems.append(f"name must be a contract name (lowercase letters, digits, . _ -), got {suite.get('name')!r}")
     elif name is not None and suite["name"] != name:
         problems.append(f"suite name {suite.get('name')!r} does not match the contract name {name!r}")

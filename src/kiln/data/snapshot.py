@@ -262,7 +262,7 @@ def create_snapshot(corpus_dir: str | Path, *, push: bool = True, name: str | No
     root = s.dvc_repo
     corpus = Path(corpus_dir).absolute()
     corpus_name = name or corpus.resolve().name
-    if not CORPUS_NAME.match(corpus_name):
+    if not CORPUS_NAME.fullmatch(corpus_name):
         raise SnapshotError(f"corpus name {corpus_name!r} is not valid ([a-z0-9][a-z0-9_.-]*, at most 64 characters)")
     if root.resolve() not in corpus.resolve().parents:
         raise SnapshotError(f"corpus directory {corpus} is not inside the DVC workspace {root}")
@@ -367,7 +367,7 @@ def list_snapshots() -> list[SnapshotRef]:
 
 
 def show_snapshot(snapshot_id: str) -> SnapshotRef:
-    if not SNAPSHOT_ID.match(snapshot_id):
+    if not SNAPSHOT_ID.fullmatch(snapshot_id):
         raise SnapshotError(f"{snapshot_id!r} is not a snapshot id (expected <32 hex md5>.dir)")
     s = kiln_settings.load()
     path = _records_dir(s) / f"{snapshot_id.removesuffix('.dir')}.json"

@@ -149,7 +149,7 @@ def validate_trainjob(obj: dict[str, Any], schema: dict[str, Any] | None = None)
     Also checks the CRD's two CEL rules on ``metadata.name`` (jsonschema cannot evaluate CEL)."""
     problems = schema_problems(obj, schema or trainer_api_schema(KIND))
     name = str((obj.get("metadata") or {}).get("name", ""))
-    if not DNS_LABEL.match(name):
+    if not DNS_LABEL.fullmatch(name):
         problems.append(f"metadata.name: {name!r} must match RFC 1035 DNS label format")
     if len(name) > 63:
         problems.append(f"metadata.name: {name!r} must be no more than 63 characters")
@@ -173,7 +173,7 @@ def runtime_problems(trainjob: dict[str, Any], runtime: dict[str, Any]) -> list[
     for patch in trainjob["spec"].get("runtimePatches", []):
         manager = str(patch.get("manager", ""))
         domain, _, path = manager.partition("/")
-        if not path or not DNS_SUBDOMAIN.match(domain):
+        if not path or not DNS_SUBDOMAIN.fullmatch(domain):
             problems.append(f"runtimePatches[{manager!r}].manager must be a domain-prefixed path (example.com/name)")
         jobs = (((patch.get("trainingRuntimeSpec") or {}).get("template") or {}).get("spec") or {}).get("replicatedJobs", [])
         for job in jobs:

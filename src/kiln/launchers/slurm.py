@@ -73,7 +73,7 @@ def render_sbatch(spec: LaunchSpec, *, partition: str | None = None, qos: str | 
     """The batch script for ``spec``: one torchrun agent per node (``srun``), c10d on the first node.
     ``notes``: lines the job's log starts with (``[launcher] <note>``)."""
     for label, value in (("partition", partition), ("qos", qos)):
-        if value is not None and not _NAME_OK.match(value):
+        if value is not None and not _NAME_OK.fullmatch(value):
             raise ConfigError(f"slurm {label} must be a plain Slurm name, got {value!r}")
     launch_dir = spec.launch_dir
     directives = [
@@ -303,7 +303,7 @@ def excluded_nodes(run_dir: str | Path) -> tuple[str, ...]:
         return ()
     except (OSError, ValueError) as exc:
         raise LaunchError(f"{path} is unreadable ({exc}); fix or delete it to resubmit") from exc
-    if not isinstance(nodes, list) or not all(isinstance(n, str) and _NAME_OK.match(n) for n in nodes):
+    if not isinstance(nodes, list) or not all(isinstance(n, str) and _NAME_OK.fullmatch(n) for n in nodes):
         raise LaunchError(f"{path} must be a JSON list of Slurm node names, got {nodes!r}")
     return tuple(nodes)
 
@@ -319,7 +319,7 @@ def resubmit_excluding(launcher: SlurmLauncher, handle: JobHandle, node: str, *,
     The node is also recorded in ``RUN/.launch/slurm-excluded-nodes.json`` before the new job is
     submitted, so a retried task that submits again keeps it out.
     """
-    if not _NAME_OK.match(node):
+    if not _NAME_OK.fullmatch(node):
         raise ConfigError(f"slurm node name must be a plain Slurm name, got {node!r}")
     try:
         spec = LaunchSpec.from_json(json.loads((Path(handle.run_dir) / LAUNCH_SUBDIR / LAUNCH_SPEC).read_text()))

@@ -138,7 +138,7 @@ def outcome_stage(
     elif review is not None:
         message = f"NOT promoted: the review was {review.outcome} by {review.reviewer}"
     else:
-        message = "NOT promoted: the review was not given by nobody"
+        message = "NOT promoted: no review of this candidate is recorded in the registry for this run"
     training = _training_in_words(key)
     if training:
         message = f"{message}; training: {training}"
