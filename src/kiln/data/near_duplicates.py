@@ -28,8 +28,10 @@ from __future__ import annotations
 
 import hashlib
 import json
+import operator
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
+from itertools import accumulate
 from typing import Any
 
 from kiln.errors import ContractError
@@ -103,34 +105,87 @@ def check_near_duplicate_settings(raw: Any, where: str = "meta.kiln.near_duplica
 # -- signatures -----------------------------------------------------------------------------------------
 
 
-def shingles(text: str, words: int) -> list[bytes]:
-    """The distinct shingles of a text (datatrove's MinHash normalisation), UTF-8 encoded, sorted."""
+def _simplified(text: str) -> str:
+    """``datatrove.utils.text.simplify_text(text)``, skipping its slowest step where it is a no-op.
+
+    The last step (NFD, then drop the combining marks) leaves an ASCII string unchanged: so the text is
+    simplified without it first, and only a result that is not ASCII is simplified again in full."""
     from datatrove.utils.text import simplify_text
 
-    tokens = simplify_text(text).split()
+    simple = simplify_text(text, _no_diacritics_config())
+    return simple if simple.isascii() else simplify_text(text)
+
+
+def _no_diacritics_config() -> Any:
+    """datatrove's default normalisation without its diacritics step (built on first use)."""
+    global _NO_DIACRITICS
+    if _NO_DIACRITICS is None:
+        from dataclasses import replace
+
+        from datatrove.utils.text import DEF_TEXT_NORM_CONFIG
+
+        _NO_DIACRITICS = replace(DEF_TEXT_NORM_CONFIG, norm_unicode_diacritics=False)
+    return _NO_DIACRITICS
+
+
+_NO_DIACRITICS: Any = None
+
+
+def shingles(text: str, words: int) -> list[bytes]:
+    """The distinct shingles of a text (datatrove's MinHash normalisation), UTF-8 encoded, sorted."""
+    return sorted(set(_shingle_list(text, words)))
+
+
+def _shingle_list(text: str, words: int) -> list[bytes]:
+    """Every shingle of a text in order, repeats included (a MinHash is the same over a list and its set).
+
+    Each ``" ".join(tokens[i : i + words]).encode()`` is cut out of the whole text's UTF-8 bytes at its
+    tokens' byte offsets instead of joined and encoded one by one."""
+    tokens = _simplified(text).split()
     if not tokens:
         return []
+    joined = " ".join(tokens).encode()
     if len(tokens) <= words:
-        return [" ".join(tokens).encode()]
-    return sorted({" ".join(tokens[i : i + words]).encode() for i in range(len(tokens) - words + 1)})
+        return [joined]
+    lengths = list(map(len, tokens))
+    if len(joined) != len(tokens) - 1 + sum(lengths):  # not ASCII: count the tokens' UTF-8 bytes
+        lengths = list(map(len, map(str.encode, tokens)))
+    # Token i starts at byte sum(lengths[:i]) + i (one space after each token before it).
+    starts = list(map(operator.add, accumulate(lengths, initial=0), range(len(tokens) + 1)))
+    return [joined[a : b - 1] for a, b in zip(starts, starts[words:], strict=False)]
+
+
+def _sha1_hash32(parts: list[bytes]) -> Any:
+    """``datasketch.hashfunc.sha1_hash32`` of every part (the first 4 bytes of its SHA-1, little-endian),
+    as one ``uint32`` array: the digests are joined and read by numpy, not unpacked one by one."""
+    import numpy as np
+
+    sha1 = hashlib.sha1
+    return np.frombuffer(b"".join([sha1(p).digest() for p in parts]), dtype="<u4")[::5]
 
 
 def signatures(texts: Sequence[str | None], settings: NearDuplicateSettings) -> Any:
     """MinHash signatures of ``texts``, one row each (``numpy.uint32``, shape ``(len(texts), num_perm)``).
 
-    A null or empty text (no shingle) gets the all-max row, which is never called a duplicate."""
+    A null or empty text (no shingle) gets the all-max row, which is never called a duplicate.
+
+    Bit-identical to ``MinHash(num_perm, seed, scheme=MINHASH_SCHEME).update_batch(shingles(text))``
+    with datasketch's default SHA-1 hash: the shingles' hashes are computed in one batch first
+    (``_sha1_hash32``) and handed to datasketch's ``update_batch`` as the values its ``hashfunc``
+    (here ``int``) returns; the permutations and the minimum are datasketch's own. Repeated shingles
+    are not removed first: a minimum does not change when a value is seen twice."""
     import numpy as np
     from datasketch import MinHash
 
     out = np.full((len(texts), settings.num_perm), _MAX_HASH, dtype=np.uint32)
-    template = MinHash(num_perm=settings.num_perm, seed=settings.seed, scheme=MINHASH_SCHEME)
+    template = MinHash(num_perm=settings.num_perm, seed=settings.seed, scheme=MINHASH_SCHEME, hashfunc=int)
     for row, text in enumerate(texts):
         if not text:
             continue
-        parts = shingles(text, settings.shingle_words)
+        parts = _shingle_list(text, settings.shingle_words)
         if parts:
             minhash = template.copy()
-            minhash.update_batch(parts)
+            minhash.update_batch(_sha1_hash32(parts).tolist())
             out[row] = minhash.hashvalues
     return out
 

@@ -166,3 +166,37 @@ def test_a_signature_file_of_the_wrong_shape_is_recomputed(gated, tmp_path: Path
         np.save(signature_path(cache, report.sha256, settings), np.zeros((3, 2), dtype=np.uint32))
     assert drop_near_duplicates(gated["reports"], contract, signatures_dir=cache) == drop_near_duplicates(
         gated["reports"], contract, signatures_dir=gated["signatures"])
+
+
+def test_signatures_are_datasketch_minhash_of_datatrove_shingles_bit_for_bit() -> None:
+    """The batched hashing (``_sha1_hash32`` handed to ``update_batch``) and the ASCII shortcut of the
+    normalisation give exactly what datasketch's own per-shingle SHA-1 gives over the shingle set built
+    the plain way (datatrove's ``simplify_text``, one ``join`` and ``encode`` per shingle)."""
+    from datasketch import MinHash
+    from datatrove.utils.text import simplify_text
+
+    from kiln.data.near_duplicates import MINHASH_SCHEME
+    from kiln.data.poison_text import TEXT_POISON_KINDS
+
+    from webtext_fixtures import poisoned
+
+    docs = prose_documents()
+    texts = [t for _, t, _ in docs[:300]]
+    for kind in TEXT_POISON_KINDS:
+        texts += [t for _, t, _ in poisoned(kind, docs[:40], donors=docs[40:80])]
+    texts += ["ÉCOLE café naïve “quoted” — dash, Ünïcödé ﬁ ligature 東京 text here", "a b", "one two three four five",
+              "Ça va? Oui! Très bien. Merci beaucoup, à demain et après-demain aussi."]
+    for settings in (SETTINGS, replace(SETTINGS, shingle_words=3, num_perm=64, seed=7)):
+        want = np.full((len(texts), settings.num_perm), 0xFFFFFFFF, dtype=np.uint32)
+        for row, text in enumerate(texts):
+            tokens = simplify_text(text).split()
+            if len(tokens) <= settings.shingle_words:
+                parts = {" ".join(tokens).encode()} if tokens else set()
+            else:
+                w = settings.shingle_words
+                parts = {" ".join(tokens[i : i + w]).encode() for i in range(len(tokens) - w + 1)}
+            if parts:
+                minhash = MinHash(num_perm=settings.num_perm, seed=settings.seed, scheme=MINHASH_SCHEME)
+                minhash.update_batch(sorted(parts))
+                want[row] = minhash.hashvalues
+        assert np.array_equal(signatures(texts, settings), want)
