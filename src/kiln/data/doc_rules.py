@@ -287,13 +287,15 @@ class _KilnGopherRepetition:
             # The top n-gram of a larger n occurs at most as often as the top one of a smaller n already
             # counted (each occurrence starts with an occurrence of its prefix): when that count times the
             # longest n-gram stays within the threshold, datatrove's check cannot fail and is not counted.
-            starts = [0, *accumulate(len(w) + 1 for w in words)]
+            letters = list(accumulate(map(len, words), initial=0))  # characters before word i, spaces aside
             fewest: tuple[int, int] | None = None  # (n, the top count) of the smallest n counted
             for n, n_frac in ref.top_n_grams:
                 if n > 0 and as_tuples:
                     if fewest is not None and fewest[0] <= n:
-                        longest = max(map(operator.sub, starts[n:], starts), default=0) - 1
-                        if longest * fewest[1] / len(text) <= n_frac:
+                        widest = max(map(operator.sub, letters[n:], letters), default=None)
+                        if widest is None:  # fewer than n words: no n-gram, as get_n_grams gives none
+                            continue
+                        if (widest + n - 1) * fewest[1] / len(text) <= n_frac:  # + the n - 1 spaces
                             continue
                     counts = Counter(zip(*(words[k:] for k in range(n)), strict=False))
                     if not counts:
@@ -350,8 +352,8 @@ class _RepeatedNGrams:
         if len(set(keys)) == len(keys):
             self.candidates = []
             return
-        seen = Counter(keys)
-        self.candidates = [i for i, key in enumerate(keys) if seen[key] > 1]
+        repeated = {key for key, count in Counter(keys).items() if count > 1}
+        self.candidates = list(compress(range(positions), map(repeated.__contains__, keys)))
 
     def of(self, n: int) -> int:
         if n <= 0:  # datatrove's own loop for sizes no contract would use
