@@ -178,13 +178,14 @@ def signatures(texts: Sequence[str | None], settings: NearDuplicateSettings) -> 
     from datasketch import MinHash
 
     out = np.full((len(texts), settings.num_perm), _MAX_HASH, dtype=np.uint32)
-    template = MinHash(num_perm=settings.num_perm, seed=settings.seed, scheme=MINHASH_SCHEME, hashfunc=int)
+    # One MinHash, cleared per document (datasketch's clear(): copy() would build a new object each time).
+    minhash = MinHash(num_perm=settings.num_perm, seed=settings.seed, scheme=MINHASH_SCHEME, hashfunc=int)
     for row, text in enumerate(texts):
         if not text:
             continue
         parts = _shingle_list(text, settings.shingle_words)
         if parts:
-            minhash = template.copy()
+            minhash.clear()
             minhash.update_batch(_sha1_hash32(parts).tolist())
             out[row] = minhash.hashvalues
     return out
