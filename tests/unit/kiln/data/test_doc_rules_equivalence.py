@@ -132,3 +132,24 @@ def test_the_contract_rule_set_drops_what_datatrove_filters_rule_by_rule_drop(co
     got = {d.row: (d.rule, d.detail) for d in rules.judge(pa.array(texts, pa.string()))}
     assert got == want
     assert {rule for rule, _ in want.values()} >= {"pii", "script", "gopher_repetition", "gopher_quality", "c4_quality"}
+
+
+SENTENCE_LINES = [
+    "", ".", "...", "a", "A.", "x.", "U.S. Army went home.", "Hello. World", "Dr. Who? Yes!!! \"Quoted.\" 'x.' Fin",
+    "no terminal at all", "é. ü? 。 full-width．done", "He said “Stop.” Then she left.” End", "a.b.c.d", "!!!abc",
+    "Word .. word ?! word", 'Ends with quote."', "  spaced  .  out  !  ", "tab\tinside. line?",
+]
+
+
+def test_c4_sentence_count_equals_datatrove_splitter_on_every_line(corpus: list[str]) -> None:
+    """``_KilnC4Quality._sentences`` (unbounded) is ``len(split_into_sentences(line))`` on every line of
+    the corpus, stripped as C4 strips them, and on lines built to hit acronyms, quotes and runs."""
+    from datatrove.utils.text import split_into_sentences
+
+    rule = _DatatroveRule("c4", "datatrove.C4QualityFilter", _contract_params("datatrove.C4QualityFilter"))
+    assert rule.filter.sentence_ends is not None  # the shortcut is in use
+    lines = {line.strip() for text in corpus for line in text.splitlines()} | set(SENTENCE_LINES)
+    for line in sorted(lines):
+        want = len(split_into_sentences(line, rule.reference.language))
+        assert rule.filter._sentences(line, 10**9) == want, line
+        assert rule.filter._sentences(line, 2) == min(2, want), line  # counting stops at what C4 still needs
