@@ -245,9 +245,10 @@ def _as_datatrove_value(default: Any, value: Any) -> Any:
 class _KilnGopherRepetition:
     """datatrove's ``GopherRepetitionFilter.filter``. Its n-gram steps are the cost (a list of
     ``" ".join`` n-grams per top-n-gram size, a Python loop over ``"".join`` n-grams per duplicate
-    size); here each n-gram is a slice of the document's words joined once, the top n-gram is counted
-    by ``Counter`` (datatrove counts it by hand: same counts, same first-seen tie order), and the
-    duplicate scan runs only when an n-gram occurs twice at all (else it adds nothing)."""
+    size). Here the top n-gram is counted by ``Counter`` over word tuples (one-to-one with datatrove's
+    strings when no word holds a space; same counts, same first-seen tie order) and not counted at all
+    when a bound shows the check cannot fail; the duplicate scan (``_RepeatedNGrams``) visits only the
+    positions whose n-gram can repeat."""
 
     def __init__(self, reference: Any) -> None:
         self.reference = reference
