@@ -104,7 +104,7 @@ def check_document_rules(rules: Any, *, where: str = "meta.kiln.document_rules",
         if unknown:
             problems.append(f"{at} has unknown key(s) {unknown} (allowed: rule, kind, params, description, source)")
         rule_id = rule.get("rule")
-        if not isinstance(rule_id, str) or not _RULE_ID.match(rule_id):
+        if not isinstance(rule_id, str) or not _RULE_ID.fullmatch(rule_id):
             problems.append(f"{at}.rule must be an id like 'gopher_quality' (lowercase, digits, _ . -), got {rule_id!r}")
         elif rule_id in seen:
             problems.append(f"{at}.rule {rule_id!r} is used twice: rule ids name the reasons in reports")

@@ -57,3 +57,10 @@ def test_a_step_directory_name_with_a_trailing_newline_is_no_checkpoint(tmp_path
     (tmp_path / CHECKPOINTS_SUBDIR / "step-00000010\n").mkdir(parents=True)
     (tmp_path / CHECKPOINTS_SUBDIR / "step-00000020").mkdir()
     assert [(step, p.name) for step, p in checkpoint_dirs(tmp_path)] == [(20, "step-00000020")]
+
+
+def test_a_document_rule_id_with_a_trailing_newline_is_a_problem() -> None:
+    from kiln.data.doc_rules import check_document_rules
+
+    problems = check_document_rules([{"rule": "pii\n", "kind": "kiln.pii", "params": {}}])
+    assert problems and "must be an id like" in problems[0], problems
