@@ -118,8 +118,10 @@ def data_gate_stage(policy: Policy, snapshot: PinnedSnapshot, batches: list[list
         )
     contract = load_contract(policy.contract)
     # The snapshot rules, in path order whatever order the validation tasks finished in: doc ids in one
-    # healthy shard only, then near-duplicate documents dropped (a contract with near_duplicates).
-    shard_reports = drop_near_duplicates(cross_shard_duplicates(reports), contract, signatures_dir=_signatures_dir(key))
+    # healthy shard only, then near-duplicate documents dropped, of each other and of the eval split (a
+    # contract with near_duplicates).
+    shard_reports = drop_near_duplicates(cross_shard_duplicates(reports), contract, signatures_dir=_signatures_dir(key),
+                                         eval_split=root)
     # Published before the gate (on-call needs it most when the gate fails): JSON + an HTML page in
     # the run dir, and both as artifacts of the run's MLflow run (the one training will log into).
     mlflow_run_id = mlflow_run_of(policy, key, {"kiln.snapshot_id": snapshot.id, "kiln.policy": policy.name})

@@ -29,6 +29,7 @@ from typing import Any
 from kiln.data.contracts import Contract
 from kiln.data.doc_rules import PII_KIND, DocumentRuleSet, build_rule_set
 from kiln.data.near_duplicates import NearDuplicateIndex, NearDuplicateSettings, signatures
+from kiln.data.validation.eval_split import eval_documents
 from kiln.data.validation.reasons import SAMPLE_SIZE, _excerpt
 from kiln.data.validation.shards import READABLE_RULE, _decode_strings, _LoadedShard, _NotAShardFile, _open_corpus_file
 from kiln.refs import ShardReport
@@ -37,6 +38,8 @@ DROPPED_SHARE_RULE = "max_dropped_share"
 """Reason id of a shard quarantined because too many of its documents were dropped."""
 NEAR_DUPLICATE_RULE = "near_duplicate"
 """Rule id under which near-duplicates are counted in ``ShardReport.dropped``."""
+EVAL_SPLIT_DETAIL = "eval_split"
+"""Detail of a near-duplicate whose kept copy is a document of the held-out eval split."""
 SIGNATURES_SUFFIX = ".minhash.npy"
 
 
@@ -185,11 +188,16 @@ def _shard_signatures(report: ShardReport, settings: NearDuplicateSettings, dire
 
 def drop_near_duplicates(
     reports: Sequence[ShardReport], contract: Contract, *, signatures_dir: str | Path | None = None,
-    on_shard: Callable[[ShardReport], None] | None = None,
+    on_shard: Callable[[ShardReport], None] | None = None, eval_split: str | Path | None = None,
 ) -> list[ShardReport]:
     """Drop near-duplicate documents across the healthy shards, visited in path order (the first copy
     stays). A shard whose dropped share then exceeds the threshold is quarantined and its documents
     leave the index, so they make no later copy a duplicate. Returns the reports in the given order.
+
+    ``eval_split``: a corpus directory whose held-out split (``eval/*.parquet``) is indexed first, so
+    that a training document that is a near copy of an eval document is dropped too (detail
+    ``eval_split``): the exact-hash contamination rule misses an edited copy. Eval documents are
+    never dropped.
 
     Signatures come from ``signatures_dir`` (written by the validation tasks) when there, else are
     computed from the shard (whose bytes must still hash to the report's sha256). ``on_shard`` sees
@@ -201,7 +209,18 @@ def drop_near_duplicates(
     order = sorted((i for i, r in enumerate(reports) if r.verdict == "healthy"), key=lambda i: reports[i].path)
     updated: dict[int, ShardReport] = {}
     ids_of: dict[int, list[str | None]] = {}
-    for position, i in enumerate(order):
+    held_out: list[tuple[str, str | None]] = []  # (eval shard name, doc id) of each row of the eval pseudo-shard
+    first = 0
+    if eval_split is not None:
+        texts: list[str | None] = []
+        for path, ids, shard_texts in eval_documents(eval_split):
+            held_out += [(path.name, doc_id) for doc_id in ids]
+            texts += shard_texts
+        if texts:
+            index.check_shard(0, signatures(texts, settings))  # an eval copy of an eval document is no concern here
+            index.accept()
+            first = 1
+    for position, i in enumerate(order, start=first):
         report = reports[i]
         try:
             values = _shard_signatures(report, settings, signatures_dir)
@@ -216,14 +235,19 @@ def drop_near_duplicates(
         else:
             drops = []
             for n, dup in enumerate(found):
+                of_eval = dup.of_shard < first
                 sample = ""
                 if n < SAMPLE_SIZE:
-                    original = reports[order[dup.of_shard]]
                     mine = _ids(ids_of, position, report)[dup.row]
-                    theirs = _ids(ids_of, dup.of_shard, original)[dup.of_row]
+                    if of_eval:
+                        where, theirs = held_out[dup.of_row]
+                        where = f"the eval split's {where}"
+                    else:
+                        original = reports[order[dup.of_shard - first]]
+                        where, theirs = os.path.basename(original.path), _ids(ids_of, dup.of_shard, original)[dup.of_row]
                     sample = (f"{_excerpt(mine, contract.secret_patterns)} ≈ {_excerpt(theirs, contract.secret_patterns)} "
-                              f"in {os.path.basename(original.path)} (Jaccard ≈ {dup.similarity:.2f})")
-                drops.append(_Drop(dup.row, NEAR_DUPLICATE_RULE, NEAR_DUPLICATE_RULE, sample))
+                              f"in {where} (Jaccard ≈ {dup.similarity:.2f})")
+                drops.append(_Drop(dup.row, NEAR_DUPLICATE_RULE, EVAL_SPLIT_DETAIL if of_eval else NEAR_DUPLICATE_RULE, sample))
             final = _with_drops(report, contract, drops)
             if final.verdict == "healthy":
                 index.accept()

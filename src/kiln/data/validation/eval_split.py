@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import os
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -29,23 +29,32 @@ class EvalDocHashes(frozenset):
         return (EvalDocHashes, (frozenset(self), self.byte_lengths))
 
 
+def eval_documents(corpus_dir: str | Path) -> Iterator[tuple[Path, list[str | None], list[str | None]]]:
+    """``(path, doc ids, texts)`` of every eval shard of the corpus (``eval/*.parquet``), in path order;
+    ids are None where the shard has no ``doc_id`` column. Read only from inside the corpus; a shard
+    that cannot be read is a ``ContractError`` (the split could not be compared with)."""
+    import pyarrow.parquet as pq
+
+    for path in eval_shards(corpus_dir):
+        try:
+            with _open_corpus_file(os.path.abspath(path), os.path.abspath(corpus_dir)) as fh:
+                table = pq.read_table(fh)
+            texts = _decode_strings(table.column("text"))
+            ids = table.column("doc_id").to_pylist() if "doc_id" in table.column_names else [None] * len(texts)
+        except Exception as exc:
+            raise ContractError(f"cannot read the eval split {path} for the contamination rules: {exc}") from exc
+        yield path, ids, texts
+
+
 def load_eval_doc_hashes(corpus_dir: str | Path) -> EvalDocHashes:
     """sha256 of every document text of the corpus' eval split (``eval/*.parquet``).
 
     No eval split → empty set (the contamination rule then has nothing to compare with). An eval
     split that cannot be read is a fault: contamination could not be checked.
     """
-    import pyarrow.parquet as pq
-
     hashes: set[str] = set()
     lengths: set[int] = set()
-    for path in eval_shards(corpus_dir):
-        try:
-            with _open_corpus_file(os.path.abspath(path), os.path.abspath(corpus_dir)) as fh:
-                column = pq.read_table(fh, columns=["text"]).column("text")
-            texts = _decode_strings(column)
-        except Exception as exc:
-            raise ContractError(f"cannot read the eval split {path} for the contamination rule: {exc}") from exc
+    for _, _, texts in eval_documents(corpus_dir):
         for text in texts:
             if text is not None:
                 data = text.encode("utf-8")

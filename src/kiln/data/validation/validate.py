@@ -107,4 +107,4 @@ def validate_directory(corpus_dir: str | Path, contract: Contract | str) -> list
     contract = _as_contract(contract)
     hashes = load_eval_doc_hashes(corpus_dir)
     reports = cross_shard_duplicates(validate_shards(train_shards(corpus_dir), contract, hashes, root=corpus_dir))
-    return drop_near_duplicates(reports, contract)
+    return drop_near_duplicates(reports, contract, eval_split=corpus_dir)

@@ -200,3 +200,34 @@ def test_signatures_are_datasketch_minhash_of_datatrove_shingles_bit_for_bit() -
                 minhash.update_batch(sorted(parts))
                 want[row] = minhash.hashvalues
         assert np.array_equal(signatures(texts, settings), want)
+
+
+def test_a_near_copy_of_an_eval_document_is_dropped_from_training(distinct, tmp_path: Path) -> None:
+    """The exact-hash contamination rule misses an edited copy of a held-out document: the gate's
+    near-duplicate pass indexes the eval split first and drops the training copy (detail eval_split);
+    the eval documents themselves are never touched."""
+    from kiln.data.corpus import parquet_bytes
+    from kiln.data.validation import validate_directory
+    from kiln.data.validation.dropped import EVAL_SPLIT_DETAIL
+
+    from webtext_fixtures import table
+
+    root = tmp_path / "corpus"
+    write_corpus(root, [distinct[0:30], distinct[30:60]])
+    (root / "eval").mkdir()
+    held_out = [("held-out-1", _edited(distinct[35][1], 7), "x"), distinct[100]]
+    (root / "eval" / "eval-00000.parquet").write_bytes(parquet_bytes(table(held_out)))
+    contract = load_contract("web-text@1")
+    reports = validate_shards(sorted((root / "train").glob("*.parquet")), contract)
+
+    without = {Path(r.path).name: r for r in drop_near_duplicates(reports, contract)}
+    assert 5 not in drop_rows(without["shard-00001.parquet"])
+    gated = {Path(r.path).name: r for r in drop_near_duplicates(reports, contract, eval_split=root)}
+    shard = gated["shard-00001.parquet"]
+    assert shard.verdict == "healthy" and 5 in drop_rows(shard)
+    near = shard.dropped["rules"][NEAR_DUPLICATE_RULE]
+    assert near["details"] == {EVAL_SPLIT_DETAIL: 1}
+    assert len(near["sample"]) == 1
+    assert near["sample"][0].startswith(f"{distinct[35][0]} ≈ held-out-1 in the eval split's eval-00000.parquet (Jaccard ≈ ")
+    assert gated["shard-00000.parquet"] == without["shard-00000.parquet"]  # nothing else changes
+    assert {Path(r.path).name: r for r in validate_directory(root, contract)} == gated  # kiln validate DIR too
