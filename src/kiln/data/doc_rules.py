@@ -49,6 +49,7 @@ import ipaddress
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
+from itertools import groupby
 from typing import Any
 
 from kiln.errors import ContractError
@@ -382,34 +383,30 @@ class DocumentRuleSet:
         valid = pc.is_valid(texts).to_pylist()
         remaining = [i for i, ok in enumerate(valid) if ok]
         dropped: list[DroppedDocument] = []
-        rules = list(self.rules)
-        while rules:
-            # A run of per-document (datatrove) rules is applied document by document: each text is
-            # converted once and every rule of the run sees the same string, so datatrove's word cache
-            # (keyed by text and tokenizer) splits it once. Each document still gets the first rule of
-            # the contract's order that it fails, exactly as rule by rule.
-            run: list[_DatatroveRule] = []
-            while rules and isinstance(head := rules[0], _DatatroveRule):
-                run.append(head)
-                rules.pop(0)
-            if run:
-                failed_by: dict[int, tuple[str, str]] = {}
-                values = texts.take(remaining).to_pylist() if remaining else []
-                for row, text in zip(remaining, values, strict=True):
-                    for datatrove_rule in run:
-                        detail = datatrove_rule.judge_one(row, text)
-                        if detail is not None:
-                            failed_by[row] = (datatrove_rule.rule, detail)
-                            break
-                dropped.extend(DroppedDocument(row, rule_id, detail) for row, (rule_id, detail) in failed_by.items())
-                remaining = [i for i in remaining if i not in failed_by]
-                continue
-            rule = rules.pop(0)
-            failed = rule.judge(texts, remaining)
-            if failed:
-                dropped.extend(DroppedDocument(row, rule.rule, detail) for row, detail in failed.items())
+        for per_document, group in groupby(self.rules, key=lambda rule: isinstance(rule, _DatatroveRule)):
+            # A run of datatrove rules is applied document by document (see _document_by_document); any
+            # other rule judges the shard's remaining documents at once, in Arrow.
+            for step in [list(group)] if per_document else [[rule] for rule in group]:
+                failed = (_document_by_document(step, texts, remaining) if per_document
+                          else {row: (step[0].rule, detail) for row, detail in step[0].judge(texts, remaining).items()})
+                dropped.extend(DroppedDocument(row, rule_id, detail) for row, (rule_id, detail) in failed.items())
                 remaining = [i for i in remaining if i not in failed]
         return sorted(dropped, key=lambda d: d.row)
+
+
+def _document_by_document(run: Sequence[Any], texts: Any, rows: list[int]) -> dict[int, tuple[str, str]]:
+    """Row -> (rule id, detail) of the first rule of ``run`` (``_DatatroveRule``s) each document fails. Each text is converted
+    once and every rule sees the same string, so datatrove's word cache (keyed by text and tokenizer)
+    splits it once; the verdicts are those of the rules applied one after the other."""
+    failed: dict[int, tuple[str, str]] = {}
+    values = texts.take(rows).to_pylist() if rows else []
+    for row, text in zip(rows, values, strict=True):
+        for rule in run:
+            detail = rule.judge_one(row, text)
+            if detail is not None:
+                failed[row] = (rule.rule, detail)
+                break
+    return failed
 
 
 _CACHE: dict[str, DocumentRuleSet] = {}
