@@ -193,7 +193,7 @@ def _wait_idle(cluster: SlurmCluster, timeout_s: float) -> None:
 
 def lose_node(cluster: SlurmCluster, name: str) -> list[int]:
     """Node ``name`` dies as a whole, as a machine that loses power: its slurmd and every process a
-    job runs there (tasks, and the slurmstepd above them) are SIGKILLed in one sweep, then slurmctld
+    job runs there (tasks, and the slurmstepd above them) are stopped, then SIGKILLed, then slurmctld
     is told the node is DOWN (what it concludes itself once ``SlurmdTimeout`` passes without an
     answer). Its jobs end ``NODE_FAIL``; with its slurmd gone it stays down, where
     ``ReturnToService=2`` would bring an answering node straight back. Returns the pids killed.
@@ -204,9 +204,10 @@ def lose_node(cluster: SlurmCluster, name: str) -> list[int]:
         raise ConfigError(f"no node {name!r} in this cluster ({', '.join(cluster.node_ports)})")
     tags = (f"SLURMD_NODENAME={name}\0".encode(), f"SLURM_CONF={cluster.conf}\0".encode())
     victims: set[int] = set()
+    reporters: set[int] = set()  # the daemons that could tell slurmctld how a job ended
     slurmd = cluster.procs.get(name)
     if slurmd is not None and slurmd.poll() is None:
-        victims.add(slurmd.pid)
+        reporters.add(slurmd.pid)
     for entry in os.scandir("/proc"):
         if not entry.name.isdigit():
             continue
@@ -217,19 +218,24 @@ def lose_node(cluster: SlurmCluster, name: str) -> list[int]:
             victims.add(int(entry.name))
             parent = int(Path(entry.path, "stat").read_text().rsplit(")", 1)[1].split()[1])
             if Path(f"/proc/{parent}/cmdline").read_bytes().startswith(b"slurmstepd"):
-                victims.add(parent)
+                reporters.add(parent)
         except (OSError, ValueError, IndexError):
             continue
-    for pid in victims:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGKILL)
+    victims -= reporters
+    # Frozen first, the daemons before the job's processes, then killed: a slurmstepd that saw its batch
+    # script die before its own SIGKILL arrived could still report "exit 137" (the job would end FAILED,
+    # not NODE_FAIL, as it once did in a clean make test run when the kills went out one by one).
+    for sig in (signal.SIGSTOP, signal.SIGKILL):
+        for pid in [*sorted(reporters), *sorted(victims)]:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, sig)
     if slurmd is not None:
         slurmd.wait()
     out = subprocess.run(["scontrol", "update", f"NodeName={name}", "State=DOWN", "Reason=kiln-test-node-lost"],
                          capture_output=True, text=True, env=cluster.env)
     if out.returncode != 0:
         raise ConfigError(f"scontrol could not set {name} DOWN: {out.stderr.strip() or out.stdout.strip()}")
-    return sorted(victims)
+    return sorted(victims | reporters)
 
 
 def stop_cluster(cluster: SlurmCluster) -> None:
