@@ -165,7 +165,8 @@ class ShardReport(Ref):
     Wire format: ``{"path", "sha256", "rows", "verdict", "reasons", "contract"}``; each reason is
     ``{"expectation": str, "column": str|None, "unexpected_count": int, "sample": [str, ...]}`` or,
     for an unreadable shard, ``{"expectation": "readable_parquet", "error": str}``. A contract that
-    drops documents adds ``"dropped"`` (absent otherwise)::
+    drops documents adds ``"dropped"`` (absent otherwise; its XCom form, ``as_xcom``, carries
+    ``rows_count`` and ``rows_sha256`` instead of ``rows``)::
 
         {"rows": [3, 17], "share": 0.05,
          "rules": {"gopher_quality": {"count": 1, "details": {"gopher_short_doc": 1}, "sample": ["id (…): …"]},
@@ -183,6 +184,20 @@ class ShardReport(Ref):
     """Documents left out of training, by rule (``kiln.data.validation.dropped``); None: none judged."""
 
     _absent_when_none = frozenset({"dropped"})
+
+    def as_xcom(self) -> ShardReport:
+        """The report as a ``validate_shards`` XCom carries it: ``dropped["rows"]`` (one index per
+        dropped document, unbounded) replaced by ``rows_count`` and ``rows_sha256`` (of the rows'
+        canonical JSON); everything else, bounded samples included, as is. Idempotent.
+
+        The data gate trusts the validation tasks' records, never an XCom, and refuses an XCom that
+        disagrees with them. The digest keeps that check whole while a batch of 10^3 shards with 10^4
+        dropped documents each stays a small XCom row rather than megabytes in Airflow's database."""
+        if not self.dropped or "rows" not in self.dropped:
+            return self
+        rows = self.dropped["rows"]
+        digest = {"rows_count": len(rows), "rows_sha256": hashlib.sha256(canonical_json(rows)).hexdigest()}
+        return dataclasses.replace(self, dropped={**{k: v for k, v in self.dropped.items() if k != "rows"}, **digest})
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -13,8 +13,9 @@ from pathlib import Path
 import pytest
 
 from kiln import runs, stages
+from kiln.errors import RunMismatchError
 from kiln.policy import SANDBOX
-from kiln.refs import TrainingManifest
+from kiln.refs import ShardReport, TrainingManifest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit" / "kiln" / "data"))  # the prose fixture
 
@@ -53,7 +54,22 @@ def test_dropped_documents_never_reach_the_packed_tokens(home: Path) -> None:
     snap = stages.snapshot_stage(POLICY, "webtext-corpus")
     batches = [stages.validate_stage(POLICY, snap, batch, key) for batch in stages.shard_batches(POLICY, snap)]
     assert len(list((runs.run_dir(key) / runs.VALIDATION_SUBDIR / runs.VALIDATION_SIGNATURES_SUBDIR).iterdir())) >= 3
-    data = stages.data_gate_stage(POLICY, snap, batches, key)
+    # What the validate_shards tasks push: each shard's dropped rows as a count and a digest, never the
+    # list (the run's validation records hold it).
+    xcoms = [json.loads(json.dumps([r.as_xcom().to_json() for r in batch])) for batch in batches]
+    dropping = [r for batch in xcoms for r in batch if r.get("dropped")]
+    assert dropping and all("rows" not in r["dropped"] and r["dropped"]["rows_count"] > 0 for r in dropping)
+    said = [[ShardReport.from_json(r) for r in batch] for batch in xcoms]
+    # A rewritten drop list is refused, as a full report or as its digest, before anything is written.
+    full = next(r for batch in batches for r in batch if r.dropped and r.verdict == "healthy")
+    fewer = dataclasses.replace(full, dropped={**full.dropped, "rows": full.dropped["rows"][1:]})
+    recounted = full.as_xcom()
+    recounted = dataclasses.replace(recounted, dropped={**recounted.dropped, "rows_count": 0})
+    for forged in (fewer, recounted, fewer.as_xcom()):
+        with pytest.raises(RunMismatchError, match="disagree with the run's own validation records"):
+            stages.data_gate_stage(POLICY, snap, [[forged if r.path == full.path else r for r in b] for b in said], key)
+    assert not (runs.run_dir(key) / runs.TRAINING_MANIFEST).exists()
+    data = stages.data_gate_stage(POLICY, snap, said, key)
     assert sorted(q.path for q in data.quarantined) == ["shard-00003.parquet", "shard-00004.parquet"]
     assert data.healthy == 3
     report = json.loads(Path(data.report).read_text())

@@ -632,7 +632,7 @@ def build_dag(policy: Policy):  # one function, so the wiring reads top to botto
             pinned = _from_xcom(PinnedSnapshot, snapshot)
             with_contract = _run(run_policy, policy, dict(get_current_context()["params"]), pinned, mlflow_as=None)
             reports = _run(validate_stage, with_contract, pinned, shards, _key(), mlflow_as=policy)
-            return [r.to_json() for r in reports]
+            return [r.as_xcom().to_json() for r in reports]  # dropped rows as a digest: the record has them
 
         @_linked_task(policy, "data_gate")
         def data_gate(snapshot: dict[str, Any], batches: list[list[dict[str, Any]]]) -> dict[str, Any]:

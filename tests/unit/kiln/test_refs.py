@@ -127,3 +127,30 @@ def test_a_malformed_xcom_is_refused_naming_the_ref(ref: type[Ref], wire, messag
     with pytest.raises(ManifestError, match=message) as info:
         ref.from_json(wire)
     assert info.value.retryable is False
+
+
+def test_a_shard_reports_xcom_carries_its_dropped_rows_as_a_digest_of_fixed_size():
+    """A validate_shards XCom stays small however many documents a shard drops: the rows become a
+    count and a sha256 (the run's validation record keeps the list), and any change to them changes
+    the digest, so the data gate's comparison with the record still catches a rewritten XCom."""
+    from kiln.refs import ShardReport
+
+    def report(rows: list[int]) -> ShardReport:
+        return ShardReport(path="/c/train/shard-00000.parquet", sha256="ab" * 32, rows=100_000, verdict="healthy",
+                           contract="web-text@1",
+                           dropped={"rows": rows, "share": len(rows) / 100_000,
+                                    "rules": {"pii": {"count": len(rows), "details": {"email": len(rows)}, "sample": ["d1"]}}})
+
+    many = report(list(range(0, 100_000, 2)))
+    xcom = many.as_xcom()
+    assert "rows" not in xcom.dropped and xcom.dropped["rows_count"] == 50_000
+    assert {k: v for k, v in xcom.dropped.items() if not k.startswith("rows_")} == {
+        k: v for k, v in many.dropped.items() if k != "rows"}, "share, rules and samples as they were"
+    assert len(json.dumps(xcom.to_json())) < 1_000 < len(json.dumps(many.to_json()))
+    assert xcom.as_xcom() == xcom, "idempotent: a report already in its XCom form stays as it is"
+    assert ShardReport.from_json(json.loads(json.dumps(xcom.to_json()))) == xcom
+    assert report(list(range(1, 100_000, 2))).as_xcom() != xcom, "other rows, another digest"
+    empty = report([]).as_xcom().dropped
+    assert empty["rows_count"] == 0 and empty["rows_sha256"] not in (xcom.dropped["rows_sha256"], "")
+    plain = ShardReport(path="/c/train/shard-00001.parquet", sha256="cd" * 32, rows=3, verdict="healthy")
+    assert plain.as_xcom() is plain, "a contract that drops nothing: the report as it always was"
