@@ -4,12 +4,16 @@ No Kubernetes API server runs on the development machines. What is checked inste
 
 * every object validates strictly (an unknown field fails, as under ``kubectl --validate=strict``):
   the ClusterTrainingRuntime against Kubeflow Trainer v2.3's own API types (``kubeflow-trainer-api``)
-  and, like the Kueue objects, against the whole upstream CRD where it is available
+  and, like the Kueue objects, against the whole upstream CRD, pinned by sha256
   (``kiln.launchers.k8s_schema.upstream_file``; docker/k8s/README.md says why the CRDs are not in the
   repository); the CEL rules of those CRDs that bear on these objects are checked here by hand;
+* no kiln object and no TrainJob the launcher renders uses Kueue's ``v1beta1`` (Kueue v0.20 stops
+  serving it);
 * the launcher's Kueue labels name objects that exist: each policy's LocalQueue in its namespace,
   its ClusterQueue, its WorkloadPriorityClass;
-* the properties that keep a production retrain from being starved by sandbox jobs (docs/launchers.md).
+* the properties that keep a production retrain from being starved by sandbox jobs (docs/launchers.md);
+* docker/helm/values-kiln.yaml: kiln's topology, and the Airflow chart 1.22.0's values.schema.json and
+  values.yaml (a misspelt key fails).
 """
 
 from __future__ import annotations
@@ -24,7 +28,15 @@ import yaml
 
 from kiln.errors import ConfigError
 from kiln.launchers.base import LaunchSpec
-from kiln.launchers.k8s_schema import UPSTREAM_ENV, crd_schema, schema_problems, trainer_api_schema, upstream_file
+from kiln.launchers.k8s_schema import (
+    UPSTREAM_ENV,
+    UPSTREAM_PINS,
+    crd_schema,
+    schema_problems,
+    trainer_api_schema,
+    upstream_file,
+    upstream_root,
+)
 from kiln.launchers.kubernetes import (
     CHECKPOINT_VOLUME,
     DEFAULT_IMAGE,
@@ -39,7 +51,10 @@ from kiln.policy import POLICIES, PRODUCTION, SANDBOX
 ROOT = Path(__file__).resolve().parents[2]
 K8S = ROOT / "docker" / "k8s"
 KUEUE = K8S / "kueue"
+KUEUE_GROUP = "kueue.x-k8s.io"
 KUEUE_VERSION = "v1beta2"
+KUEUE_DROPPED_VERSIONS = ("v1beta1",)
+"""Served by Kueue v0.19, no longer by v0.20."""
 KUEUE_CRDS = {
     "ResourceFlavor": "kueue/v0.19.2/kueue.x-k8s.io_resourceflavors.yaml",
     "ClusterQueue": "kueue/v0.19.2/kueue.x-k8s.io_clusterqueues.yaml",
@@ -49,10 +64,11 @@ KUEUE_CRDS = {
 RUNTIME_CRD = "kubeflow-trainer/v2.3.0/trainer.kubeflow.org_clustertrainingruntimes.yaml"
 
 
-def upstream_crd(name: str) -> Path:
+def upstream_or_skip(name: str) -> Path:
+    """A pinned upstream file (its sha256 checked), or a skip naming the path looked for."""
     path = upstream_file(name)
     if path is None:
-        pytest.skip(f"upstream CRD {name} not available (docker/k8s/README.md)")
+        pytest.skip(f"upstream file {upstream_root() / name} not found (docker/k8s/README.md)")
     return path
 
 
@@ -96,7 +112,7 @@ def test_runtime_validates_against_trainer_api_types(runtime):
 
 
 def test_runtime_validates_against_the_upstream_crd(runtime):
-    assert schema_problems(runtime, crd_schema(upstream_crd(RUNTIME_CRD))) == []
+    assert schema_problems(runtime, crd_schema(upstream_or_skip(RUNTIME_CRD))) == []
 
 
 @pytest.mark.parametrize("mutate,field", [
@@ -132,16 +148,66 @@ def test_runtime_runs_torchrun_in_the_trainer_image_on_the_shared_volume(runtime
 
 # ---------------------------------------------------------------------------------------- Kueue
 def test_kueue_objects_validate_against_the_upstream_crds():
-    schemas = {kind: crd_schema(upstream_crd(name), KUEUE_VERSION) for kind, name in KUEUE_CRDS.items()}
+    schemas = {kind: crd_schema(upstream_or_skip(name), KUEUE_VERSION) for kind, name in KUEUE_CRDS.items()}
     objects = kueue_objects()
     assert {o["kind"] for o in objects} == set(KUEUE_CRDS), f"{KUEUE} should hold one of each kind"
     for obj in objects:
-        assert obj["apiVersion"] == f"kueue.x-k8s.io/{KUEUE_VERSION}"
+        assert obj["apiVersion"] == f"{KUEUE_GROUP}/{KUEUE_VERSION}"
         assert schema_problems(obj, schemas[obj["kind"]]) + cel_problems(obj) == [], obj["metadata"]["name"]
 
 
+def test_kilns_kueue_version_is_served_and_stored_by_the_pinned_release():
+    for name in KUEUE_CRDS.values():
+        crd = yaml.safe_load(upstream_or_skip(name).read_text())
+        versions = {v["name"]: v for v in crd["spec"]["versions"]}
+        assert versions[KUEUE_VERSION]["served"] and versions[KUEUE_VERSION]["storage"], name
+
+
+def dropped_kueue_versions(obj: object, where: str = "") -> list[str]:
+    """Every place in ``obj`` (an object, or anything nesting objects) whose ``apiVersion`` is a Kueue
+    version that Kueue v0.20 no longer serves."""
+    if isinstance(obj, list):
+        return [p for i, item in enumerate(obj) for p in dropped_kueue_versions(item, f"{where}[{i}]")]
+    if not isinstance(obj, dict):
+        return []
+    found = [f"{where or '<root>'}: {obj['apiVersion']}"] if obj.get("apiVersion") in {
+        f"{KUEUE_GROUP}/{v}" for v in KUEUE_DROPPED_VERSIONS} else []
+    return found + [p for k, v in obj.items() for p in dropped_kueue_versions(v, f"{where}.{k}" if where else str(k))]
+
+
+def _rendered_trainjob(policy: str, tmp_path: Path) -> dict:
+    p = POLICIES[policy]
+    options = p.with_launcher('{"launcher": "kubernetes"}', source="test").launcher_options(tmp_path)
+    spec = LaunchSpec(run_dir=tmp_path / "run", manifest=tmp_path / "m.json",
+                      recipe=ROOT / "training" / "recipes" / p.default_recipe, run_key=f"{p.dag_id}/r1")
+    return render_trainjob(spec, **{k: v for k, v in options.items() if k != "shared_root"}, shared_root=tmp_path)
+
+
+def test_no_kiln_object_uses_a_kueue_version_that_v0_20_drops(tmp_path):
+    manifests = sorted(K8S.rglob("*.yaml")) + sorted((ROOT / "docker" / "helm").rglob("*.yaml"))
+    found = [f"{path.relative_to(ROOT)} {p}" for path in manifests
+             for doc in yaml.safe_load_all(path.read_text()) for p in dropped_kueue_versions(doc)]
+    found += [f"{policy}'s TrainJob {p}" for policy in sorted(POLICIES)
+              for p in dropped_kueue_versions(_rendered_trainjob(policy, tmp_path))]
+    # The launcher's own code, should it ever call Kueue's API or write a Kueue object itself.
+    found += [str(path.relative_to(ROOT)) for path in sorted((ROOT / "src" / "kiln").rglob("*.py"))
+              if any(f"{KUEUE_GROUP}/{v}" in path.read_text() for v in KUEUE_DROPPED_VERSIONS)]
+    assert found == []
+
+
+def test_a_kueue_v1beta1_object_is_found(tmp_path):
+    queue = copy.deepcopy(by_kind("ClusterQueue")[(None, "kiln-production")])
+    assert dropped_kueue_versions(queue) == []
+    queue["apiVersion"] = f"{KUEUE_GROUP}/v1beta1"
+    assert dropped_kueue_versions(queue) == [f"<root>: {KUEUE_GROUP}/v1beta1"]
+    trainjob = _rendered_trainjob("production", tmp_path)
+    trainjob["metadata"]["ownerReferences"] = [{"apiVersion": f"{KUEUE_GROUP}/v1beta1", "kind": "Workload", "name": "w",
+                                                "uid": "u"}]
+    assert dropped_kueue_versions(trainjob) == [f"metadata.ownerReferences[0]: {KUEUE_GROUP}/v1beta1"]
+
+
 def test_a_wrong_kueue_field_fails_strict_validation():
-    schema = crd_schema(upstream_crd(KUEUE_CRDS["ClusterQueue"]), KUEUE_VERSION)
+    schema = crd_schema(upstream_or_skip(KUEUE_CRDS["ClusterQueue"]), KUEUE_VERSION)
     for mutate, problem in (
         (lambda q: q["spec"].__setitem__("cohort", q["spec"].pop("cohortName")), "'cohort' was unexpected"),  # v1beta1's name
         (lambda q: q["spec"]["preemption"].__setitem__("reclaimWithInCohort", "Any"), "'reclaimWithInCohort' was unexpected"),
@@ -165,11 +231,7 @@ def test_cel_rules_catch_a_flavor_without_every_covered_resource():
 def test_launcher_kueue_labels_name_existing_objects(policy, tmp_path):
     """What the launcher writes on a policy's TrainJob is a LocalQueue in that namespace, feeding a
     ClusterQueue, and a WorkloadPriorityClass, all shipped in docker/k8s/kueue/."""
-    p = POLICIES[policy]
-    options = p.with_launcher('{"launcher": "kubernetes"}', source="test").launcher_options(tmp_path)
-    spec = LaunchSpec(run_dir=tmp_path / "run", manifest=tmp_path / "m.json",
-                      recipe=ROOT / "training" / "recipes" / p.default_recipe, run_key=f"{p.dag_id}/r1")
-    body = render_trainjob(spec, **{k: v for k, v in options.items() if k != "shared_root"}, shared_root=tmp_path)
+    body = _rendered_trainjob(policy, tmp_path)
     labels, namespace = body["metadata"]["labels"], body["metadata"]["namespace"]
     local_queues, cluster_queues = by_kind("LocalQueue"), by_kind("ClusterQueue")
     assert (namespace, labels[QUEUE_LABEL]) in local_queues, f"no LocalQueue {labels[QUEUE_LABEL]} in {namespace}"
@@ -215,9 +277,35 @@ def test_upstream_file_refuses_another_release(tmp_path, monkeypatch):
     assert upstream_file(name) is None
 
 
+def test_a_missing_upstream_file_skips_naming_the_path_looked_for(tmp_path, monkeypatch):
+    monkeypatch.setenv(UPSTREAM_ENV, str(tmp_path / "absent"))
+    with pytest.raises(pytest.skip.Exception, match=re.escape(str(tmp_path / "absent" / RUNTIME_CRD))):
+        upstream_or_skip(RUNTIME_CRD)
+
+
+def test_upstream_file_refuses_a_pin_without_sha256(tmp_path, monkeypatch):
+    import kiln.launchers.k8s_schema as k8s_schema
+
+    pins = json.loads(UPSTREAM_PINS.read_text())
+    pins[RUNTIME_CRD]["sha256"] = None
+    (tmp_path / "pins.json").write_text(json.dumps(pins))
+    monkeypatch.setattr(k8s_schema, "UPSTREAM_PINS", tmp_path / "pins.json")
+    with pytest.raises(ConfigError, match="has no sha256"):
+        upstream_file(RUNTIME_CRD)
+
+
+def test_every_pinned_upstream_file_is_there_with_its_content():
+    """Where the upstream folder is laid out, every pin of docker/k8s/upstream-schemas.json is in it,
+    byte for byte (upstream_file checks the sha256)."""
+    for name in json.loads(UPSTREAM_PINS.read_text()):
+        assert upstream_or_skip(name).is_file()
+
+
 # ------------------------------------------------------------------------ the Airflow Helm chart
 HELM_VALUES = ROOT / "docker" / "helm" / "values-kiln.yaml"
 HELM_SCHEMA = "airflow-helm-chart/values.schema.json"
+HELM_DEFAULTS = "airflow-helm-chart/values.yaml"
+HELM_CHART = "airflow-helm-chart/Chart.yaml"
 
 
 @pytest.fixture(scope="module")
@@ -237,13 +325,15 @@ def _secret_ref(value: object) -> tuple[str, str]:
 def test_helm_values_run_kilns_image_and_airflow_version(helm_values):
     from importlib.metadata import version
 
-    assert helm_values["airflowVersion"] == version("apache-airflow") == "3.3.2"
+    # The chart deploys the Airflow release named by airflowVersion and defaultAirflowTag.
+    assert helm_values["airflowVersion"] == helm_values["defaultAirflowTag"] == version("apache-airflow") == "3.3.2"
     assert helm_values["executor"] == "CeleryExecutor"
     compose = yaml.safe_load((ROOT / "docker" / "compose.yaml").read_text())
     worker_image = compose["services"]["airflow-worker-production"]["image"]  # the `worker` target
     repository, tag = worker_image.split(":")
+    # ... in kiln's image, for every component: the default image (the official one) lacks kiln.
     assert helm_values["images"]["airflow"] == {"repository": repository, "tag": tag, "pullPolicy": "IfNotPresent"}
-    assert (helm_values["defaultAirflowRepository"], helm_values["defaultAirflowTag"]) == (repository, tag)
+    assert helm_values["images"]["useDefaultImageForMigration"] is False
     dockerfile = (ROOT / "docker" / "airflow.Dockerfile").read_text()
     assert f"USER {helm_values['uid']}:{helm_values['gid']}" in dockerfile
     # The chart's containers run `bash -c "exec airflow ..."` and probe through /entrypoint.
@@ -390,11 +480,62 @@ def test_image_entrypoint_dispatches_like_the_official_images(tmp_path, argv, ex
     assert out.stdout.strip() == expected
 
 
-def test_helm_values_validate_against_the_charts_values_schema(helm_values):
-    """Where the chart's own values.schema.json is available (docker/helm/README.md)."""
-    schema_path = upstream_file(HELM_SCHEMA)
-    if schema_path is None:
-        pytest.skip(f"the Airflow chart's {HELM_SCHEMA} is not available here (docker/helm/README.md)")
-    chart = yaml.safe_load((schema_path.parent / "Chart.yaml").read_text())
-    assert str(chart["appVersion"]).startswith("3.3."), f"chart {chart['version']} is for Airflow {chart['appVersion']}"
-    assert schema_problems(helm_values, json.loads(schema_path.read_text())) == []
+def unknown_chart_keys(values: dict, chart_defaults: dict) -> list[str]:
+    """The keys of ``values``, top-level and one below, that the chart's own values.yaml does not have.
+    The chart's schema refuses unknown keys in most nested sections but not at the top level, where a
+    misspelt key would be silently ignored; below the second level are free-form maps (Airflow config
+    options, env lists) that values.yaml does not list."""
+    unknown = []
+    for key, value in values.items():
+        if key not in chart_defaults:
+            unknown.append(key)
+        elif isinstance(value, dict) and isinstance(chart_defaults[key], dict):
+            unknown += [f"{key}.{sub}" for sub in value if sub not in chart_defaults[key]]
+        elif isinstance(value, dict):
+            unknown.append(f"{key} (a section here, {type(chart_defaults[key]).__name__} in the chart)")
+    return unknown
+
+
+@pytest.fixture(scope="module")
+def helm_chart() -> dict:
+    """Chart 1.22.0's schema and default values, each checked against its pin."""
+    chart = yaml.safe_load(upstream_or_skip(HELM_CHART).read_text())
+    assert json.loads(UPSTREAM_PINS.read_text())[HELM_CHART]["tag"] == f"helm-chart/{chart['version']}"
+    assert chart["name"] == "airflow"
+    return {"schema": json.loads(upstream_or_skip(HELM_SCHEMA).read_text()),
+            "defaults": yaml.safe_load(upstream_or_skip(HELM_DEFAULTS).read_text())}
+
+
+def test_helm_values_validate_against_the_charts_values_schema(helm_values, helm_chart):
+    assert schema_problems(helm_values, helm_chart["schema"]) == []
+
+
+def test_helm_values_keys_exist_in_the_charts_values(helm_values, helm_chart):
+    assert unknown_chart_keys(helm_values, helm_chart["defaults"]) == []
+
+
+@pytest.mark.parametrize("mutate,key,schema_catches", [
+    (lambda v: v.__setitem__("dagProccessor", v.pop("dagProcessor")), "dagProccessor", False),
+    (lambda v: v["workers"].__setitem__("celerey", v["workers"].pop("celery")), "workers.celerey", True),
+    (lambda v: v["config"].__setitem__("dag_procesor", v["config"].pop("dag_processor")), "config.dag_procesor", False),
+    (lambda v: v.__setitem__("secret", {"envName": "X"}), "secret (a section here, list in the chart)", True),
+])
+def test_a_misspelt_helm_key_is_found(helm_values, helm_chart, mutate, key, schema_catches):
+    """Caught by the key check whether or not the chart's schema refuses it (it does not at the top
+    level, nor inside `config`, whose sections are open maps)."""
+    values = copy.deepcopy(helm_values)
+    mutate(values)
+    assert unknown_chart_keys(values, helm_chart["defaults"]) == [key]
+    assert bool(schema_problems(values, helm_chart["schema"])) is schema_catches
+
+
+@pytest.mark.parametrize("mutate,problem", [
+    (lambda v: v.__setitem__("airflowVersion", 3.3), "airflowVersion: 3.3 is not of type 'string'"),
+    (lambda v: v["workers"]["celery"].__setitem__("enableDefault", "no"), "workers.celery.enableDefault: 'no' is not of type"),
+    (lambda v: v["dagProcessor"].__setitem__("dagBundleConfigLists", []), "'dagBundleConfigLists' was unexpected"),
+])
+def test_a_wrong_helm_value_fails_the_charts_schema(helm_values, helm_chart, mutate, problem):
+    values = copy.deepcopy(helm_values)
+    mutate(values)
+    problems = schema_problems(values, helm_chart["schema"])
+    assert any(problem in p for p in problems), problems

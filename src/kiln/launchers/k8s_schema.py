@@ -30,9 +30,12 @@ from kiln.launchers.kubernetes import (
     VERSION,
 )
 
-K8S_DIR = Path(__file__).resolve().parents[3] / "docker" / "k8s"
+REPO_ROOT = Path(__file__).resolve().parents[3]
+K8S_DIR = REPO_ROOT / "docker" / "k8s"
 UPSTREAM_PINS = K8S_DIR / "upstream-schemas.json"
 UPSTREAM_ENV = "KILN_UPSTREAM_SCHEMAS"
+UPSTREAM_ROOT = REPO_ROOT.parent / "shared" / "vendor"
+"""Where CI lays out the pinned upstream files: ``shared/vendor/`` in the folder that holds the checkout."""
 _INT_OR_STRING = {"anyOf": [{"type": "integer"}, {"type": "string"}], "x-kubernetes-int-or-string": True}
 _WRAPPED_SCALARS = {
     "IoK8sApimachineryPkgApiResourceQuantity": {**_INT_OR_STRING, "pattern": QUANTITY.pattern},
@@ -41,26 +44,31 @@ _WRAPPED_SCALARS = {
 """Types the generated models wrap in a oneOf class; on the wire they are a string or a number."""
 
 
+def upstream_root() -> Path:
+    """The folder the pinned upstream files are looked for in: ``$KILN_UPSTREAM_SCHEMAS`` where set, else
+    ``UPSTREAM_ROOT``."""
+    return Path(os.environ[UPSTREAM_ENV]) if os.environ.get(UPSTREAM_ENV) else UPSTREAM_ROOT
+
+
 def upstream_file(name: str) -> Path | None:
-    """An upstream schema (a whole CRD file) pinned in ``docker/k8s/upstream-schemas.json``, where it is
-    available: under ``$KILN_UPSTREAM_SCHEMAS``, else under ``shared/vendor/`` next to the checkout
-    (docker/k8s/README.md: why these files are not in the repository). None when absent; ConfigError
-    when present with other content than the pin (another release would validate against the wrong API;
-    a pin without sha256 is one kiln has not seen, and its caller checks the release another way)."""
+    """An upstream file (a whole CRD, the Airflow chart's schema and values) pinned in
+    ``docker/k8s/upstream-schemas.json``, under ``upstream_root()`` (docker/k8s/README.md: why these files
+    are not in the repository). None when absent; ConfigError when present with other content than its
+    pin: another release would validate against the wrong API."""
     pins = json.loads(UPSTREAM_PINS.read_text())
     if name not in pins:
         raise ConfigError(f"{name} is not pinned in {UPSTREAM_PINS}")
-    roots = [Path(os.environ[UPSTREAM_ENV])] if os.environ.get(UPSTREAM_ENV) else [
-        parent / "shared" / "vendor" for parent in K8S_DIR.parents[1:]]
-    for root in roots:
-        path = root / name
-        if path.is_file():
-            digest = hashlib.sha256(path.read_bytes()).hexdigest()
-            if pins[name]["sha256"] is not None and digest != pins[name]["sha256"]:
-                raise ConfigError(f"{path} is not {pins[name]['repository']}@{pins[name]['tag']}:{pins[name]['path']} "
-                                  f"(sha256 {digest}, pinned {pins[name]['sha256']})")
-            return path
-    return None
+    pin = pins[name]
+    if not pin.get("sha256"):
+        raise ConfigError(f"{UPSTREAM_PINS}: {name} has no sha256; a file is trusted only by its content")
+    path = upstream_root() / name
+    if not path.is_file():
+        return None
+    digest = hashlib.sha256(path.read_bytes()).hexdigest()
+    if digest != pin["sha256"]:
+        raise ConfigError(f"{path} is not {pin['repository']}@{pin['tag']}:{pin['path']} "
+                          f"(sha256 {digest}, pinned {pin['sha256']})")
+    return path
 
 
 def strict_schema(schema: Any) -> Any:

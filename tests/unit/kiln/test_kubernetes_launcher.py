@@ -14,7 +14,14 @@ import pytest
 
 from kiln.errors import ConfigError
 from kiln.launchers import LaunchSpec, get_launcher
-from kiln.launchers.k8s_schema import crd_schema, runtime_problems, trainer_api_schema, upstream_file, validate_trainjob
+from kiln.launchers.k8s_schema import (
+    crd_schema,
+    runtime_problems,
+    trainer_api_schema,
+    upstream_file,
+    upstream_root,
+    validate_trainjob,
+)
 from kiln.launchers.kubernetes import (
     PATCH_MANAGER,
     PRIORITY_LABEL,
@@ -34,7 +41,7 @@ RECIPE = REPO / "training" / "recipes" / "production" / "small.toml"
 def upstream_crd(name: str) -> Path:
     path = upstream_file(name)
     if path is None:
-        pytest.skip(f"upstream CRD {name} not available (docker/k8s/README.md); checked against the API types only")
+        pytest.skip(f"upstream CRD {upstream_root() / name} not found (docker/k8s/README.md); checked against the API types only")
     return path
 
 
