@@ -67,6 +67,7 @@ from pathlib import Path
 from typing import Any
 
 from kiln_trainer.errors import CheckpointError, naming_path
+from kiln_trainer.jsonfile import load_json
 
 __all__ = [
     "CHECKPOINTS_SUBDIR",
@@ -147,29 +148,13 @@ _REQUIRED_KEYS: dict[str, type | tuple[type, ...]] = {
 _REQUIRED_FROM_FORMAT_2: dict[str, type] = {"token_manifest_sha256": str, "tokenizer_sha256": str, "tokenizer": dict}
 _REQUIRED_FROM_FORMAT_3: dict[str, type] = {"strategy": str}
 SEAL_KEY = "seal_sha256"
+MAX_MANIFEST_BYTES = 64 << 20
+"""A checkpoint manifest lists the checkpoint's files and hashes: kilobytes, never this many bytes."""
 
 
 def canonical_json(obj: Any) -> bytes:
     """The bytes every content hash is taken over (same rule as kiln's refs): sorted keys, no spaces."""
     return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
-
-
-def parse_json(raw: bytes, where: str, error: type[Exception]) -> Any:
-    """The JSON document in ``raw`` (read from ``where``), or ``error`` naming where it came from."""
-    try:
-        return json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise error(f"{where}: not JSON: {exc}") from exc
-
-
-def read_json(path: str | Path, what: str, error: type[Exception]) -> tuple[bytes, Any]:
-    """The bytes of ``path`` and the JSON document they hold, or ``error`` naming the path and the
-    ``what`` it should have been."""
-    try:
-        raw = Path(path).read_bytes()
-    except OSError as exc:
-        raise error(f"{path}: cannot read {what}: {exc}") from exc
-    return raw, parse_json(raw, str(path), error)
 
 
 def seal(manifest: dict[str, Any]) -> dict[str, Any]:
@@ -266,9 +251,9 @@ def read_manifest(step_dir: str | Path) -> dict[str, Any]:
     if not path.is_file():
         raise CheckpointError(f"{step_dir}: no {MANIFEST_NAME} (never committed or save interrupted)")
     try:
-        manifest = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise CheckpointError(f"{path}: unreadable manifest: {exc}") from exc
+        manifest = load_json(path, "checkpoint manifest", CheckpointError, max_bytes=MAX_MANIFEST_BYTES)
+    except CheckpointError as exc:
+        raise CheckpointError(f"unreadable manifest: {exc}") from None
     if not isinstance(manifest, dict) or manifest.get("kind") != CHECKPOINT_KIND:
         raise CheckpointError(f"{path}: kind is not {CHECKPOINT_KIND!r}")
     version = manifest.get("format", 1)

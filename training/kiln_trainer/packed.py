@@ -55,7 +55,6 @@ from kiln_trainer.checkpoint_manifest import (
     atomic_write_bytes,
     canonical_json,
     fsync_dir,
-    parse_json,
     sha256_file,
 )
 from kiln_trainer.errors import (
@@ -66,6 +65,7 @@ from kiln_trainer.errors import (
     TokenManifestError,
     TokenShardError,
 )
+from kiln_trainer.jsonfile import parse_json
 from kiln_trainer.tokenizer import Tokenizer
 
 __all__ = [

@@ -31,9 +31,10 @@ from typing import Any
 
 import numpy as np
 
-from kiln_trainer.checkpoint_manifest import atomic_write_bytes, canonical_json, read_json
+from kiln_trainer.checkpoint_manifest import atomic_write_bytes, canonical_json
 from kiln_trainer.config import BYTE_EOS_OWN_ID, DEFAULT_EOS_TOKEN, MAX_VOCAB, TokenizerConfig
 from kiln_trainer.errors import TokenizerError
+from kiln_trainer.jsonfile import read_json
 
 __all__ = [
     "BYTE_TOKENIZER_KIND",

@@ -20,8 +20,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kiln_trainer.checkpoint_manifest import canonical_json, read_json
+from kiln_trainer.checkpoint_manifest import canonical_json
 from kiln_trainer.errors import TrainingManifestError
+from kiln_trainer.jsonfile import read_json
 
 TRAINING_MANIFEST_KIND = "kiln.TrainingManifest"
 
