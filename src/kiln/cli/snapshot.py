@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -138,10 +139,13 @@ def _restore(args: argparse.Namespace) -> int:
 
 
 def _list(args: argparse.Namespace) -> int:
-    from kiln.data.snapshot import list_snapshots
+    from kiln.data.snapshot import snapshot_records
 
-    for ref in list_snapshots():
+    refs, skipped = snapshot_records()
+    for ref in refs:
         print(f"{ref.id}  {ref.corpus:<16} files={ref.files:<5} bytes={ref.bytes}")
+    for line in skipped:  # one corrupt record hides none of the others
+        print(f"kiln snapshot list: skipped {line}", file=sys.stderr)
     return 0
 
 

@@ -47,9 +47,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from kiln import settings as kiln_settings
-from kiln.errors import SnapshotError
+from kiln.errors import ManifestError, SnapshotError
 from kiln.refs import SnapshotRef
-from kiln.util.fs import atomic_write_text, os_error_text, unusable_target_reason
+from kiln.util.fs import atomic_write_text, load_json, os_error_text, parse_json, unusable_target_reason
 
 SNAPSHOT_ID = re.compile(r"^[0-9a-f]{32}\.dir$")
 _REMOTE = "kiln"
@@ -233,7 +233,7 @@ def _rollback(root: Path) -> None:
     journal = root / _PENDING
     if not journal.is_file():
         return
-    entry = json.loads(journal.read_text())
+    entry = load_json(journal, "snapshot journal", SnapshotError, max_bytes=MAX_RECORD_BYTES)
     dvc_file = Path(entry["dvc_file"])
     if entry["previous"] is None:
         dvc_file.unlink(missing_ok=True)
@@ -360,10 +360,51 @@ def _public_remote(url: str) -> str:
     return re.sub(r"//[^/@]+@", "//", url)
 
 
-def list_snapshots() -> list[SnapshotRef]:
+MAX_RECORD_BYTES = 16 << 20
+"""A snapshot record holds one ``.dvc`` text and a few names: kilobytes, never this many bytes."""
+
+
+def read_snapshot_record(path: Path) -> SnapshotRef:
+    """The SnapshotRef recorded at ``path``, or ``SnapshotError`` naming the file and what is wrong
+    (unreadable, not bounded JSON, a field missing or of the wrong type, an id that is not its name)."""
+    data = load_json(path, "snapshot record", SnapshotError, max_bytes=MAX_RECORD_BYTES)
+    try:
+        ref = SnapshotRef.from_json(data)
+    except ManifestError as exc:
+        raise SnapshotError(f"{path}: not a snapshot record: {exc}") from None
+    for name, kind in (("id", str), ("corpus", str), ("files", int), ("bytes", int), ("dvc", str), ("remote", str),
+                       ("path", str)):
+        value = getattr(ref, name)
+        if not isinstance(value, kind) or isinstance(value, bool):
+            raise SnapshotError(f"{path}: not a snapshot record: field {name!r} is not a {kind.__name__}")
+    if not SNAPSHOT_ID.fullmatch(ref.id) or path.name != f"{ref.id.removesuffix('.dir')}.json":
+        raise SnapshotError(f"{path}: not a snapshot record: its id {ref.id!r} is not the one its name says")
+    return ref
+
+
+def snapshot_records() -> tuple[list[SnapshotRef], list[str]]:
+    """Every recorded snapshot, oldest first, and one line for each record that could not be read
+    (skipped, named: one corrupt record does not hide the others)."""
     s = kiln_settings.load()
-    records = sorted(_records_dir(s).glob("*.json"), key=lambda p: p.stat().st_mtime)
-    return [SnapshotRef.from_json(json.loads(p.read_text())) for p in records]
+    found: list[tuple[float, SnapshotRef]] = []
+    skipped: list[str] = []
+    for path in sorted(_records_dir(s).glob("*.json")):
+        try:
+            found.append((path.lstat().st_mtime, read_snapshot_record(path)))
+        except FileNotFoundError:
+            continue  # removed while listing
+        except (SnapshotError, OSError) as exc:
+            skipped.append(str(exc) if isinstance(exc, SnapshotError) else f"{path}: {os_error_text(exc)}")
+    found.sort(key=lambda pair: pair[0])
+    return [ref for _, ref in found], skipped
+
+
+def list_snapshots() -> list[SnapshotRef]:
+    """``snapshot_records``' snapshots; each skipped record is logged as a warning."""
+    refs, skipped = snapshot_records()
+    for line in skipped:
+        log.warning("skipped a snapshot record: %s", line)
+    return refs
 
 
 def show_snapshot(snapshot_id: str) -> SnapshotRef:
@@ -373,7 +414,7 @@ def show_snapshot(snapshot_id: str) -> SnapshotRef:
     path = _records_dir(s) / f"{snapshot_id.removesuffix('.dir')}.json"
     if not path.is_file():
         raise SnapshotError(f"unknown snapshot id {snapshot_id} (see `kiln snapshot list`)")
-    return SnapshotRef.from_json(json.loads(path.read_text()))
+    return read_snapshot_record(path)
 
 
 def restore_snapshot(ref_or_id: SnapshotRef | str, dest: str | Path) -> Path:
@@ -502,7 +543,12 @@ def _verify_restored(tree: Path, snapshot_id: str, s: kiln_settings.Settings) ->
         return [f"its .dir listing {listing} is missing after the pull"], {md5 + ".dir"}
     if hashlib.md5(raw, usedforsecurity=False).hexdigest() != md5:
         return [f"its .dir listing {listing} is corrupted (md5 differs from the id)"], {md5 + ".dir"}
-    expected = {entry["relpath"]: entry["md5"] for entry in json.loads(raw)}
+    try:
+        expected = {entry["relpath"]: entry["md5"] for entry in parse_json(raw, str(listing), SnapshotError)}
+    except (TypeError, KeyError):
+        return [f"its .dir listing {listing} is not a DVC listing (relpath and md5 of each file)"], {md5 + ".dir"}
+    except SnapshotError as exc:
+        return [str(exc)], {md5 + ".dir"}
     found = {p.relative_to(tree).as_posix(): p for p in tree.rglob("*") if not p.is_dir()}
     problems = [f"{rel}: missing" for rel in sorted(expected.keys() - found.keys())]
     problems += [f"{rel}: not in the snapshot" for rel in sorted(found.keys() - expected.keys())]

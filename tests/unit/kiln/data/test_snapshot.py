@@ -528,3 +528,25 @@ def test_a_killed_push_s_partial_upload_is_never_read_and_goes_with_a_later_push
     assert hashlib.md5(final.read_bytes()).hexdigest() == victim  # whole, under its final name
     shutil.rmtree(s.dvc_cache)  # a machine that has only the remote
     assert _tree_hashes(snapshot.restore_snapshot(ref.id, home / "restored")) == _tree_hashes(corpus)
+
+
+@pytest.mark.parametrize("bad", [b'{"id": ' + b"[" * 10_000, b"9" * 5000, b"not json", b'{"id": 5}', b"[]",
+                                 b'{"id": "0123456789abcdef0123456789abcdef.dir", "corpus": "x", "files": "1", '
+                                 b'"bytes": 1, "dvc": "", "remote": "", "path": ""}'])
+def test_a_corrupt_snapshot_record_is_skipped_and_named_not_fatal(home, capsys, bad):
+    from kiln.cli import main
+
+    good = snapshot.create_snapshot(_corpus())
+    records = next(p.parent for p in kiln_settings.load().home.rglob(f"{good.id.removesuffix('.dir')}.json"))
+    broken = records / "0123456789abcdef0123456789abcdef.json"
+    broken.write_bytes(bad)
+    (records / "fedcba9876543210fedcba9876543210.json").symlink_to("/dev/zero")
+    refs, skipped = snapshot.snapshot_records()
+    assert [r.id for r in refs] == [good.id]
+    assert len(skipped) == 2 and all(line.startswith(str(records)) for line in skipped)
+    assert any("not a regular file" in line for line in skipped)
+    assert main(["snapshot", "list"]) == 0
+    out, err = capsys.readouterr()
+    assert good.id in out and err.count("kiln snapshot list: skipped ") == 2 and "Traceback" not in err
+    with pytest.raises(SnapshotError, match=f"^{broken}: "):
+        snapshot.show_snapshot("0123456789abcdef0123456789abcdef.dir")
