@@ -33,6 +33,11 @@ from kiln.shipped import CONTRACTS_DIR
 DERIVED_COLUMN_KINDS = frozenset({"char_share", "in_eval_split"})
 """Derived-column kinds this kiln can compute (see ``kiln.data.validation.frames``)."""
 SNAPSHOT_RULES = frozenset({"doc_id_unique_across_shards"})
+REGEX_EXPECTATIONS = frozenset({"expect_column_values_to_match_regex", "expect_column_values_to_not_match_regex",
+                                "expect_column_values_to_match_regex_list", "expect_column_values_to_not_match_regex_list"})
+"""GE expectations whose patterns kiln hands to GE translated for RE2 (``kiln.data.re2_patterns``)."""
+DOCUMENT_RULES_COLUMN = "text"
+"""The column document rules judge (``kiln.data.validation.dropped.judge_documents``)."""
 
 _NAME = re.compile(r"^[a-z0-9][a-z0-9._-]*$")
 _VERSION_FILE = re.compile(r"^v([1-9][0-9]*)\.json$")
@@ -102,6 +107,58 @@ class Contract:
             if exp["type"] == "expect_column_values_to_not_match_regex_list":
                 patterns.extend(exp["kwargs"].get("regex_list", []))
         return tuple(patterns)
+
+
+def required_columns(expectations: Any) -> frozenset[str]:
+    """The columns a shard must have to pass the contract's schema rules (a shard without one is quarantined)."""
+    found: set[str] = set()
+    for exp in expectations if isinstance(expectations, list) else []:
+        if not isinstance(exp, dict) or not isinstance(exp.get("kwargs"), dict):
+            continue
+        kwargs = exp["kwargs"]
+        if exp.get("type") == "expect_table_columns_to_match_set":
+            found.update(c for c in kwargs.get("column_set") or [] if isinstance(c, str))
+        elif exp.get("type") == "expect_table_columns_to_match_ordered_list":
+            found.update(c for c in kwargs.get("column_list") or [] if isinstance(c, str))
+        elif exp.get("type") == "expect_column_to_exist" and isinstance(kwargs.get("column"), str):
+            found.add(kwargs["column"])
+    return frozenset(found)
+
+
+def _columns_named(kwargs: dict[str, Any]) -> list[str]:
+    """The columns an expectation's kwargs name (what validation needs present to run it)."""
+    names = [kwargs[k] for k in ("column", "column_A", "column_B") if isinstance(kwargs.get(k), str)]
+    if isinstance(kwargs.get("column_list"), list):
+        names.extend(c for c in kwargs["column_list"] if isinstance(c, str))
+    return names
+
+
+def _regex_problems(kwargs: dict[str, Any], at: str) -> list[str]:
+    from kiln.data.re2_patterns import pattern_problem
+
+    problems = []
+    if "regex" in kwargs:
+        problem = pattern_problem(kwargs["regex"], searched=True)
+        if problem:
+            problems.append(f"{at}.regex {problem}")
+    if "regex_list" in kwargs:
+        patterns = kwargs["regex_list"]
+        if not isinstance(patterns, list):
+            return [*problems, f"{at}.regex_list must be a list of patterns"]
+        for j, pattern in enumerate(patterns):
+            problem = pattern_problem(pattern, searched=True)
+            if problem:
+                problems.append(f"{at}.regex_list[{j}] {problem}")
+    return problems
+
+
+def _char_share_problem(pattern: Any) -> str | None:
+    from kiln.data.re2_patterns import pattern_problem
+
+    problem = pattern_problem(pattern, searched=False)
+    if problem is None and re.fullmatch(pattern, "") is not None:
+        problem = "matches the empty string: a share of characters counts characters"
+    return problem
 
 
 def contracts_dir() -> Path:
@@ -192,13 +249,8 @@ def contract_problems(suite: Any, *, name: str | None = None, version: int | Non
         if not isinstance(exp.get("kwargs"), dict):
             problems.append(f"expectations[{i}] ({exp['type']}) needs a 'kwargs' object")
             continue
-        if exp["type"] == "expect_column_values_to_not_match_regex_list":
-            for j, pattern in enumerate(exp["kwargs"].get("regex_list", [])):
-                try:
-                    re.compile(pattern)
-                except (TypeError, re.error) as exc:
-                    problems.append(f"expectations[{i}].kwargs.regex_list[{j}]: secret pattern {pattern!r} "
-                                    f"does not compile: {exc}")
+        if exp["type"] in REGEX_EXPECTATIONS:
+            problems.extend(_regex_problems(exp["kwargs"], f"expectations[{i}].kwargs"))
     kiln = suite.get("meta", {}).get("kiln") if isinstance(suite.get("meta"), dict) else None
     if not isinstance(kiln, dict):
         problems.append("'meta.kiln' (kiln settings: version, derived columns, snapshot rules) is missing")
@@ -211,17 +263,29 @@ def contract_problems(suite: Any, *, name: str | None = None, version: int | Non
     if not isinstance(derived, dict):
         problems.append("meta.kiln.derived_columns must be an object")
         derived = {}
+    required = required_columns(expectations)
     for column, spec in derived.items():
+        at = f"meta.kiln.derived_columns.{column}"
         if not isinstance(spec, dict) or spec.get("kind") not in DERIVED_COLUMN_KINDS:
-            problems.append(f"derived column {column!r}: kind must be one of {sorted(DERIVED_COLUMN_KINDS)}")
+            problems.append(f"{at}: kind must be one of {sorted(DERIVED_COLUMN_KINDS)}")
             continue
         if not isinstance(spec.get("column"), str):
-            problems.append(f"derived column {column!r} needs the source 'column'")
+            problems.append(f"{at} needs the source 'column'")
+        elif spec["column"] not in required:
+            # Validation computes a derived column only from a column the shard has: from one the contract
+            # does not require, every rule on it would be silently off.
+            problems.append(f"{at}.column {spec['column']!r} is not a column the contract requires "
+                            f"(required: {sorted(required)}): the rules on {column!r} would never run")
         if spec["kind"] == "char_share":
-            try:
-                re.compile(spec["pattern"])
-            except (KeyError, TypeError, re.error) as exc:
-                problems.append(f"derived column {column!r}: bad 'pattern': {exc}")
+            problem = _char_share_problem(spec.get("pattern"))
+            if problem:
+                problems.append(f"{at}.pattern {problem}")
+    for i, exp in enumerate(expectations):
+        if isinstance(exp, dict) and isinstance(exp.get("kwargs"), dict):
+            for name in _columns_named(exp["kwargs"]):
+                if name not in required and name not in derived:
+                    problems.append(f"expectations[{i}] ({exp.get('type')}) checks column {name!r}, which the contract "
+                                    f"neither requires nor derives (required: {sorted(required)}): it would never run")
     rules = kiln.get("snapshot_rules", [])
     for i, rule in enumerate(rules if isinstance(rules, list) else [rules]):
         if not isinstance(rule, dict) or rule.get("rule") not in SNAPSHOT_RULES:
@@ -229,8 +293,15 @@ def contract_problems(suite: Any, *, name: str | None = None, version: int | Non
                             f"{sorted(SNAPSHOT_RULES)}")
     if "document_rules" in kiln:
         problems.extend(check_document_rules(kiln["document_rules"]))
+        if kiln["document_rules"] and DOCUMENT_RULES_COLUMN not in required:
+            problems.append(f"meta.kiln.document_rules judge the {DOCUMENT_RULES_COLUMN!r} column, which the contract does "
+                            f"not require (required: {sorted(required)}): the rules would never run")
     if "near_duplicates" in kiln:
         problems.extend(check_near_duplicate_settings(kiln["near_duplicates"]))
+        near = kiln["near_duplicates"]
+        if isinstance(near, dict) and near.get("column", "text") not in required:
+            problems.append(f"meta.kiln.near_duplicates.column {near.get('column', 'text')!r} is not a column the contract "
+                            f"requires (required: {sorted(required)}): near-duplicates would never be looked for")
     share = kiln.get("max_dropped_share")
     if "max_dropped_share" in kiln and (isinstance(share, bool) or not isinstance(share, (int, float)) or not 0 <= share <= 1):
         problems.append(f"meta.kiln.max_dropped_share must be a number in [0, 1], got {share!r}")

@@ -46,12 +46,14 @@ from __future__ import annotations
 
 import inspect
 import ipaddress
+import math
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from itertools import groupby
 from typing import Any
 
+from kiln.data.re2_patterns import compiled_exact, compiled_search, pattern_problem
 from kiln.errors import ContractError
 
 DATATROVE_FILTERS: dict[str, tuple[str, str]] = {
@@ -72,6 +74,17 @@ PII_PARAMS: dict[str, str] = {"emails": "bool", "public_ips": "bool", "phone_pat
 SCRIPT_PARAMS: dict[str, str] = {"scripts": "list of Unicode script names", "max_other_letter_share": "number in [0, 1]",
                                  "min_letters": "int >= 0"}
 _RULE_ID = re.compile(r"^[a-z][a-z0-9_.-]*$")
+MAX_DOCUMENT_CHARS = 1_000_000
+"""The per-document budget: a longer document is dropped (rule ``DOCUMENT_BUDGET_RULE``) before any rule
+runs, so no document holds a validation task longer than the rules take on this many characters."""
+DOCUMENT_BUDGET_RULE = "document_budget"
+"""Rule id of a document dropped for its size; reserved: no contract rule may take it."""
+MAX_RULE_NUMBER = 10**9
+"""Largest magnitude of a number in a rule's parameters (a count or a threshold; nothing needs more)."""
+MAX_N_GRAM = 64
+"""Largest n of a Gopher n-gram table entry: datatrove's work per document grows with n."""
+MAX_SCRIPTS = 64
+"""Most Unicode script names a kiln.script rule may list."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -107,6 +120,8 @@ def check_document_rules(rules: Any, *, where: str = "meta.kiln.document_rules",
         rule_id = rule.get("rule")
         if not isinstance(rule_id, str) or not _RULE_ID.fullmatch(rule_id):
             problems.append(f"{at}.rule must be an id like 'gopher_quality' (lowercase, digits, _ . -), got {rule_id!r}")
+        elif rule_id == DOCUMENT_BUDGET_RULE:
+            problems.append(f"{at}.rule {rule_id!r} is reserved: kiln drops documents over its size budget under it")
         elif rule_id in seen:
             problems.append(f"{at}.rule {rule_id!r} is used twice: rule ids name the reasons in reports")
         else:
@@ -139,10 +154,9 @@ def _pii_problems(params: dict[str, Any], at: str) -> list[str]:
         if not isinstance(phone, str):
             problems.append(f"{at}.phone_pattern must be a regex string or null, got {phone!r}")
         else:
-            try:
-                re.compile(phone)
-            except re.error as exc:
-                problems.append(f"{at}.phone_pattern does not compile: {exc}")
+            problem = pattern_problem(phone, searched=True)
+            if problem:
+                problems.append(f"{at}.phone_pattern {problem}")
     return problems
 
 
@@ -150,15 +164,16 @@ def _script_problems(params: dict[str, Any], at: str) -> list[str]:
     problems = [f"{at}.{k} is not a parameter of kiln.script (known: {sorted(SCRIPT_PARAMS)})"
                 for k in sorted(set(params) - set(SCRIPT_PARAMS))]
     scripts = params.get("scripts")
-    if not isinstance(scripts, list) or not scripts or not all(isinstance(s, str) and re.fullmatch(r"[A-Z][A-Za-z_]*", s)
-                                                              for s in scripts):
-        problems.append(f"{at}.scripts must be a non-empty list of Unicode script names like 'Latin', got {scripts!r}")
+    names_ok = isinstance(scripts, list) and all(isinstance(s, str) and re.fullmatch(r"[A-Z][A-Za-z_]*", s) for s in scripts)
+    if not names_ok or not scripts or len(scripts) > MAX_SCRIPTS:
+        problems.append(f"{at}.scripts must be a list of 1 to {MAX_SCRIPTS} Unicode script names like 'Latin', "
+                        f"got {scripts!r}"[:300])
     share = params.get("max_other_letter_share")
     if isinstance(share, bool) or not isinstance(share, (int, float)) or not 0 <= share <= 1:
         problems.append(f"{at}.max_other_letter_share must be a number in [0, 1], got {share!r}")
     letters = params.get("min_letters", 1)
-    if isinstance(letters, bool) or not isinstance(letters, int) or letters < 0:
-        problems.append(f"{at}.min_letters must be an int >= 0, got {letters!r}")
+    if isinstance(letters, bool) or not isinstance(letters, int) or not 0 <= letters <= MAX_RULE_NUMBER:
+        problems.append(f"{at}.min_letters must be an int in [0, {MAX_RULE_NUMBER}], got {letters!r}"[:300])
     return problems
 
 
@@ -180,9 +195,10 @@ def _datatrove_problems(kind: str, params: dict[str, Any], at: str) -> list[str]
         if isinstance(default, bool):
             ok, want = isinstance(value, bool), "true or false"
         elif default is None or isinstance(default, (int, float)):
-            ok, want = value is None or (isinstance(value, (int, float)) and not isinstance(value, bool)), "a number or null"
+            ok, want = value is None or _bounded_number(value), f"a number or null, at most {MAX_RULE_NUMBER:.0e} in magnitude"
         elif isinstance(default, (tuple, list)):
-            ok, want = isinstance(value, list), "a list"
+            ok, want = _n_gram_table(value), (f"a list of at most {MAX_N_GRAM} [n, fraction] pairs, "
+                                              f"n an int in [1, {MAX_N_GRAM}], fraction in [0, 1]")
         elif isinstance(default, str):
             ok, want = isinstance(value, str), "a string"
         else:
@@ -190,6 +206,18 @@ def _datatrove_problems(kind: str, params: dict[str, Any], at: str) -> list[str]
         if not ok:
             problems.append(f"{at}.{key} must be {want} (datatrove's default is {default!r}), got {value!r}")
     return problems
+
+
+def _bounded_number(value: Any) -> bool:
+    return (isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+            and abs(value) <= MAX_RULE_NUMBER)
+
+
+def _n_gram_table(value: Any) -> bool:
+    """datatrove's n-gram tables (``top_n_grams``, ``dup_n_grams``): [[n, fraction], ...], n bounded."""
+    return isinstance(value, list) and len(value) <= MAX_N_GRAM and all(
+        isinstance(pair, list) and len(pair) == 2 and isinstance(pair[0], int) and not isinstance(pair[0], bool)
+        and 1 <= pair[0] <= MAX_N_GRAM and _bounded_number(pair[1]) and 0 <= pair[1] <= 1 for pair in value)
 
 
 def _datatrove_class(kind: str) -> Any:
@@ -280,25 +308,27 @@ def _public_ip(candidate: str) -> bool:
 class _PiiRule(_Rule):
     """datatrove's PIIFormatter patterns (e-mail; IPv4 kept only when public), plus the contract's
     phone pattern. A document with any match is dropped (kiln never rewrites text, so it cannot
-    anonymise in place as the formatter does)."""
+    anonymise in place as the formatter does). Every pattern runs on RE2 (``kiln.data.re2_patterns``):
+    the e-mail pattern is quadratic under Python's ``re``."""
 
     def __init__(self, rule: str, params: dict[str, Any]) -> None:
         from datatrove.pipeline.formatters.pii import PIIFormatter
 
         reference = PIIFormatter()
         self.rule = rule
-        self.checks: list[tuple[str, re.Pattern[str], Any]] = []
+        # (detail, RE2 pattern, validator of each match or None: any match at all drops the document)
+        self.checks: list[tuple[str, Any, Any]] = []
         # Each check with an RE2 pattern that every match of its regex contains (None: no such filter):
-        # a document without it cannot match, and is not scanned by Python's regex.
+        # a document without it is not scanned.
         self.needs: list[str | None] = []
         if params.get("emails", True):
-            self.checks.append(("email", reference.emails_replacer.regex, None))
+            self.checks.append(("email", compiled_search(reference.emails_replacer.regex.pattern), None))
             self.needs.append("@")  # the address pattern's one literal "@" (not inside an alternative)
         if params.get("public_ips", True):
-            self.checks.append(("public_ip", reference.ip_replacer.regex, _public_ip))
+            self.checks.append(("public_ip", compiled_exact(reference.ip_replacer.regex.pattern), _public_ip))
             self.needs.append(r"[0-9]\.[0-9]")  # every octet but the last ends in a digit, then "." and a digit
         if params.get("phone_pattern"):
-            self.checks.append(("phone", re.compile(params["phone_pattern"]), None))
+            self.checks.append(("phone", compiled_search(params["phone_pattern"]), None))
             self.needs.append(None)
 
     def judge(self, texts: Any, candidates: list[int]) -> dict[int, str]:
@@ -320,7 +350,9 @@ class _PiiRule(_Rule):
             for (name, pattern, valid), need in zip(self.checks, needs, strict=True):
                 if need is not None and not need[i]:
                     continue
-                if any(valid is None or valid(m.group(0)) for m in pattern.finditer(text)):
+                hit = pattern.search(text) is not None if valid is None else any(
+                    valid(m.group(0)) for m in pattern.finditer(text))
+                if hit:
                     failed[row] = name
                     break
         return failed
@@ -381,8 +413,11 @@ class DocumentRuleSet:
         if isinstance(texts, pa.ChunkedArray):
             texts = texts.combine_chunks() if texts.num_chunks != 1 else texts.chunk(0)
         valid = pc.is_valid(texts).to_pylist()
-        remaining = [i for i, ok in enumerate(valid) if ok]
-        dropped: list[DroppedDocument] = []
+        too_long = set(pc.indices_nonzero(pc.fill_null(pc.greater(pc.utf8_length(texts), MAX_DOCUMENT_CHARS), False))
+                       .to_pylist()) if self.rules else set()
+        # A document over the budget is dropped before any rule sees it: no rule's time depends on it.
+        dropped = [DroppedDocument(row, DOCUMENT_BUDGET_RULE, f"over_{MAX_DOCUMENT_CHARS}_chars") for row in sorted(too_long)]
+        remaining = [i for i, ok in enumerate(valid) if ok and i not in too_long]
         for per_document, group in groupby(self.rules, key=lambda rule: isinstance(rule, _DatatroveRule)):
             # A run of datatrove rules is applied document by document (see _document_by_document); any
             # other rule judges the shard's remaining documents at once, in Arrow.

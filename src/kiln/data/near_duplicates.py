@@ -38,6 +38,9 @@ from kiln.errors import ContractError
 
 NEAR_DUPLICATE_KIND = "datasketch.MinHashLSH"
 _KEYS = {"kind": str, "column": str, "num_perm": int, "threshold": float, "shingle_words": int, "seed": int}
+_INT_BOUNDS = {"num_perm": (2, 1024), "shingle_words": (1, 64), "seed": (0, 2**32 - 1)}
+"""Bounds ``kiln contract check`` enforces: a signature costs num_perm 4-byte values per document (1024:
+4 KiB), a shingle's work grows with its words, and datasketch seeds numpy, which takes 32-bit seeds."""
 MINHASH_SCHEME = "affine32"
 """datasketch 2's permutation scheme (32-bit values, collision-free permutations); part of the settings key."""
 _MAX_HASH = 0xFFFFFFFF
@@ -94,9 +97,9 @@ def check_near_duplicate_settings(raw: Any, where: str = "meta.kiln.near_duplica
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1:
                 problems.append(f"{where}.{key} must be a number in (0, 1], got {value!r}")
         elif kind is int:
-            low = 0 if key == "seed" else (2 if key == "num_perm" else 1)
-            if isinstance(value, bool) or not isinstance(value, int) or value < low:
-                problems.append(f"{where}.{key} must be an int >= {low}, got {value!r}")
+            low, high = _INT_BOUNDS[key]
+            if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+                problems.append(f"{where}.{key} must be an int in [{low}, {high}], got {value!r}"[:300])
         elif not isinstance(value, str) or not value:
             problems.append(f"{where}.{key} must be a non-empty string, got {value!r}")
     return problems

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -79,15 +78,14 @@ def _pandas_strings(column: Any) -> Any:
 
 def _char_share(text: Any, pattern: str) -> Any:
     """Per row: characters matching ``pattern`` / all characters (0.0 for "", NaN for null), float64."""
-    import numpy as np
     import pyarrow as pa
     import pyarrow.compute as pc
 
-    re2 = _re2_char_class(pattern)
-    if re2 is None:  # not a single class: Python's re, value by value (correct, slower)
-        bad = re.compile(pattern)
-        values = [np.nan if t is None else (len(bad.findall(t)) / len(t) if t else 0.0) for t in text.to_pylist()]
-        return np.asarray(values, dtype="float64")
+    from kiln.data.re2_patterns import re2_exact
+
+    # One character class (the common case) is spelled for RE2 directly; any other pattern is translated
+    # with Python's meaning kept (``contract check`` refuses one that cannot be): either way Arrow's RE2 counts.
+    re2 = _re2_char_class(pattern) or re2_exact(pattern)
     bad_chars = pc.count_substring_regex(text, re2).cast(pa.float64())
     lengths = pc.utf8_length(text).cast(pa.float64())
     share = pc.if_else(pc.equal(lengths, 0.0), 0.0, pc.divide(bad_chars, lengths))

@@ -10,7 +10,7 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any
 
-from kiln.data.contracts import Contract, load_contract
+from kiln.data.contracts import REGEX_EXPECTATIONS, Contract, load_contract
 from kiln.errors import ContractError
 
 INDEX_META_KEY = "kiln_expectation_index"
@@ -69,6 +69,8 @@ def _suite(
             exp["meta"] = {**(exp.get("meta") or {}), INDEX_META_KEY: i}
             if i in moved:
                 exp["kwargs"]["column"] = moved[i]
+            if exp["type"] in REGEX_EXPECTATIONS:
+                _on_re2(exp["kwargs"], contract)
         try:
             suite = gx.ExpectationSuite(
                 name=contract.ref,
@@ -80,6 +82,20 @@ def _suite(
             raise ContractError(f"contract {contract.ref} ({contract.path}) is not a valid GE suite: {exc}") from exc
         ge.suites[key] = suite
     return suite
+
+
+def _on_re2(kwargs: dict[str, Any], contract: Contract) -> None:
+    """Replace a regex expectation's patterns by their RE2 translations (same verdicts): pandas then runs
+    them in Arrow's RE2, never in Python's backtracking ``re`` (``kiln.data.re2_patterns``)."""
+    from kiln.data.re2_patterns import PatternNotLinear, re2_search
+
+    try:
+        if isinstance(kwargs.get("regex"), str):
+            kwargs["regex"] = re2_search(kwargs["regex"], end="\\Z")
+        if isinstance(kwargs.get("regex_list"), list):
+            kwargs["regex_list"] = [re2_search(p, end="\\Z") for p in kwargs["regex_list"]]
+    except (PatternNotLinear, TypeError) as exc:
+        raise ContractError(f"contract {contract.ref} ({contract.path}): a regex cannot run on RE2: {exc}") from exc
 
 
 def _expectation_index(config: Any, contract: Contract) -> int:

@@ -76,7 +76,7 @@ def test_check_passes_the_shipped_contracts(capsys) -> None:
 def test_check_names_every_bad_field(tmp_path: Path, capsys) -> None:
     suite = json.loads((CONTRACTS_DIR / "web-text" / "v1.json").read_text())
     suite["expectations"].append({"type": "expect_vibes", "kwargs": {}})
-    suite["expectations"].append({"type": "expect_column_values_to_be_between", "kwargs": {"column": "x", "mostly": 7}})
+    suite["expectations"].append({"type": "expect_column_values_to_be_between", "kwargs": {"column": "text", "mostly": 7}})
     suite["meta"]["kiln"]["document_rules"][3]["params"]["min_doc_words"] = "many"
     suite["meta"]["kiln"]["near_duplicates"]["num_perm"] = 1
     suite["meta"]["kiln"]["max_dropped_share"] = -1

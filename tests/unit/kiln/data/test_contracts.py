@@ -104,7 +104,7 @@ def _broken(mutate) -> Any:
         (_broken(lambda s: s["meta"]["kiln"]["derived_columns"].update(x={"kind": "magic", "column": "text"})),
          "kind must be one of"),
         (_broken(lambda s: s["meta"]["kiln"]["derived_columns"]["kiln_text_bad_char_share"].update(pattern="[")),
-         "bad 'pattern'"),
+         r"derived_columns\.kiln_text_bad_char_share\.pattern does not compile"),
         (_broken(lambda s: s["meta"]["kiln"]["snapshot_rules"].append({"rule": "vibes"})), "snapshot rule"),
         (_broken(lambda s: s["expectations"][11]["kwargs"]["regex_list"].append("(")), "does not compile"),
     ],
