@@ -17,6 +17,7 @@ and ``itertools.accumulate``), so a large manifest costs about one extra pass ov
 
 from __future__ import annotations
 
+import errno
 import itertools
 import json
 import os
@@ -79,13 +80,19 @@ def parse_json(raw: bytes | str, where: str, error: type[Exception], *,
         raise error(f"{where}: not JSON: {exc}") from None
 
 
-def read_bounded(path: str | Path, what: str, error: type[Exception], *, max_bytes: int) -> bytes:
+def read_bounded(path: str | Path, what: str, error: type[Exception], *, max_bytes: int,
+                 follow_link: bool = True) -> bytes:
     """The bytes of the regular file ``path``, at most ``max_bytes`` of them, or ``error`` naming the
     path and the ``what`` it should have been. The kind is checked on the opened file (``fstat``), so
-    a FIFO or device swapped in after a check is still refused, and nothing blocks on opening one."""
+    a FIFO or device swapped in after a check is still refused, and nothing blocks on opening one.
+    Without ``follow_link``, a symlink as the last component is refused (a file inside an input that
+    points out of it)."""
+    flags = os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | (0 if follow_link else os.O_NOFOLLOW)
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+        fd = os.open(path, flags)
     except OSError as exc:
+        if exc.errno == errno.ELOOP and not follow_link:
+            raise error(f"{path}: cannot read {what}: a symlink, and kiln does not follow links here") from exc
         raise error(f"{path}: cannot read {what}: {exc.strerror or exc}") from exc
     try:
         info = os.fstat(fd)
@@ -116,13 +123,14 @@ def file_kind(mode: int) -> str:
 
 
 def read_json(path: str | Path, what: str, error: type[Exception], *,
-              max_bytes: int = DEFAULT_MAX_BYTES) -> tuple[bytes, Any]:
+              max_bytes: int = DEFAULT_MAX_BYTES, follow_link: bool = True) -> tuple[bytes, Any]:
     """The bytes of ``path`` and the JSON document they hold, or ``error`` naming the path and the
     ``what`` it should have been (missing, not a regular file, too large, not JSON, too deep)."""
-    raw = read_bounded(path, what, error, max_bytes=max_bytes)
+    raw = read_bounded(path, what, error, max_bytes=max_bytes, follow_link=follow_link)
     return raw, parse_json(raw, str(path), error)
 
 
-def load_json(path: str | Path, what: str, error: type[Exception], *, max_bytes: int = DEFAULT_MAX_BYTES) -> Any:
+def load_json(path: str | Path, what: str, error: type[Exception], *, max_bytes: int = DEFAULT_MAX_BYTES,
+              follow_link: bool = True) -> Any:
     """``read_json`` without the bytes."""
-    return read_json(path, what, error, max_bytes=max_bytes)[1]
+    return read_json(path, what, error, max_bytes=max_bytes, follow_link=follow_link)[1]

@@ -34,13 +34,15 @@ from kiln import settings as kiln_settings
 from kiln.data.contracts import available_contracts, available_versions, contracts_dir, parse_contract_ref
 from kiln.data.snapshot import CORPUS_NAME
 from kiln.errors import ConfigError, ContractError, CorpusInputError
-from kiln.util.fs import atomic_write_bytes
+from kiln.util.fs import atomic_write_bytes, load_json
 
 log = logging.getLogger("kiln.corpora")
 
 METADATA_FILE = "corpus.json"
 METADATA_FORMAT = 1
 """Version of the ``corpus.json`` layout; a reader refuses one it does not know."""
+MAX_METADATA_BYTES = 1 << 20
+"""A corpus record is a few hundred bytes of names and counts; a larger file is not one."""
 TEXT_KINDS: dict[str, str] = {
     "python-source": "stdlib-py",
     "natural-language": "web-text",
@@ -179,16 +181,12 @@ def read_metadata(corpus_dir: str | Path) -> CorpusMetadata | None:
 
     ``CorpusInputError`` naming the file for one that cannot be read or parsed."""
     path = metadata_path(corpus_dir)
-    try:
-        raw = path.read_bytes()
-    except FileNotFoundError:
+    if not os.path.lexists(path):
         return None
-    except OSError as exc:
-        raise CorpusInputError(f"{path}: cannot read: {exc.strerror or exc}") from exc
     try:
-        data = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, ValueError) as exc:
-        raise CorpusInputError(f"{path}: not a JSON corpus record: {exc}") from None
+        data = load_json(path, "corpus record", CorpusInputError, max_bytes=MAX_METADATA_BYTES, follow_link=False)
+    except CorpusInputError as exc:
+        raise CorpusInputError(f"{path}: not a JSON corpus record: {str(exc).removeprefix(f'{path}: ')}") from None
     return CorpusMetadata.from_json(data, str(path))
 
 

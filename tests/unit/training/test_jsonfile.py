@@ -53,7 +53,8 @@ def test_non_json_constants_are_refused(text: str) -> None:
 
 @pytest.mark.parametrize(("raw", "fault"), [(b"", "not JSON: Expecting value at line 1 column 1"),
                                            (b'{"a": 1,\n"b"}', "not JSON: Expecting ':' delimiter at line 2 column 4"),
-                                           (b'"\xff"', "not JSON: not UTF-8 \\(byte 1\\)"), (b'{"a": 1} x', "not JSON: Extra data")])
+                                           (b'"\xff"', "not JSON: not UTF-8 \\(byte 1\\)"),
+                                           (b'{"a": 1} x', "not JSON: Extra data")])
 def test_malformed_documents_name_where_and_what(raw: bytes, fault: str) -> None:
     with pytest.raises(Refused, match=f"^f.json: {fault}"):
         parse_json(raw, "f.json", Refused)
@@ -101,3 +102,13 @@ def test_a_large_ordinary_document_is_read_in_linear_time() -> None:
     start = time.monotonic()
     assert parse_json(text, "f.json", Refused) == doc
     assert time.monotonic() - start < 30  # a bound, not a benchmark: about a second here
+
+
+def test_a_link_is_refused_where_links_are_not_followed(tmp_path: Path) -> None:
+    target = tmp_path / "outside.json"
+    target.write_text("{}")
+    link = tmp_path / "inside.json"
+    link.symlink_to(target)
+    assert load_json(link, "record", Refused) == {}
+    with pytest.raises(Refused, match=f"^{link}: cannot read record: a symlink, and kiln does not follow links here"):
+        load_json(link, "record", Refused, follow_link=False)

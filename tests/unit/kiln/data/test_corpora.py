@@ -89,3 +89,28 @@ def test_the_default_contract_of_a_kind_is_the_latest_shipped_one() -> None:
     assert default_contract("python-source") == "stdlib-py@1"
     with pytest.raises(ConfigError, match="kind must be one of"):
         default_contract("poetry")
+
+
+@pytest.mark.parametrize("hostile", ["deep", "digits", "dev-zero", "fifo", "outside-link", "directory"])
+def test_a_hostile_corpus_record_is_listed_as_unreadable_and_the_form_still_builds(tmp_path: Path, hostile: str) -> None:
+    import os
+
+    (tmp_path / "web").mkdir()
+    write_metadata(tmp_path / "web", _meta())
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    record = bad / "corpus.json"
+    outside = tmp_path.parent / f"{tmp_path.name}-outside.json"
+    outside.write_text((tmp_path / "web" / "corpus.json").read_text())
+    make = {"deep": lambda: record.write_text('{"format": ' + "[" * 200_000),
+            "digits": lambda: record.write_text('{"format": ' + "9" * 5000 + "}"),
+            "dev-zero": lambda: record.symlink_to("/dev/zero"),
+            "fifo": lambda: os.mkfifo(record),
+            "outside-link": lambda: record.symlink_to(outside),
+            "directory": lambda: record.mkdir()}
+    make[hostile]()
+    entries = {e.name: e for e in list_corpora(tmp_path)}
+    assert entries["web"].metadata == _meta() and entries["web"].problem is None
+    assert entries["bad"].metadata is None and entries["bad"].problem.startswith(f"{record}: not a JSON corpus record: ")
+    choices = form_choices("web", tmp_path)
+    assert choices.corpus_labels["bad"] == "bad (unreadable corpus.json)"
