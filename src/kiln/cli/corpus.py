@@ -114,6 +114,8 @@ def _add_import_parser(actions: argparse._SubParsersAction) -> None:
             "           document is the string field --text-field; ids: --id-field, else FILE:LINE\n"
             "  parquet  the string column --text-field of .parquet files; ids: --id-field, else FILE#ROW\n"
             "  text     every (non-hidden) file of a tree is one UTF-8 document; its id is its path\n"
+            "inside a tree only regular files are read: a symlink is skipped and named, a FIFO, socket or\n"
+            "device is refused; --replace replaces only a corpus kiln wrote (its corpus.json, its shards).\n"
             "held-out split: a document goes to eval/ when the blake2b hash of its text keyed by --seed falls\n"
             "below --eval-fraction: identical texts always land on the same side."
         ),
@@ -152,6 +154,8 @@ def _import(args: argparse.Namespace) -> int:
                           seed=args.seed, kind=args.kind, contract=args.contract)
     out = (args.root if args.root is not None else corpus_root()) / config.name
     summary = import_corpus(args.src, out, config, replace=args.replace)
+    for entry in summary["skipped"]:
+        print(f"skipped {entry['path']}: {entry['reason']}", file=sys.stderr)
     print(json.dumps(summary, indent=2, sort_keys=True))
     return 0
 

@@ -8,6 +8,17 @@ Input, by ``ImportConfig.format``:
 - ``parquet``: the string column ``text_field`` of ``.parquet`` files (a file or a tree).
 - ``text``: every regular file of a directory tree (hidden ones left out) is one document, UTF-8.
 
+What is read: only regular files, each where it is. Inside a directory tree a symlink (to a file or
+a folder, inside the tree or out of it, dangling or not) is never followed: it is skipped and named
+(``skipped`` of the summary). A FIFO, socket or device is refused naming the file and its kind, and
+so is a file or folder name that is not UTF-8 (a row's ``source`` is text). The input named on the
+command line is taken as given, through a link too. A file is opened once, without following a link
+and without blocking, and must be the very file that was listed (same device and inode).
+
+Caps, each named in its error: a JSON line of at most ``MAX_LINE_BYTES``; a text file of at most
+``MAX_TEXT_FILE_BYTES``; a compressed file that decompresses to at most
+``MAX_DECOMPRESSION_RATIO`` times its size (and never less than ``MIN_DECOMPRESSED_CAP``).
+
 Each document becomes one row ``doc_id, text, source``: ``source`` is the input file's path
 relative to the input (its name for a single file); ``doc_id`` is the value of ``id_field`` (a
 string, or an integer written in decimal), else ``source:LINE`` (jsonl), ``source#ROW`` (parquet,
@@ -41,6 +52,7 @@ to import it the slow way). Compressed input is decompressed by pyarrow's own gz
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import json
 import os
@@ -53,12 +65,29 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
-from kiln.data.corpora import TEXT_KINDS, CorpusMetadata, SplitStats, default_contract, pinned_contract, write_metadata
+from kiln.data.corpora import (
+    METADATA_FILE,
+    TEXT_KINDS,
+    CorpusMetadata,
+    SplitStats,
+    default_contract,
+    pinned_contract,
+    read_metadata,
+    write_metadata,
+)
 from kiln.data.corpus import COMPRESSION as SHARD_COMPRESSION
 from kiln.data.corpus import shard_schema
 from kiln.data.snapshot import CORPUS_NAME
 from kiln.errors import ConfigError, CorpusInputError, KilnError
-from kiln.util.fs import fsync_dir, os_error_text, unusable_target_reason
+from kiln.util.fs import (
+    exchange_paths,
+    file_kind,
+    fsync_dir,
+    lies_inside,
+    open_regular_file,
+    os_error_text,
+    unusable_target_reason,
+)
 
 if TYPE_CHECKING:
     import pyarrow as pa
@@ -76,10 +105,19 @@ CHUNK_BYTES = 8 * 1024 * 1024
 """JSON lines are read and parsed this many bytes at a time (whole lines: a longer line is read whole)."""
 MAX_TEXT_FILE_BYTES = 64 * 1024 * 1024
 """Largest file the ``text`` format takes as one document."""
+MAX_LINE_BYTES = MAX_TEXT_FILE_BYTES
+"""Longest JSON line (one document and its fields): a longer one is refused, not read on into memory."""
+MAX_DECOMPRESSION_RATIO = 200
+"""A gzip or zstd file may decompress to this many times its own size (text compresses 3-20x) ..."""
+MIN_DECOMPRESSED_CAP = 1024 * 1024 * 1024
+"""... or to this many bytes, whichever is more; beyond it the file is refused as a decompression bomb."""
 DEFAULT_EVAL_FRACTION = 0.01
 SPLIT_RULE = "blake2b-64 of the UTF-8 text, key 'kiln-eval-split:<seed>', below eval_fraction of 2**64 -> eval"
 STAGING_PREFIX = ".kiln-import-"
-"""Hidden folders beside the target: ``.kiln-import-<name>.new-*`` being written, ``.old-*`` being replaced."""
+STAGING_SEPARATOR = "~"
+"""Hidden folders beside the target: ``.kiln-import-NAME~new~XXXXXXXX`` being written, ``~old~`` the
+corpus being replaced. No corpus name holds a ``~`` (``CORPUS_NAME``), so the folders of corpus ``a``
+are never those of corpus ``a.new-b``, and each is recognised by an exact match, never a prefix."""
 
 _SUFFIXES = {"jsonl": (".jsonl", ".ndjson", ".json"), "parquet": (".parquet",)}
 _COMPRESSED = (".gz", ".zst")
@@ -144,50 +182,107 @@ class _InputFile:
     path: Path
     rel: str
     """Path relative to the input (its name for a single file), POSIX: the rows' ``source``."""
+    identity: tuple[int, int]
+    """``(st_dev, st_ino)`` when listed: the file opened later must be this one."""
+    given: bool = False
+    """The input named on the command line itself (a link there is followed: the caller chose it)."""
 
 
-def _input_files(src: Path, fmt: Format) -> tuple[list[_InputFile], int]:
-    """The files to read, sorted by relative path, and how many other files were left aside."""
+@dataclass(frozen=True, slots=True)
+class SkippedInput:
+    """An entry of the input tree that was not read, and why (a symlink)."""
+
+    path: str
+    reason: str
+
+    def to_json(self) -> dict[str, str]:
+        return {"path": self.path, "reason": self.reason}
+
+
+def printable_path(path: str | Path) -> str:
+    """``path`` with the bytes of a name that is not UTF-8 written as ``\\xNN``: safe to print and store."""
+    return os.fsencode(path).decode("utf-8", "backslashreplace")
+
+
+def _refuse_undecodable_name(path: Path) -> None:
+    """A name the file system gave as bytes that are not UTF-8 (Python holds them as surrogate escapes)."""
+    bad = next((ord(ch) - 0xDC00 for ch in os.fspath(path) if 0xDC80 <= ord(ch) <= 0xDCFF), None)
+    if bad is not None:
+        raise CorpusInputError(f"{printable_path(path)}: the name is not UTF-8 (byte 0x{bad:02x}); a document's source "
+                               "is its path, which must be text: rename it")
+
+
+def _link_skipped(path: Path) -> SkippedInput:
+    try:
+        target = printable_path(os.readlink(path))
+    except OSError:
+        target = "?"
+    return SkippedInput(printable_path(path), f"a symlink (-> {target}): kiln reads no file through a link inside an "
+                                              "input; copy the file into the input to import it")
+
+
+def _input_files(src: Path, fmt: Format) -> tuple[list[_InputFile], int, list[SkippedInput]]:
+    """The files to read, sorted by relative path, how many other files were left aside, and the
+    symlinks skipped."""
     try:
         st = os.stat(src)
     except OSError as exc:
-        raise CorpusInputError(f"{src}: cannot read the input: {exc.strerror or exc}") from exc
+        raise CorpusInputError(f"{printable_path(src)}: cannot read the input: {exc.strerror or exc}") from exc
     if stat.S_ISREG(st.st_mode):
+        _refuse_undecodable_name(Path(src.name))
         if fmt == "text" and st.st_size > MAX_TEXT_FILE_BYTES:
             _too_large(src, st.st_size)
-        return [_InputFile(src, src.name)], 0
+        return [_InputFile(src, src.name, (st.st_dev, st.st_ino), given=True)], 0, []
     if not stat.S_ISDIR(st.st_mode):
-        raise CorpusInputError(f"{src}: the input is neither a regular file nor a directory")
+        raise CorpusInputError(f"{printable_path(src)}: the input is a {file_kind(st.st_mode)}, neither a regular file "
+                               "nor a directory")
     found: list[_InputFile] = []
+    skipped: list[SkippedInput] = []
     ignored = 0
 
     def walk_error(exc: OSError) -> None:
-        raise CorpusInputError(f"{exc.filename}: cannot read the input directory: {exc.strerror or exc}") from exc
+        raise CorpusInputError(f"{printable_path(exc.filename)}: cannot read the input directory: "
+                               f"{exc.strerror or exc}") from exc
 
-    for dirpath, dirnames, filenames in os.walk(src, onerror=walk_error):
-        dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
+    for dirpath, dirnames, filenames in os.walk(src, onerror=walk_error):  # never into a linked folder
+        kept = []
+        for d in sorted(dirnames):
+            if d.startswith("."):
+                continue
+            if os.path.islink(os.path.join(dirpath, d)):
+                skipped.append(_link_skipped(Path(dirpath) / d))
+            else:
+                _refuse_undecodable_name(Path(dirpath) / d)
+                kept.append(d)
+        dirnames[:] = kept
         for name in sorted(filenames):
             if name.startswith("."):
                 continue
             path = Path(dirpath) / name
-            rel = path.relative_to(src).as_posix()
+            try:
+                fst = os.lstat(path)
+            except OSError as exc:
+                raise CorpusInputError(f"{printable_path(path)}: cannot read: {exc.strerror or exc}") from exc
+            if stat.S_ISLNK(fst.st_mode):
+                skipped.append(_link_skipped(path))
+                continue
             if fmt != "text" and not _has_suffix(name, fmt):
                 ignored += 1
                 continue
-            try:
-                fst = os.stat(path)
-            except OSError as exc:
-                raise CorpusInputError(f"{path}: cannot read: {exc.strerror or exc}") from exc
+            _refuse_undecodable_name(path)
             if not stat.S_ISREG(fst.st_mode):
-                raise CorpusInputError(f"{path}: not a regular file; an input holds regular files only")
+                raise CorpusInputError(f"{path}: not a regular file but a {file_kind(fst.st_mode)}; an input holds "
+                                       "regular files only")
             if fmt == "text" and fst.st_size > MAX_TEXT_FILE_BYTES:
                 _too_large(path, fst.st_size)
-            found.append(_InputFile(path, rel))
+            found.append(_InputFile(path, path.relative_to(src).as_posix(), (fst.st_dev, fst.st_ino)))
     found.sort(key=lambda f: f.rel)
     if not found:
         what = "files" if fmt == "text" else " or ".join(f"*{s}" for s in _SUFFIXES[fmt]) + " files"
-        raise CorpusInputError(f"{src}: empty input: no {what} under it ({ignored} other file(s) left aside)")
-    return found, ignored
+        links = f", {len(skipped)} symlink(s) skipped" if skipped else ""
+        raise CorpusInputError(f"{printable_path(src)}: empty input: no {what} under it ({ignored} other file(s) left "
+                               f"aside{links})")
+    return found, ignored, skipped
 
 
 def _has_suffix(name: str, fmt: Format) -> bool:
@@ -206,37 +301,71 @@ def _too_large(path: Path, size: int) -> None:
                            "split it, or import it as JSON lines")
 
 
+def _open_listed(file: _InputFile) -> Any:
+    """The listed file, opened as itself: a regular file, not through a link (unless it is the
+    input named on the command line), the same device and inode as when it was listed."""
+    try:
+        fh = open_regular_file(file.path, follow_link=file.given)
+    except OSError as exc:
+        raise CorpusInputError(f"{file.path}: cannot read: {exc.strerror or exc}") from exc
+    st = os.fstat(fh.fileno())
+    if (st.st_dev, st.st_ino) != file.identity:
+        fh.close()
+        raise CorpusInputError(f"{file.path}: the file was replaced while the input was read; import it again")
+    return fh
+
+
+@dataclass(slots=True)
+class _Stream:
+    """One input file's bytes, decompressed when its magic bytes say gzip or zstd, with the cap
+    that decompression may reach (None: a plain file, bounded by its size on disk)."""
+
+    source: Any
+    cap: int | None
+    read_bytes: int = 0
+
+
 @contextlib.contextmanager
-def _open_input(path: Path) -> Iterator[Any]:
-    """The file's bytes, decompressed when its magic bytes say gzip or zstd."""
+def _open_input(file: _InputFile) -> Iterator[_Stream]:
     import pyarrow as pa
 
+    fh = _open_listed(file)
     try:
-        with open(path, "rb") as fh:
+        try:
             magic = fh.read(4)
-        raw = pa.OSFile(str(path), "r")
-    except OSError as exc:
-        raise CorpusInputError(f"{path}: cannot read: {os_error_text(exc)}") from exc
-    try:
+            fh.seek(0)
+            size = os.fstat(fh.fileno()).st_size
+        except OSError as exc:
+            raise CorpusInputError(f"{file.path}: cannot read: {os_error_text(exc)}") from exc
+        raw = pa.PythonFile(fh, mode="r")
+        cap = max(MIN_DECOMPRESSED_CAP, MAX_DECOMPRESSION_RATIO * size)
         if magic.startswith(_GZIP_MAGIC):
-            yield pa.CompressedInputStream(raw, "gzip")
+            yield _Stream(pa.CompressedInputStream(raw, "gzip"), cap)
         elif magic.startswith(_ZSTD_MAGIC):
-            yield pa.CompressedInputStream(raw, "zstd")
+            yield _Stream(pa.CompressedInputStream(raw, "zstd"), cap)
         else:
-            yield raw
+            yield _Stream(raw, None)
     finally:
-        raw.close()
+        fh.close()
 
 
-def _read(stream: Any, size: int, path: Path, line: int) -> bytes:
+def _read(stream: _Stream, size: int, path: Path, line: int) -> bytes:
     try:
-        return bytes(stream.read(size))
+        data = bytes(stream.source.read(size))
     except OSError as exc:  # pyarrow's codecs: "Truncated compressed stream", "zlib inflate failed: ..."
         raise CorpusInputError(f"{path}: cannot read past line {line}: {exc}") from exc
+    stream.read_bytes += len(data)
+    if stream.cap is not None and stream.read_bytes > stream.cap:
+        raise CorpusInputError(
+            f"{path}: decompresses to more than {stream.cap} bytes (the cap: {MAX_DECOMPRESSION_RATIO}x the compressed "
+            f"size, at least {MIN_DECOMPRESSED_CAP}), read past line {line}: refused as a decompression bomb; "
+            "decompress it yourself to import it")
+    return data
 
 
-def _line_chunks(stream: Any, path: Path) -> Iterator[tuple[int, bytes]]:
-    """``(number of the first line, bytes of whole lines)``; a UTF-8 BOM at the start is dropped."""
+def _line_chunks(stream: _Stream, path: Path) -> Iterator[tuple[int, bytes]]:
+    """``(number of the first line, bytes of whole lines)``; a UTF-8 BOM at the start is dropped.
+    A line longer than ``MAX_LINE_BYTES`` is refused once that many bytes of it are read."""
     line = 1
     carry = b""
     first = True
@@ -252,6 +381,9 @@ def _line_chunks(stream: Any, path: Path) -> Iterator[tuple[int, bytes]]:
         data = carry + block if carry else block
         cut = data.rfind(b"\n")
         if cut < 0:
+            if len(data) > MAX_LINE_BYTES:
+                raise CorpusInputError(f"{path}:{line}: the line is longer than {MAX_LINE_BYTES} bytes, the cap on one "
+                                       "JSON line (one document); split the document")
             carry = data  # one line longer than a chunk: read on
             continue
         chunk, carry = data[: cut + 1], data[cut + 1 :]
@@ -291,7 +423,7 @@ class _Rows:
 
 
 def _jsonl_rows(file: _InputFile, config: ImportConfig) -> Iterator[_Rows]:
-    with _open_input(file.path) as stream:
+    with _open_input(file) as stream:
         for first_line, chunk in _line_chunks(stream, file.path):
             _check_utf8(chunk, file.path, first_line)
             rows = _jsonl_chunk_fast(chunk, first_line, file, config)
@@ -433,18 +565,24 @@ def _parquet_rows(file: _InputFile, config: ImportConfig) -> Iterator[_Rows]:
     import pyarrow.parquet as pq
 
     path = file.path
+    fh = _open_listed(file)
     try:
-        reader = pq.ParquetFile(str(path))
+        reader = pq.ParquetFile(fh)
     except OSError as exc:
+        fh.close()
         raise CorpusInputError(f"{path}: cannot read: {os_error_text(exc)}") from exc
     except (pa.ArrowException, ValueError) as exc:
+        fh.close()
         raise CorpusInputError(f"{path}: not a readable Parquet file: {exc}") from exc
-    with reader:
+    with fh, reader:
         schema = reader.schema_arrow
         columns = [config.text_field] + ([config.id_field] if config.id_field else [])
         for name in columns:
             if name not in schema.names:
                 raise CorpusInputError(f"{path}: no column {name!r} (columns: {', '.join(schema.names) or 'none'})")
+            if schema.names.count(name) > 1:
+                raise CorpusInputError(f"{path}: column {name!r} appears {schema.names.count(name)} times; a document's "
+                                       "column must be one")
         text_type = schema.field(config.text_field).type
         if not (pa.types.is_string(text_type) or pa.types.is_large_string(text_type) or pa.types.is_binary(text_type)
                 or pa.types.is_large_binary(text_type)):
@@ -512,10 +650,11 @@ def _text_rows(files: list[_InputFile]) -> Iterator[tuple[_InputFile, _Rows]]:
     import pyarrow as pa
 
     for file in files:
-        try:
-            data = file.path.read_bytes()
-        except OSError as exc:
-            raise CorpusInputError(f"{file.path}: cannot read: {exc.strerror or exc}") from exc
+        with _open_listed(file) as fh:
+            try:
+                data = fh.read(MAX_TEXT_FILE_BYTES + 1)
+            except OSError as exc:
+                raise CorpusInputError(f"{file.path}: cannot read: {exc.strerror or exc}") from exc
         if len(data) > MAX_TEXT_FILE_BYTES:  # grew since it was listed
             _too_large(file.path, len(data))
         data = data.removeprefix(_BOM)
@@ -657,10 +796,11 @@ def _fsync_file(path: Path) -> None:
 def import_corpus(src: str | Path, out: str | Path, config: ImportConfig, *, replace: bool = False) -> dict[str, Any]:
     """Import ``src`` as corpus ``config.name`` into ``out``; a JSON-safe summary.
 
-    ``out`` must not exist unless ``replace`` (then it must be a kiln corpus: it has a
-    ``corpus.json`` or a ``train/`` folder). ``CorpusInputError`` for bad input, ``ConfigError`` for
-    bad arguments, both before anything is put in place; ``KilnError`` for a write that fails (full
-    disk): nothing is left behind, and a corpus already at ``out`` is kept as it was.
+    ``out`` must not exist unless ``replace``; then it must be a corpus kiln wrote (``kiln_corpus_problem``),
+    and it is swapped for the new one in one step. ``out`` must not lie inside ``src``.
+    ``CorpusInputError`` for bad input, ``ConfigError`` for bad arguments, both before anything is put
+    in place; ``KilnError`` for a write that fails (full disk): nothing is left behind, and a corpus
+    already at ``out`` is kept as it was.
     """
     import pyarrow as pa
 
@@ -668,13 +808,16 @@ def import_corpus(src: str | Path, out: str | Path, config: ImportConfig, *, rep
     contract = pinned_contract(config.contract) if config.contract else default_contract(config.kind)
     _restore_interrupted_replace(out)
     _check_target(out, replace)
-    files, ignored = _input_files(src, config.format)
+    if lies_inside(out, src):
+        raise ConfigError(f"corpus directory {out} lies inside the input {printable_path(src)}: the import would write "
+                          "into what it reads; write the corpus elsewhere")
+    files, ignored, skipped = _input_files(src, config.format)
     parent = out.parent
     try:
         parent.mkdir(parents=True, exist_ok=True)
-        for leftover in parent.glob(f"{STAGING_PREFIX}{out.name}.new-*"):  # of an import that was killed
+        for leftover in _staging_folders(out, "new"):  # of an import that was killed
             shutil.rmtree(leftover, ignore_errors=True)
-        staging = Path(tempfile.mkdtemp(prefix=f"{STAGING_PREFIX}{out.name}.new-", dir=parent))
+        staging = Path(tempfile.mkdtemp(prefix=_staging_prefix(out, "new"), dir=parent))
     except OSError as exc:
         raise KilnError(f"cannot write the corpus to {out}: {os_error_text(exc)}") from exc
     writers: list[_SplitWriter] = []
@@ -703,7 +846,8 @@ def import_corpus(src: str | Path, out: str | Path, config: ImportConfig, *, rep
             )
         metadata = CorpusMetadata(
             kind=config.kind, contract=contract, producer="kiln corpus import",
-            source={"format": config.format, "input": src.name, "files": len(files), "files_left_aside": ignored,
+            source={"format": config.format, "input": printable_path(src.name), "files": len(files),
+                    "files_left_aside": ignored, "symlinks_skipped": len(skipped),
                     "text_field": config.text_field if config.format != "text" else None, "id_field": config.id_field},
             split={"rule": SPLIT_RULE, "seed": config.seed, "eval_fraction": config.eval_fraction,
                    "shard_bytes": config.shard_bytes},
@@ -726,7 +870,7 @@ def import_corpus(src: str | Path, out: str | Path, config: ImportConfig, *, rep
         raise
     return {
         "name": config.name, "out": str(out), "kind": config.kind, "contract": contract, "format": config.format,
-        "files": len(files), "files_left_aside": ignored,
+        "files": len(files), "files_left_aside": ignored, "skipped": [entry.to_json() for entry in skipped],
         "train": {"shards": [str(out / "train" / p.name) for p in train.files], "documents": train_stats.documents,
                   "text_bytes": train_stats.text_bytes},
         "eval": {"shards": [str(out / "eval" / p.name) for p in held_out.files], "documents": eval_stats.documents,
@@ -749,41 +893,118 @@ def _check_target(out: Path, replace: bool) -> None:
     problem = unusable_target_reason(out, directory=True)
     if problem:
         raise ConfigError(f"corpus directory {out}: {problem}")
-    if not out.exists():
+    if not os.path.lexists(out):
         return
     if not replace:
         raise ConfigError(f"corpus directory {out} exists: pass --replace to replace it (the same input gives the "
                           "same bytes)")
-    if not (out / "corpus.json").is_file() and not (out / "train").is_dir():
-        raise ConfigError(f"{out} is not a kiln corpus (no corpus.json, no train/): refusing to replace it")
+    problem = kiln_corpus_problem(out)
+    if problem:
+        raise ConfigError(f"{out} is not a kiln corpus: {problem}; refusing to replace it (kiln deletes only what it wrote)")
+
+
+_SPLIT_FILE = {"train": re.compile(r"shard-\d{5,}\.parquet"), "eval": re.compile(r"eval-\d{5,}\.parquet")}
+
+
+def kiln_corpus_problem(folder: Path) -> str | None:
+    """Why ``folder`` is not a corpus kiln wrote, or None: a kiln corpus is recognised by its own
+    record, a readable ``corpus.json``, and holds nothing else than that record and its shards
+    (``train/shard-NNNNN.parquet``, ``eval/eval-NNNNN.parquet``). A folder of someone's own files,
+    even with a ``train/`` in it, is not one: ``--replace`` would delete those files."""
+    if os.path.islink(folder):
+        return "it is a symlink"
+    record = folder / METADATA_FILE
+    try:
+        mode = os.lstat(record).st_mode
+    except FileNotFoundError:
+        return f"no {METADATA_FILE}, the record kiln writes in every corpus"
+    except OSError as exc:
+        return f"{record}: {exc.strerror or exc}"
+    if not stat.S_ISREG(mode):
+        return f"its {METADATA_FILE} is a {file_kind(mode)}, not the record kiln writes"
+    try:
+        read_metadata(folder)
+    except (CorpusInputError, OSError) as exc:
+        return f"its record cannot be read ({exc})"
+    foreign: list[str] = []
+    try:
+        for entry in sorted(os.scandir(folder), key=lambda e: e.name):
+            if entry.name == METADATA_FILE:
+                continue
+            if entry.name not in _SPLIT_FILE or not entry.is_dir(follow_symlinks=False):
+                foreign.append(printable_path(entry.name))
+                continue
+            with os.scandir(entry.path) as inner:
+                foreign += [f"{entry.name}/{printable_path(f.name)}" for f in sorted(inner, key=lambda e: e.name)
+                            if not (_SPLIT_FILE[entry.name].fullmatch(f.name) and f.is_file(follow_symlinks=False))]
+    except OSError as exc:
+        return f"it cannot be listed ({exc.strerror or exc})"
+    if foreign:
+        shown = ", ".join(foreign[:5]) + (f" and {len(foreign) - 5} more" if len(foreign) > 5 else "")
+        return f"it holds files kiln did not write there ({shown})"
+    return None
+
+
+def _staging_prefix(out: Path, role: Literal["new", "old"]) -> str:
+    return f"{STAGING_PREFIX}{out.name}{STAGING_SEPARATOR}{role}{STAGING_SEPARATOR}"
+
+
+def _staging_folders(out: Path, role: Literal["new", "old"]) -> list[Path]:
+    """The staging (``new``) or aside (``old``) folders of corpus ``out`` beside it, by an exact match of
+    the whole name (a ``tempfile`` suffix after the prefix), sorted."""
+    pattern = re.compile(re.escape(_staging_prefix(out, role)) + r"[a-z0-9_]+")
+    try:
+        names = sorted(e.name for e in os.scandir(out.parent) if pattern.fullmatch(e.name))
+    except OSError:
+        return []
+    return [out.parent / name for name in names]
 
 
 def _restore_interrupted_replace(out: Path) -> None:
-    """A replace killed between its two renames left the old corpus aside: put it back first."""
-    if out.exists():
-        return
-    for old in sorted(out.parent.glob(f"{STAGING_PREFIX}{out.name}.old-*")):
-        with contextlib.suppress(OSError):
-            os.replace(old, out)
-            return
+    """A replace killed between the two renames of its fallback left the old corpus aside: put it
+    back; one killed after its commit left the old one aside with the new in place: remove it."""
+    asides = _staging_folders(out, "old")
+    if not os.path.lexists(out):
+        for old in asides:
+            with contextlib.suppress(OSError):
+                os.replace(old, out)
+                asides.remove(old)
+                break
+    for old in asides:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+_NO_EXCHANGE = frozenset({errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP, errno.ENOTSUP})
 
 
 def _put_in_place(staging: Path, out: Path, replace: bool) -> None:
-    """Rename the staged corpus to ``out``; an existing one is moved aside first and removed after."""
-    aside = None
-    if replace and out.exists():
-        aside = Path(tempfile.mkdtemp(prefix=f"{STAGING_PREFIX}{out.name}.old-", dir=out.parent))
+    """Rename the staged corpus to ``out``. An existing one is swapped with it in one atomic step
+    (``exchange_paths``): at every instant ``out`` is the old corpus or the new, never neither. Where
+    the file system cannot swap, the old one is renamed aside first (a crash between the two renames
+    leaves it aside, and the next import puts it back)."""
+    if replace and os.path.lexists(out):
+        try:
+            exchange_paths(staging, out)  # LAST: the commit point; staging now holds the old corpus
+        except OSError as exc:
+            if exc.errno not in _NO_EXCHANGE:
+                raise
+        else:
+            fsync_dir(out.parent)
+            shutil.rmtree(staging, ignore_errors=True)
+            return
+        aside = Path(tempfile.mkdtemp(prefix=_staging_prefix(out, "old"), dir=out.parent))
         aside.rmdir()  # a unique name, for the rename
         os.replace(out, aside)
-    try:
-        os.replace(staging, out)  # the commit point
-    except OSError:
-        if aside is not None:
+        try:
+            os.replace(staging, out)  # the commit point
+        except OSError:
             os.replace(aside, out)
-        raise
-    fsync_dir(out.parent)
-    if aside is not None:
+            raise
+        fsync_dir(out.parent)
         shutil.rmtree(aside, ignore_errors=True)
+        return
+    os.replace(staging, out)  # the commit point
+    fsync_dir(out.parent)
 
 
 _BYTE_SIZE = re.compile(r"^\s*(\d+)\s*([kKmMgGtT]?)(i?[bB])?\s*$")

@@ -299,10 +299,7 @@ def test_a_line_that_is_not_one_json_object_is_named(tmp_path: Path) -> None:
 def test_an_unreadable_or_truncated_file_is_named(tmp_path: Path) -> None:
     tree = tmp_path / "in"
     _jsonl(tree / "a.jsonl", _docs(3))
-    (tree / "b.jsonl").symlink_to(tmp_path / "gone.jsonl")
-    _refused(tmp_path, tree, _cfg(), f"{tree / 'b.jsonl'}: cannot read", "No such file")
-    (tree / "b.jsonl").unlink()
-    os.mkfifo(tree / "c.jsonl")
+    os.mkfifo(tree / "c.jsonl")  # a link is skipped, not read (test_corpus_import_inputs.py)
     _refused(tmp_path, tree, _cfg(), f"{tree / 'c.jsonl'}: not a regular file")
     (tree / "c.jsonl").unlink()
     whole = gzip.compress(b"".join(json.dumps(d).encode() + b"\n" for d in _docs(2000)))
