@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -110,6 +111,41 @@ def _train(args: argparse.Namespace) -> int:
     return 0
 
 
+def refuse_report_inside_inputs(report: Path, checkpoint: Path, manifest: Path | None) -> None:
+    """``ConfigError`` (exit 2) when the report would land where it changes what it reports on: inside
+    the run's checkpoint tree (a file in a committed step un-commits it, and resume falls back to
+    the step before), on the TrainingManifest it reads, or inside the corpus of its eval shards."""
+    from kiln.errors import ConfigError
+    from kiln.util.fs import lies_inside
+    from kiln_trainer.checkpoint_manifest import TRAINING_MANIFEST_COPY
+
+    checkpoints = checkpoint.resolve().parent
+    if lies_inside(report, checkpoint) or lies_inside(report, checkpoints):
+        raise ConfigError(f"--report {report} lies inside the checkpoint tree {checkpoints}: a file written there "
+                          "would un-commit a checkpoint; write the report elsewhere")
+    manifests = [manifest] if manifest is not None else [checkpoints.parent / TRAINING_MANIFEST_COPY]
+    for path in manifests:
+        if os.path.realpath(report) == os.path.realpath(path):
+            raise ConfigError(f"--report {report} is the TrainingManifest {path} the evaluation reads")
+    for corpus in _manifest_corpora(manifests[0]):
+        if lies_inside(report, corpus):
+            raise ConfigError(f"--report {report} lies inside the corpus {corpus} the run was trained and is evaluated "
+                              "on: writing it there would change the corpus")
+
+
+def _manifest_corpora(manifest: Path) -> list[Path]:
+    """The corpus folders (``CORPUS/eval/x.parquet`` -> ``CORPUS``) of a TrainingManifest's shards;
+    none when it cannot be read (the evaluation then says why)."""
+    from kiln_trainer.errors import TrainerError
+    from kiln_trainer.training_manifest import load_training_manifest
+
+    try:
+        loaded = load_training_manifest(manifest)
+    except (TrainerError, OSError, ValueError):  # the evaluation then reports it, with its own message
+        return []
+    return sorted({Path(entry.path).parent.parent for entry in (*loaded.shards, *loaded.eval_shards)})
+
+
 def _evaluate(args: argparse.Namespace) -> int:
     from kiln.errors import KilnError
     from kiln_trainer.checkpoint_manifest import atomic_write_bytes
@@ -117,6 +153,7 @@ def _evaluate(args: argparse.Namespace) -> int:
     from kiln_trainer.evaluate import evaluate_checkpoint
 
     refuse_unusable_target("--report", args.report, directory=False)  # before the evaluation, not after it
+    refuse_report_inside_inputs(args.report, args.checkpoint, args.manifest)
     try:
         report = evaluate_checkpoint(args.checkpoint, args.manifest, max_windows=args.max_windows)
     except TrainerError as exc:
