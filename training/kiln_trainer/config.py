@@ -114,6 +114,10 @@ BYTE_EOS_OWN_ID = 256
 """The byte tokenizer's default EOS: an id of its own after the 256 byte values (vocabulary 257)."""
 MAX_VOCAB = 1 << 32
 """Token ids are stored as uint16 or uint32 in the packed shards."""
+MAX_BPE_VOCAB = 1 << 20
+"""Largest vocabulary kiln trains a BPE for: the tokenizers library's trainer sizes its tables by
+``vocab_size`` up front (2**32 asked it for about 70 GB and aborted the process); the largest vocabularies
+in use are about 2**18."""
 _BPE_MIN_VOCAB = 257
 """The 256 byte symbols of a byte-level BPE plus its EOS."""
 
@@ -150,10 +154,11 @@ class TokenizerConfig:
         _require(self.kind in TOKENIZER_KINDS, s, "kind", f"must be one of {', '.join(TOKENIZER_KINDS)}", self.kind)
         if self.kind == "bpe":
             _require(
-                _BPE_MIN_VOCAB <= self.vocab_size <= MAX_VOCAB,
+                _BPE_MIN_VOCAB <= self.vocab_size <= MAX_BPE_VOCAB,
                 s,
                 "vocab_size",
-                f"a bpe tokenizer needs [{_BPE_MIN_VOCAB}, {MAX_VOCAB}] ids (256 bytes + EOS at least)",
+                f"a bpe tokenizer needs [{_BPE_MIN_VOCAB}, {MAX_BPE_VOCAB}] ids (256 bytes + EOS at least; "
+                f"MAX_BPE_VOCAB {MAX_BPE_VOCAB}: what the tokenizers library can train in memory)",
                 self.vocab_size,
             )
         else:

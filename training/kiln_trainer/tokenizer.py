@@ -32,7 +32,7 @@ from typing import Any
 import numpy as np
 
 from kiln_trainer.checkpoint_manifest import atomic_write_bytes, canonical_json
-from kiln_trainer.config import BYTE_EOS_OWN_ID, DEFAULT_EOS_TOKEN, MAX_VOCAB, TokenizerConfig
+from kiln_trainer.config import BYTE_EOS_OWN_ID, DEFAULT_EOS_TOKEN, MAX_BPE_VOCAB, MAX_VOCAB, TokenizerConfig
 from kiln_trainer.errors import TokenizerError
 from kiln_trainer.jsonfile import read_json
 
@@ -155,6 +155,13 @@ class HFTokenizer(Tokenizer):
             self._tok = RustTokenizer.from_str(artifact.decode("utf-8"))
         except Exception as exc:  # tokenizers raises a bare Exception on a bad JSON
             raise TokenizerError(f"{where}: not a Hugging Face tokenizer JSON: {exc}") from exc
+        except BaseException as exc:
+            # A Rust panic inside tokenizers (e.g. a BPE merge of a token not in the vocabulary) reaches
+            # Python as pyo3's PanicException, which derives from BaseException, not Exception.
+            if type(exc).__name__ != "PanicException":
+                raise
+            raise TokenizerError(f"{where}: a Hugging Face tokenizer JSON that the tokenizers library cannot "
+                                 f"load (it panicked: {str(exc).strip()[:200]})") from exc
         eos = self._tok.token_to_id(eos_token)
         if eos is None:
             raise TokenizerError(f"{where}: has no token {eos_token!r} to use as EOS (document separator)")
@@ -211,8 +218,9 @@ def train_bpe(
 
     alphabet = pre_tokenizers.ByteLevel.alphabet()
     smallest = len(alphabet) + 1
-    if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or not smallest <= vocab_size <= MAX_VOCAB:
-        raise TokenizerError(f"bpe vocab_size = {vocab_size!r}: must be an int in [{smallest}, {MAX_VOCAB}]")
+    if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or not smallest <= vocab_size <= MAX_BPE_VOCAB:
+        raise TokenizerError(f"bpe vocab_size = {vocab_size!r}: must be an int in [{smallest}, {MAX_BPE_VOCAB}] "
+                             f"(MAX_BPE_VOCAB: what the tokenizers library's trainer can hold in memory)")
     tok = RustTokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     tok.decoder = decoders.ByteLevel()
