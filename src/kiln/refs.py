@@ -260,10 +260,12 @@ class TrainingManifest(Ref):
 
     @classmethod
     def read(cls, path: str | Path) -> TrainingManifest:
+        from kiln.util.fs import load_json
+
         try:
-            data = json.loads(Path(path).read_text())
-        except (OSError, ValueError) as exc:
-            raise ManifestError(f"cannot read TrainingManifest {path}: {exc}") from exc
+            data = load_json(path, "TrainingManifest", ManifestError)
+        except ManifestError as exc:
+            raise ManifestError(f"cannot read TrainingManifest {path}: {str(exc).removeprefix(f'{path}: ')}") from None
         return cls.from_json(data).verify()
 
 

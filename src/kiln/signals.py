@@ -49,7 +49,7 @@ from kiln import settings as kiln_settings
 from kiln.errors import ConfigError, RunMismatchError
 from kiln.policy import POLICIES
 from kiln.runs import METRICS_JSONL, METRICS_PROM, QUARANTINE_HTML, QUARANTINE_JSON, RESULT_FILE, TRAIN_SUBDIR
-from kiln.util.fs import atomic_write_text
+from kiln.util.fs import atomic_write_text, read_own_json
 
 log = logging.getLogger("kiln.signals")
 
@@ -269,7 +269,7 @@ def quarantine_samples(config: SignalsConfig, now: float) -> tuple[list[Sample],
         try:
             if now - path.stat().st_mtime > config.report_window_s:
                 continue
-            body = json.loads(path.read_text(encoding="utf-8"))
+            body = read_own_json(path)
             share = float(body["quarantined_share"])
             shards = int(body["shards"])
         except FileNotFoundError:
@@ -572,7 +572,7 @@ def run_view(config: SignalsConfig, dag_id: str, run_id: str) -> dict[str, Any]:
     quarantine["html"] = str(html) if html.is_file() else None
     if report.is_file():
         try:
-            body = json.loads(report.read_text(encoding="utf-8"))
+            body = read_own_json(report)
             quarantine.update(share=body.get("quarantined_share"), snapshot=body.get("snapshot_id"),
                               gate=body.get("gate"), shards=body.get("shards"))
         except ValueError:

@@ -130,6 +130,21 @@ def read_json(path: str | Path, what: str, error: type[Exception], *,
     return raw, parse_json(raw, str(path), error)
 
 
+class JSONDocumentError(ValueError):
+    """A file kiln wrote itself holds no bounded JSON document (``read_own_json``)."""
+
+
+def read_own_json(path: str | Path) -> Any:
+    """The JSON document of a record kiln wrote itself (a launch spec, a status, a report in a run
+    directory): an ``OSError`` as ``open`` raises it (a missing file stays ``FileNotFoundError``), and
+    hostile structure a ``JSONDocumentError`` (a ``ValueError``) naming the file, never a traceback."""
+    with open(path, "rb") as fh:
+        raw = fh.read(DEFAULT_MAX_BYTES + 1)
+    if len(raw) > DEFAULT_MAX_BYTES:
+        raise JSONDocumentError(f"{path}: over the {DEFAULT_MAX_BYTES:,}-byte limit")
+    return parse_json(raw, str(path), JSONDocumentError)
+
+
 def load_json(path: str | Path, what: str, error: type[Exception], *, max_bytes: int = DEFAULT_MAX_BYTES,
               follow_link: bool = True) -> Any:
     """``read_json`` without the bytes."""

@@ -18,7 +18,6 @@ nobody but the admin until a role names it.
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 from pathlib import Path
@@ -28,6 +27,7 @@ from airflow.providers.fab.auth_manager.fab_auth_manager import FabAuthManager
 from kiln.errors import ConfigError
 from kiln.policy import PRODUCTION, SANDBOX
 from kiln.stack.prodlike import AIRFLOW_USER_ROLES
+from kiln.util.fs import read_own_json
 
 READ, EDIT, CREATE = "can_read", "can_edit", "can_create"
 
@@ -113,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
     path = Path(args[1])
     if os.stat(path).st_mode & 0o077:
         raise ConfigError(f"{path} must not be readable by group or others (chmod 600)")
-    for line in provision(json.loads(path.read_text())):
+    for line in provision(read_own_json(path)):
         print(f"kiln.airflow.fab_auth: {line}")
     return 0
 

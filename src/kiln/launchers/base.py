@@ -21,7 +21,6 @@ retries repeat a run that must fail the same way: the status is FATAL and ``resu
 
 from __future__ import annotations
 
-import json
 import re
 import sys
 import time
@@ -33,6 +32,7 @@ from typing import Any, Literal, Protocol
 from kiln.errors import ConfigError, LaunchError, ManifestError, TrainingFaultError
 from kiln.refs import TrainResult
 from kiln.runs import FATAL_SUBDIR, LAUNCH_STATUS, LAUNCH_SUBDIR, RESULT_FILE
+from kiln.util.fs import read_own_json
 
 FATAL_LINE = "[kiln fatal] "
 """Prefix of the line a rank prints on stderr as it exits 2: ``[kiln fatal] rank N: <error>``. The
@@ -225,7 +225,7 @@ def fatal_markers(run_dir: str | Path) -> list[dict[str, Any]]:
     found = []
     for path in sorted(folder.glob("rank-*.json")):
         try:
-            found.append(json.loads(path.read_text()))
+            found.append(read_own_json(path))
         except OSError:
             continue
         except ValueError:  # written whole or not at all, so this is the empty marker of a full disk
@@ -317,7 +317,7 @@ def result_for(status: JobStatus, handle: JobHandle, log_tail: str = "") -> Trai
 def read_result(run_dir: Path) -> TrainResult:
     path = Path(run_dir) / RESULT_FILE
     try:
-        data = json.loads(path.read_text())
+        data = read_own_json(path)
     except (OSError, ValueError) as exc:
         raise LaunchError(f"training finished without a readable {path}: {exc}") from exc
     return TrainResult.from_json(data)

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import functools
 import hashlib
-import json
 import os
 from pathlib import Path
 from typing import Any
@@ -29,6 +28,7 @@ from kiln.launchers.kubernetes import (
     TRAINER_JOB,
     VERSION,
 )
+from kiln.util.fs import read_own_json
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
 K8S_DIR = REPO_ROOT / "docker" / "k8s"
@@ -55,7 +55,7 @@ def upstream_file(name: str) -> Path | None:
     ``docker/k8s/upstream-schemas.json``, under ``upstream_root()`` (docker/k8s/README.md: why these files
     are not in the repository). None when absent; ConfigError when present with other content than its
     pin: another release would validate against the wrong API."""
-    pins = json.loads(UPSTREAM_PINS.read_text())
+    pins = read_own_json(UPSTREAM_PINS)
     if name not in pins:
         raise ConfigError(f"{name} is not pinned in {UPSTREAM_PINS}")
     pin = pins[name]

@@ -87,7 +87,7 @@ from kiln.runs import (
     RESULT_FILE,
     SUPERVISOR_PID,
 )
-from kiln.util.fs import os_error_text
+from kiln.util.fs import os_error_text, read_own_json
 from kiln.util.net import free_port
 
 _STORE_CODE = """
@@ -453,7 +453,7 @@ class _Supervisor:
 
 
 def supervise(spec_path: str | Path) -> int:
-    spec = LaunchSpec.from_json(json.loads(Path(spec_path).read_text()))
+    spec = LaunchSpec.from_json(read_own_json(Path(spec_path)))
     sup = _Supervisor(spec)
 
     def on_signal(signum: int, _frame: Any) -> None:
@@ -527,7 +527,7 @@ def _how_it_ended(pid: int) -> str:
 
 def _read_status(run_dir: str | Path) -> dict[str, Any] | None:
     try:
-        return json.loads((Path(run_dir) / LAUNCH_SUBDIR / LAUNCH_STATUS).read_text())
+        return read_own_json(Path(run_dir) / LAUNCH_SUBDIR / LAUNCH_STATUS)
     except (OSError, ValueError):
         return None
 
@@ -593,7 +593,7 @@ class LocalLauncher:
         running = self.find_running(spec.run_dir)
         if running is not None:
             try:
-                same = json.loads((spec.launch_dir / LAUNCH_SPEC).read_text()) == json.loads(json.dumps(spec.to_json()))
+                same = read_own_json(spec.launch_dir / LAUNCH_SPEC) == json.loads(json.dumps(spec.to_json()))
             except (OSError, ValueError):
                 same = False
             if same:
@@ -679,7 +679,7 @@ class LocalLauncher:
         # By tag only: a dead supervisor's or agent's pid may already belong to someone else.
         pid = int(handle.job_id)
         try:
-            spec = LaunchSpec.from_json(json.loads((Path(handle.run_dir) / LAUNCH_SUBDIR / LAUNCH_SPEC).read_text()))
+            spec = LaunchSpec.from_json(read_own_json(Path(handle.run_dir) / LAUNCH_SUBDIR / LAUNCH_SPEC))
             for node in [*range(spec.nodes), "store"]:
                 kill_tagged(f"{spec.rdzv_id}.{pid}.{node}")
         except (OSError, ValueError, KeyError, TypeError):

@@ -52,6 +52,7 @@ from kiln.launchers.base import (
 from kiln.launchers.elastic import Shrink, record_shrink, recorded_shrinks, shrinks_for_status
 from kiln.refs import TrainResult
 from kiln.runs import LAUNCH_SPEC, LAUNCH_SUBDIR, SLURM_EXCLUDED_NODES, SLURM_JOB_ID, SLURM_SCRIPT, slurm_log
+from kiln.util.fs import read_own_json
 
 _PENDING = {"PENDING", "CONFIGURING", "REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED", "RESV_DEL_HOLD", "SUSPENDED"}
 _RUNNING = {"RUNNING", "COMPLETING", "STAGE_OUT", "SIGNALING", "RESIZING"}
@@ -288,7 +289,7 @@ def _as_it_ran(spec: LaunchSpec) -> LaunchSpec:
     """``spec`` at the node count its run dir's last submission ran it with (smaller after an elastic
     shrink), so that a retry re-attaches to the shrunk job instead of cancelling it."""
     try:
-        nodes = int(json.loads((spec.launch_dir / LAUNCH_SPEC).read_text())["nodes"])
+        nodes = int(read_own_json(spec.launch_dir / LAUNCH_SPEC)["nodes"])
     except (OSError, ValueError, KeyError, TypeError):
         return spec
     return replace(spec, nodes=nodes) if spec.least_nodes <= nodes < spec.nodes else spec
@@ -298,7 +299,7 @@ def excluded_nodes(run_dir: str | Path) -> tuple[str, ...]:
     """Nodes a straggler action excluded for this run dir (``resubmit_excluding``), oldest first."""
     path = Path(run_dir) / LAUNCH_SUBDIR / SLURM_EXCLUDED_NODES
     try:
-        nodes = json.loads(path.read_text())
+        nodes = read_own_json(path)
     except FileNotFoundError:
         return ()
     except (OSError, ValueError) as exc:
@@ -322,7 +323,7 @@ def resubmit_excluding(launcher: SlurmLauncher, handle: JobHandle, node: str, *,
     if not _NAME_OK.fullmatch(node):
         raise ConfigError(f"slurm node name must be a plain Slurm name, got {node!r}")
     try:
-        spec = LaunchSpec.from_json(json.loads((Path(handle.run_dir) / LAUNCH_SUBDIR / LAUNCH_SPEC).read_text()))
+        spec = LaunchSpec.from_json(read_own_json(Path(handle.run_dir) / LAUNCH_SUBDIR / LAUNCH_SPEC))
     except (OSError, ValueError) as exc:
         raise LaunchError(f"cannot resubmit slurm job {handle.job_id}: its spec.json is unreadable ({exc})") from exc
     launcher.cancel(handle)

@@ -32,7 +32,7 @@ from kiln.policy import POLICIES
 from kiln.runs import ALLOWED_RUN_ID_PATTERN
 from kiln.shipped import DAGS_DIR, PLUGINS_DIR
 from kiln.stack.mlflow_server import server_command
-from kiln.util.fs import write_private
+from kiln.util.fs import read_own_json, write_private
 from kiln.util.procs import end_recorded, record_start, recorded_pid
 
 AIRFLOW_USERS = {
@@ -77,7 +77,7 @@ def airflow_home(s: kiln_settings.Settings) -> Path:
 def _generated(path: Path, names: list[str], nbytes: int) -> dict[str, str]:
     """``name -> secret`` kept in ``path``, 0600 from its first byte: made once, a secret for each new
     name added, the existing ones kept."""
-    known = json.loads(path.read_text()) if path.is_file() else {}
+    known = read_own_json(path) if path.is_file() else {}
     if set(known) != set(names):
         known = {name: known.get(name) or secrets.token_urlsafe(nbytes) for name in names}
         write_private(path, json.dumps(known, indent=2))
@@ -95,7 +95,7 @@ def _secrets(s: kiln_settings.Settings) -> dict[str, str]:
 def passwords(s: kiln_settings.Settings | None = None) -> dict[str, str]:
     s = s or kiln_settings.load()
     _secrets(s)
-    return json.loads((airflow_home(s) / "passwords.json").read_text())
+    return read_own_json(airflow_home(s) / "passwords.json")
 
 
 def mlflow_auth_enabled() -> bool:

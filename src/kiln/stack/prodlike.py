@@ -43,7 +43,7 @@ from kiln.policy import POLICIES
 from kiln.runs import ALLOWED_RUN_ID_PATTERN
 from kiln.shipped import DAGS_DIR, PLUGINS_DIR
 from kiln.stack.embedded import POOL_SLOTS, Service, _bin, service_report
-from kiln.util.fs import write_private
+from kiln.util.fs import read_own_json, write_private
 from kiln.util.net import free_port
 from kiln.util.procs import end_recorded, record_start, recorded_pid
 
@@ -87,7 +87,7 @@ def state(s: kiln_settings.Settings | None = None, *, create: bool = False) -> d
     s = s or kiln_settings.load()
     path = root(s) / "state.json"
     if path.is_file():
-        return json.loads(path.read_text())
+        return read_own_json(path)
     if not create:
         raise ConfigError(f"no production-like stack under {root(s)}; start one with `kiln stack up --profile {PROFILE}`")
     tag = "kiln_" + secrets.token_hex(4)

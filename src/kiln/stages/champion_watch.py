@@ -51,7 +51,7 @@ from kiln.refs import (
     WatchOutcome,
     sha256_file,
 )
-from kiln.util.fs import atomic_write_text
+from kiln.util.fs import atomic_write_text, read_own_json
 
 log = logging.getLogger("kiln.stages.champion_watch")
 
@@ -144,7 +144,7 @@ def evaluate_version(model: str, version: str, manifest: Path, out: Path) -> Ver
             raise RegistryError(
                 f"re-evaluation of {model} version {version} failed (exit {proc.returncode}): {proc.stderr[-1500:]}"
             )
-    report = json.loads(out.read_text())
+    report = read_own_json(out)
     if report["weights_sha256"] != recorded.weights_sha256:
         raise ManifestError(
             f"{model} version {version}: checkpoint {step_dir} holds weights {report['weights_sha256'][:16]}…, "

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import logging
 import subprocess
 import sys
@@ -12,6 +11,7 @@ from kiln.errors import LaunchError
 from kiln.refs import DataGateResult, EvalReport, TrainResult
 from kiln.runs import run_dir
 from kiln.stages.records import own_train_result, own_training_manifest, refuse_other_inputs
+from kiln.util.fs import read_own_json
 
 log = logging.getLogger("kiln.stages.evaluation")
 
@@ -38,7 +38,7 @@ def evaluate_stage(train: TrainResult, data: DataGateResult, key: str) -> EvalRe
             log.info("[evaluate] %s", line)
         if proc.returncode != 0:
             raise LaunchError(f"evaluation of {result.checkpoint} failed (exit {proc.returncode}): {proc.stderr[-1500:]}")
-    report = EvalReport.from_json(json.loads(out.read_text()))
+    report = EvalReport.from_json(read_own_json(out))
     made = {k: getattr(report, k) for k in _EVALUATED_FROM}
     asked = {
         "checkpoint": result.checkpoint,

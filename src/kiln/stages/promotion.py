@@ -32,7 +32,7 @@ from kiln.stages.records import (
     recorded_snapshot,
     refuse_a_disagreeing_xcom,
 )
-from kiln.util.fs import atomic_write_text
+from kiln.util.fs import atomic_write_text, read_own_json
 
 
 def register_stage(
@@ -50,7 +50,7 @@ def register_stage(
     refuse_a_disagreeing_xcom("snapshot", key, manifest_path, {"id": manifest.snapshot_id}, snapshot, ("id",))
     report_path = run_dir(key) / runs.QUARANTINE_JSON
     try:
-        quarantine = json.loads(report_path.read_text())
+        quarantine = read_own_json(report_path)
     except (OSError, ValueError) as exc:
         raise RunMismatchError(f"run {key} has no readable quarantine report {report_path}: {exc}") from exc
     pinned = recorded_snapshot(manifest.snapshot_id)

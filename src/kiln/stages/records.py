@@ -9,7 +9,6 @@ that write: the run's MLflow run and the made/asked comparison of a result an ea
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -19,6 +18,7 @@ from kiln.errors import RunMismatchError
 from kiln.policy import Policy
 from kiln.refs import DataGateResult, EvalReport, Ref, SnapshotRef, TrainingManifest, TrainResult
 from kiln.runs import run_dir
+from kiln.util.fs import read_own_json
 
 
 def recorded_snapshot(snapshot_id: str) -> SnapshotRef:
@@ -74,7 +74,7 @@ def own_eval_report(key: str, evaluation: EvalReport) -> EvalReport:
     """The evaluation this run's evaluate task wrote, which ``evaluation`` must agree with."""
     path = run_dir(key) / runs.EVAL_REPORT
     try:
-        own = EvalReport.from_json(json.loads(path.read_text()))
+        own = EvalReport.from_json(read_own_json(path))
     except (OSError, ValueError) as exc:
         raise RunMismatchError(f"run {key} has no readable evaluation report {path}: {exc}") from exc
     fields = tuple(own.to_json())

@@ -16,7 +16,7 @@ from kiln.refs import DataGateResult, JobEnded, PinnedSnapshot, StragglerWatchPl
 from kiln.runs import existing_run_dir, run_dir
 from kiln.stages.inputs import load_run_recipe, train_inputs
 from kiln.stages.records import mlflow_run_of, own_training_manifest, refuse_other_inputs
-from kiln.util.fs import atomic_write_text
+from kiln.util.fs import atomic_write_text, read_own_json
 
 if TYPE_CHECKING:
     from kiln.launchers import JobHandle, LaunchPlan
@@ -127,7 +127,7 @@ def cancel_live_job(key: str) -> str | None:
         return None  # the run failed before it had a directory: nothing was submitted
     path = home / runs.TRAIN_SUBDIR / runs.LAUNCH_SUBDIR / runs.JOB_RECORD
     try:
-        record = json.loads(path.read_text())
+        record = read_own_json(path)
         launcher, handle = get_launcher(record["backend"], **record["options"]), JobHandle.from_json(record["handle"])
     except FileNotFoundError:
         return None  # nothing was submitted (local launcher, or the run failed before training)

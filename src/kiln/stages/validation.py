@@ -11,7 +11,7 @@ from kiln.policy import Policy
 from kiln.refs import DataGateResult, PinnedSnapshot, QuarantinedShard, ShardReport, TrainingManifest, sha256_file
 from kiln.runs import existing_run_dir, run_dir
 from kiln.stages.records import differing_fields, mlflow_run_of, recorded_snapshot
-from kiln.util.fs import atomic_write_text
+from kiln.util.fs import atomic_write_text, read_own_json
 
 
 def shard_batches(policy: Policy, snapshot: PinnedSnapshot) -> list[list[str]]:
@@ -54,7 +54,7 @@ def recorded_shard_reports(key: str, snapshot_id: str, contract: str) -> dict[st
     own: dict[str, ShardReport] = {}
     for path in sorted(folder.glob("batch-*.json")) if home is not None else []:
         try:
-            record = json.loads(path.read_text())
+            record = read_own_json(path)
             if record.get("kind") != runs.VALIDATION_BATCH_KIND:
                 raise ValueError(f"kind {record.get('kind')!r}")
             reports = [ShardReport.from_json(r) for r in record["reports"]]
