@@ -54,7 +54,6 @@ from __future__ import annotations
 import contextlib
 import errno
 import hashlib
-import json
 import os
 import re
 import shutil
@@ -86,6 +85,7 @@ from kiln.util.fs import (
     lies_inside,
     open_regular_file,
     os_error_text,
+    parse_json,
     unusable_target_reason,
 )
 
@@ -511,11 +511,11 @@ def _jsonl_chunk_lines(chunk: bytes, first_line: int, file: _InputFile, config: 
             continue
         where = f"{path}:{line}"
         try:
-            record = json.loads(raw.decode("utf-8"), object_pairs_hook=no_twice)
+            record = parse_json(raw, "", _BadLine, object_pairs_hook=no_twice)  # bounded depth and numbers
         except _Twice as twice:
             raise CorpusInputError(f"{where}: field {twice.args[0]!r} appears twice in the object") from None
-        except ValueError as exc:
-            detail = f"{exc.msg} at column {exc.colno}" if isinstance(exc, json.JSONDecodeError) else str(exc)
+        except _BadLine as exc:
+            detail = str(exc).removeprefix(": ").removeprefix("not JSON: ")
             raise CorpusInputError(f"{where}: not valid JSON ({detail})") from None
         if not isinstance(record, dict):
             raise CorpusInputError(f"{where}: a line must hold one JSON object, not {_json_type(record)}")
@@ -538,6 +538,10 @@ def _jsonl_chunk_lines(chunk: bytes, first_line: int, file: _InputFile, config: 
         ids.append(doc_id)
         texts.append(text)
     return _Rows(pa.array(ids, pa.string()), pa.array(texts, pa.string()))
+
+
+class _BadLine(ValueError):
+    """A JSON line that ``parse_json`` refused (its message is the detail)."""
 
 
 class _Twice(Exception):

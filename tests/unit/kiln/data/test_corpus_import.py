@@ -296,6 +296,19 @@ def test_a_line_that_is_not_one_json_object_is_named(tmp_path: Path) -> None:
     _refused(tmp_path, src, _cfg(id_field="id"), f"{src}:2: not valid JSON (Extra data")  # two objects, one line
 
 
+def test_hostile_json_structure_in_a_line_is_named_not_a_traceback(tmp_path: Path) -> None:
+    src = tmp_path / "in.jsonl"
+    good = '{"text": "first document text"}\n'
+    src.write_text(good + '{"text": ' + "[" * 100_000 + "]" * 100_000 + "}\n")
+    _refused(tmp_path, src, _cfg(), f"{src}:2: not valid JSON (nested deeper than 64 levels")
+    src.write_text(good + '{"text": ' + "[" * 100_000 + "\n")
+    _refused(tmp_path, src, _cfg(), f"{src}:2: not valid JSON (nested deeper than 64 levels")
+    src.write_text(good + '{"text": ' + "9" * 5000 + "}\n")
+    _refused(tmp_path, src, _cfg(), f"{src}:2: not valid JSON (a number has more than 100 digits")
+    src.write_text(good + '{"text": NaN}\n')
+    _refused(tmp_path, src, _cfg(), f"{src}:2: not valid JSON (NaN is not a JSON number")
+
+
 def test_an_unreadable_or_truncated_file_is_named(tmp_path: Path) -> None:
     tree = tmp_path / "in"
     _jsonl(tree / "a.jsonl", _docs(3))
