@@ -117,13 +117,15 @@ def refuse_report_inside_inputs(report: Path, checkpoint: Path, manifest: Path |
     the step before), on the TrainingManifest it reads, or inside the corpus of its eval shards."""
     from kiln.errors import ConfigError
     from kiln.util.fs import lies_inside
-    from kiln_trainer.checkpoint_manifest import TRAINING_MANIFEST_COPY
+    from kiln_trainer.checkpoint_manifest import CHECKPOINTS_SUBDIR, MANIFEST_NAME, TRAINING_MANIFEST_COPY
 
-    checkpoints = checkpoint.resolve().parent
-    if lies_inside(report, checkpoint) or lies_inside(report, checkpoints):
-        raise ConfigError(f"--report {report} lies inside the checkpoint tree {checkpoints}: a file written there "
+    step = checkpoint.resolve()
+    tree = step.parent if step.parent.name == CHECKPOINTS_SUBDIR else step  # RUN/checkpoints/step-N
+    is_checkpoint = tree != step or (step / MANIFEST_NAME).exists()  # else the evaluation says it is none
+    if is_checkpoint and lies_inside(report, tree):
+        raise ConfigError(f"--report {report} lies inside the checkpoint tree {tree}: a file written there "
                           "would un-commit a checkpoint; write the report elsewhere")
-    manifests = [manifest] if manifest is not None else [checkpoints.parent / TRAINING_MANIFEST_COPY]
+    manifests = [manifest] if manifest is not None else [step.parent.parent / TRAINING_MANIFEST_COPY]
     for path in manifests:
         if os.path.realpath(report) == os.path.realpath(path):
             raise ConfigError(f"--report {report} is the TrainingManifest {path} the evaluation reads")
@@ -134,8 +136,8 @@ def refuse_report_inside_inputs(report: Path, checkpoint: Path, manifest: Path |
 
 
 def _manifest_corpora(manifest: Path) -> list[Path]:
-    """The corpus folders (``CORPUS/eval/x.parquet`` -> ``CORPUS``) of a TrainingManifest's shards;
-    none when it cannot be read (the evaluation then says why)."""
+    """The folders of a TrainingManifest's shards (``CORPUS/eval/x.parquet`` -> ``CORPUS``, a shard
+    elsewhere -> its folder); none when it cannot be read (the evaluation then says why)."""
     from kiln_trainer.errors import TrainerError
     from kiln_trainer.training_manifest import load_training_manifest
 
@@ -143,7 +145,8 @@ def _manifest_corpora(manifest: Path) -> list[Path]:
         loaded = load_training_manifest(manifest)
     except (TrainerError, OSError, ValueError):  # the evaluation then reports it, with its own message
         return []
-    return sorted({Path(entry.path).parent.parent for entry in (*loaded.shards, *loaded.eval_shards)})
+    folders = {Path(entry.path).parent for entry in (*loaded.shards, *loaded.eval_shards)}
+    return sorted(f.parent if f.name in ("train", "eval") else f for f in folders)
 
 
 def _evaluate(args: argparse.Namespace) -> int:
