@@ -51,14 +51,22 @@ def _tokenize(args: argparse.Namespace) -> int:
         refuse_unusable_target("--manifest-out", args.manifest_out, directory=False)
         if args.manifest_out.resolve() == args.manifest.resolve():
             raise ConfigError(f"--manifest-out {args.manifest_out} is --manifest: write the new manifest elsewhere")
+    # Everything that can fail on the inputs is read and checked here, before anything is written.
     try:
         manifest = load_training_manifest(args.manifest)  # its drop_rows are honoured by the packer
     except TrainingManifestError as exc:
         raise ConfigError(f"--manifest {exc}") from exc
+    source = None
+    if args.manifest_out is not None:
+        try:
+            source = TrainingManifest.read(args.manifest)
+        except ManifestError as exc:
+            raise ConfigError(f"--manifest {args.manifest}: {exc}") from exc
+    eos_token = recipe.tokenizer.eos_token
     try:
         ref = pack_run_tokens(manifest, recipe, run_dir=args.out.resolve(), recipe_path=recipe_path)
         packed = load_token_manifest(ref.manifest)
-        tokenizer = load_tokenizer(Path(packed.path) / packed.tokenizer_file)
+        tokenizer = load_tokenizer(Path(packed.path) / packed.tokenizer_file, eos_token=eos_token)
     except TrainerError as exc:
         raise KilnError(f"{type(exc).__name__}: {exc}") from exc
     summary = {
@@ -67,11 +75,8 @@ def _tokenize(args: argparse.Namespace) -> int:
         "block_size": packed.block_size, "samples": packed.samples, "tokens": packed.tokens,
         "documents": packed.documents, "dropped_tokens": packed.dropped_tokens,
     }
-    if args.manifest_out is not None:
-        try:
-            named = TrainingManifest.read(args.manifest).with_tokens(ref.manifest, ref.sha256)
-        except ManifestError as exc:
-            raise ConfigError(f"--manifest {args.manifest}: {exc}") from exc
+    if source is not None and args.manifest_out is not None:
+        named = source.with_tokens(ref.manifest, ref.sha256)
         named.write(args.manifest_out)
         summary["manifest"] = str(args.manifest_out.resolve())
         summary["manifest_sha256"] = named.sha256

@@ -77,12 +77,13 @@ def _gate_manifest(key: str, data: DataGateResult) -> TrainingManifest:
     return manifest.with_tokens("", None) if manifest.tokens is not None else manifest
 
 
-def _load_tokenizer(ref: TokenizerRef):  # -> kiln_trainer.tokenizer.Tokenizer
+def _load_tokenizer(ref: TokenizerRef, eos_token: str):  # -> kiln_trainer.tokenizer.Tokenizer
+    """The run's tokenizer artifact, read with the recipe's EOS token (the one it was built with)."""
     from kiln_trainer.errors import TokenizerError
     from kiln_trainer.tokenizer import load_tokenizer
 
     try:
-        tokenizer = load_tokenizer(ref.path)
+        tokenizer = load_tokenizer(ref.path, eos_token=eos_token)
     except TokenizerError as exc:
         raise ManifestError(f"tokenizer {ref.path}: {exc}") from exc
     if tokenizer.sha256 != ref.sha256:
@@ -112,7 +113,7 @@ def tokenizer_stage(policy: Policy, data: DataGateResult, params: dict[str, Any]
     trained = store / f"bpe-{hashlib.sha256(canonical_json(inputs)).hexdigest()[:32]}.json"
     try:
         if cfg.kind == "bpe" and trained.is_file():  # trained before on exactly these shards
-            tokenizer = _load_tokenizer(TokenizerRef.from_json(json.loads(trained.read_text())))
+            tokenizer = _load_tokenizer(TokenizerRef.from_json(json.loads(trained.read_text())), cfg.eos_token)
         else:
             tokenizer = build_tokenizer(cfg, recipe_path=recipe_path,
                                         training_texts=lambda: _texts(manifest.shards))
@@ -146,7 +147,7 @@ def tokenize_stage(policy: Policy, data: DataGateResult, tokenizer: TokenizerRef
 
     manifest = _gate_manifest(key, data)
     recipe, _recipe_path = _recipe(policy, params)
-    tok = _load_tokenizer(tokenizer)
+    tok = _load_tokenizer(tokenizer, recipe.tokenizer.eos_token)
     shards = manifest.shards
     out = _out_dir(manifest, tok, recipe.model.block_size)
     bad = [p for p in parts if not 0 <= p < len(shards)]
@@ -173,7 +174,7 @@ def tokens_stage(policy: Policy, data: DataGateResult, tokenizer: TokenizerRef, 
 
     manifest = _gate_manifest(key, data)
     recipe, _recipe_path = _recipe(policy, params)
-    tok = _load_tokenizer(tokenizer)
+    tok = _load_tokenizer(tokenizer, recipe.tokenizer.eos_token)
     block_size = recipe.model.block_size
     out = _out_dir(manifest, tok, block_size)
     try:
