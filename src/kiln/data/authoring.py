@@ -83,6 +83,7 @@ def draft_contract(
     paths = _sample_shards(corpus_dir)
     tables = []
     unreadable = []
+    empty: list[str] = []
     budget = SAMPLE_DOCUMENTS
     for path in paths:
         if budget <= 0:
@@ -92,10 +93,14 @@ def draft_contract(
         except Exception as exc:  # a broken shard is the validation's to quarantine; the profile names it
             unreadable.append(f"{path.name}: {type(exc).__name__}: {exc}"[:200])
             continue
+        if table.num_rows == 0:  # no document, and its columns may be typed null: named, not profiled
+            empty.append(path.name)
+            continue
         tables.append((path, table.slice(0, budget)))
         budget -= min(budget, table.num_rows)
     if not tables:
-        raise ConfigError(f"no shard of {corpus_dir} could be read as Parquet: {'; '.join(unreadable[:3])}")
+        why = "; ".join(unreadable[:3]) or f"{len(empty)} shard(s) without a row"
+        raise ConfigError(f"no shard of {corpus_dir} has documents to profile: {why}")
     common = set(tables[0][1].column_names)
     for _, table in tables[1:]:
         common &= set(table.column_names)
@@ -106,7 +111,8 @@ def draft_contract(
     if types[text_column] != "str":
         raise ConfigError(f"--text-column {text_column!r} holds {types[text_column]}, not strings")
     nulls = {c: sum(t.column(c).null_count for _, t in tables) for c in columns}
-    texts = pa.chunked_array([t.column(text_column) for _, t in tables]).combine_chunks()
+    # string and large_string are both text: shards written by different tools mix them.
+    texts = pa.chunked_array([t.column(text_column).cast(pa.large_string()) for _, t in tables]).combine_chunks()
     lengths = [float(v) for v in pc.utf8_length(texts).to_pylist() if v is not None]
     bad_share = _bad_char_shares(texts, template)
     words = [float(len(t.split())) for t in texts.to_pylist() if t is not None]
@@ -177,6 +183,7 @@ def draft_contract(
         "base": template.ref,
         "shards_sampled": [p.name for p, _ in tables],
         "shards_unreadable": unreadable,
+        "shards_empty": empty,
         "documents": len(lengths),
         "columns": {c: {"type": types[c], "nulls": nulls[c]} for c in columns},
         "rows_per_shard": {"min": min(rows), "max": max(rows)},
