@@ -303,10 +303,10 @@ class Policy:
         any other key is refused with ``PolicyError`` naming it."""
         if raw is None or str(raw).strip() == "":
             return self
-        import json
+        from kiln.util.fs import parse_own_json
 
         try:
-            settings = json.loads(raw) if isinstance(raw, str) else raw
+            settings = parse_own_json(raw, source) if isinstance(raw, str) else raw
         except ValueError as exc:
             raise PolicyError(f"{source} must be a JSON object, got {raw!r}: {exc}") from None
         if not isinstance(settings, dict):

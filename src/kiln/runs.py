@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from kiln.errors import ConfigError, RunMismatchError
-from kiln.util.fs import fsync_dir
+from kiln.util.fs import fsync_dir, parse_own_json
 from kiln_trainer.checkpoint_manifest import (  # the trainer's names (standard library only)
     CHECKPOINTS_SUBDIR,
     METRICS_JSONL,
@@ -243,7 +243,7 @@ def read_identity(path: Path) -> RunIdentity | None:
     except OSError as exc:
         raise RunMismatchError(f"cannot read the identity record {record}: {exc}") from exc
     try:
-        return RunIdentity.from_json(json.loads(text))
+        return RunIdentity.from_json(parse_own_json(text, str(record)))
     except (ValueError, ConfigError) as exc:
         raise RunMismatchError(f"identity record {record} is unreadable: {exc}") from exc
 

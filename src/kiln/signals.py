@@ -49,7 +49,7 @@ from kiln import settings as kiln_settings
 from kiln.errors import ConfigError, RunMismatchError
 from kiln.policy import POLICIES
 from kiln.runs import METRICS_JSONL, METRICS_PROM, QUARANTINE_HTML, QUARANTINE_JSON, RESULT_FILE, TRAIN_SUBDIR
-from kiln.util.fs import atomic_write_text, read_own_json
+from kiln.util.fs import atomic_write_text, parse_own_json, read_own_json
 
 log = logging.getLogger("kiln.signals")
 
@@ -417,7 +417,7 @@ def read_queue_events(path: Path) -> tuple[list[dict[str, Any]], int]:
         if not line.strip():
             continue
         try:
-            e = json.loads(line)
+            e = parse_own_json(line, "an event line")
             if e.get("kind") in ("running", "finished") and all(k in e for k in ("dag_id", "run_id", "task_id")):
                 events.append(e)
                 continue
@@ -554,7 +554,7 @@ def _last_jsonl_record(path: Path, max_bytes: int = 65536) -> dict[str, Any] | N
         return None
     for line in reversed(lines):
         try:
-            record = json.loads(line)
+            record = parse_own_json(line, "a metrics line")
         except ValueError:
             continue
         if isinstance(record, dict) and not record.get("event"):

@@ -134,6 +134,12 @@ class JSONDocumentError(ValueError):
     """A file kiln wrote itself holds no bounded JSON document (``read_own_json``)."""
 
 
+def parse_own_json(raw: bytes | str, where: str) -> Any:
+    """``parse_json`` for a line or value kiln wrote itself (a JSONL log line, an MLflow tag, an API
+    value): hostile structure is a ``JSONDocumentError``, a ``ValueError``, like ``json.loads``' own."""
+    return parse_json(raw, where, JSONDocumentError)
+
+
 def read_own_json(path: str | Path) -> Any:
     """The JSON document of a record kiln wrote itself (a launch spec, a status, a report in a run
     directory): an ``OSError`` as ``open`` raises it (a missing file stays ``FileNotFoundError``), and

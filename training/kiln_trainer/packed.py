@@ -65,7 +65,7 @@ from kiln_trainer.errors import (
     TokenManifestError,
     TokenShardError,
 )
-from kiln_trainer.jsonfile import parse_json
+from kiln_trainer.jsonfile import parse_json, read_own_json
 from kiln_trainer.tokenizer import Tokenizer
 
 __all__ = [
@@ -494,8 +494,8 @@ def _part_name(part: int) -> str:
 def _read_part(path: Path, *, tokenizer: Tokenizer, block_size: int) -> dict[str, Any] | None:
     """A committed part record that matches these inputs and whose shards are all there, or None."""
     try:
-        doc = json.loads(path.read_bytes())
-    except (OSError, json.JSONDecodeError, UnicodeDecodeError):
+        doc = read_own_json(path)
+    except (OSError, ValueError):
         return None
     body = {k: v for k, v in doc.items() if k not in ("kind", "sha256")} if isinstance(doc, dict) else {}
     if not body or doc.get("kind") != TOKEN_PART_KIND or doc.get("sha256") != _content_hash(body):

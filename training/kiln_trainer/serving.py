@@ -20,8 +20,6 @@ gets the same text; above 0 the draw is seeded by ``seed`` alone, never by the g
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
 from typing import Any
 
 from mlflow.pyfunc import PythonModel
@@ -55,11 +53,12 @@ class TextGenerator(PythonModel):
         import torch
 
         from kiln_trainer.config import ModelConfig
+        from kiln_trainer.jsonfile import read_own_json
         from kiln_trainer.model import GPT
         from kiln_trainer.tokenizer import load_tokenizer
 
         artifacts = context.artifacts
-        config = json.loads(Path(artifacts["model_config"]).read_text())
+        config = read_own_json(artifacts["model_config"])
         self.model = GPT(ModelConfig(**config))
         self.model.load_state_dict(torch.load(artifacts["weights"], map_location="cpu", weights_only=True))
         self.model.eval()

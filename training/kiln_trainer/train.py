@@ -150,6 +150,7 @@ from kiln_trainer.errors import (
     os_error_text,
 )
 from kiln_trainer.faults import injected_faults
+from kiln_trainer.jsonfile import read_own_json
 from kiln_trainer.loader import StepBatch, TokenLoader
 from kiln_trainer.metrics import (
     JsonlSink,
@@ -932,7 +933,7 @@ class Run:
 
     def _result(self, summary: dict[str, Any], last_dir: Path, checkpoint_blocking_s: float) -> dict[str, Any]:
         """The ``kiln.TrainResult`` of this invocation, naming its newest committed checkpoint."""
-        ck_manifest = json.loads((last_dir / "manifest.json").read_text())
+        ck_manifest = read_own_json(last_dir / "manifest.json")
         st = self.state
         tokens_per_s = (
             summary["loop_tokens"] / summary["loop_s"]

@@ -22,7 +22,7 @@ from typing import Any, Literal
 
 from kiln.errors import LaunchError
 from kiln.runs import ELASTIC_RECORD, LAUNCH_SUBDIR
-from kiln.util.fs import atomic_write_text
+from kiln.util.fs import atomic_write_text, parse_own_json
 
 AfterLoss = Literal["replace", "shrink", "fail"]
 
@@ -83,7 +83,7 @@ def recorded_shrinks(run_dir: str | Path) -> list[Shrink]:
     except OSError as exc:
         raise LaunchError(f"elastic record {path} is unreadable: {exc}") from exc
     try:
-        items = json.loads(text)
+        items = parse_own_json(text, str(path))
         if not isinstance(items, list):
             raise TypeError(f"a {type(items).__name__}, not a list")
         return [Shrink.from_json(item) for item in items]

@@ -27,7 +27,6 @@ the healthy one (the median of both would move with the straggler itself).
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -35,6 +34,7 @@ from typing import Any, Literal
 
 from kiln.errors import ConfigError
 from kiln.runs import METRICS_JSONL
+from kiln.util.fs import parse_own_json
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -111,7 +111,7 @@ def rank_step_times_from_metrics(path: str | Path) -> Iterator[tuple[int, list[f
     with open(path) as fh:
         for line in fh:
             try:
-                record = json.loads(line)
+                record = parse_own_json(line, str(path))
             except ValueError:
                 continue  # a line being written
             times = record.get("rank_step_times")
@@ -170,7 +170,7 @@ def straggler_events(path: str | Path, offset: int = 0) -> tuple[list[StragglerE
     events = []
     for line in data[:cut].splitlines():
         try:
-            record = json.loads(line)
+            record = parse_own_json(line, "a straggler event")
         except ValueError:
             continue
         if isinstance(record, dict) and record.get("event") == "straggler":

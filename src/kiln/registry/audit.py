@@ -22,6 +22,7 @@ if TYPE_CHECKING:
 from kiln.registry import mlflow_io
 from kiln.registry.mlflow_io import _is_not_found, _quote, _with_retries
 from kiln.registry.tags import TAGS, _parse_time
+from kiln.util.fs import parse_own_json
 
 log = logging.getLogger("kiln.registry")
 
@@ -56,7 +57,7 @@ def _events_of(mv: ModelVersion) -> list[dict[str, Any]]:
         if not key.startswith(AUDIT_PREFIX):
             continue
         try:
-            event = json.loads(value)
+            event = parse_own_json(value, key)
         except ValueError:
             log.warning("%s version %s: unreadable audit tag %s", mv.name, mv.version, key)
             continue
@@ -91,7 +92,7 @@ def config_events(versions: list[ModelVersion]) -> list[dict[str, Any]]:
         if not sha:
             continue
         try:
-            values = json.loads(mv.tags.get(TAGS["policy_config"], "{}"))
+            values = parse_own_json(mv.tags.get(TAGS["policy_config"], "{}"), TAGS["policy_config"])
         except ValueError:
             values = {}
         if before is not None and before[0] != sha:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import base64
 import html
-import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,6 +20,7 @@ if TYPE_CHECKING:
     from mlflow import MlflowClient
 
 from kiln.registry.tags import LOSS_METRIC, REPORT_DIR, TAGS
+from kiln.util.fs import parse_own_json
 
 # ----------------------------------------------------------------------------- evaluation report
 
@@ -46,8 +46,8 @@ def read_loss_jsonl(path: Path) -> list[tuple[int, float]]:
         return []
     for line in lines:
         try:
-            record = json.loads(line)
-        except json.JSONDecodeError:
+            record = parse_own_json(line, "a report line")
+        except ValueError:
             continue  # a line torn by a crash mid-write; the rest of the file is still good
         if not isinstance(record, dict) or record.get("event"):
             continue

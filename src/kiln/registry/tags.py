@@ -14,6 +14,7 @@ from kiln.refs import (
     ReviewOutcome,
 )
 from kiln.shipped import CHECKOUT
+from kiln.util.fs import parse_own_json
 
 if TYPE_CHECKING:
     from mlflow.entities.model_registry import ModelVersion
@@ -152,7 +153,7 @@ def _decision_from_tags(tags: dict[str, str], candidate_bits_per_byte: float) ->
     champion = tags.get(TAGS["decision_champion_bits_per_byte"], "")
     return Decision(
         action="promote" if tags.get(TAGS["decision"]) == "promote" else "hold",
-        reasons=json.loads(tags.get(TAGS["decision_reasons"], "[]")),
+        reasons=parse_own_json(tags.get(TAGS["decision_reasons"], "[]"), TAGS["decision_reasons"]),
         candidate_bits_per_byte=candidate_bits_per_byte,
         champion_bits_per_byte=float(champion) if champion else None,
     )

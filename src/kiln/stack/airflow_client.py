@@ -14,6 +14,7 @@ from typing import Any
 import requests
 
 from kiln.errors import AirflowAPIError
+from kiln.util.fs import parse_own_json
 
 
 class AirflowClient:
@@ -97,7 +98,7 @@ class AirflowClient:
         value = data["value"]
         if isinstance(value, str):
             try:
-                return json.loads(value)
+                return parse_own_json(value, "an Airflow variable")
             except ValueError:
                 return value
         return value

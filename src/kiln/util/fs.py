@@ -13,11 +13,11 @@ from typing import BinaryIO
 from kiln_trainer.checkpoint_manifest import atomic_write_bytes as _atomic_write_bytes
 from kiln_trainer.checkpoint_manifest import fsync_dir
 from kiln_trainer.errors import naming_path, os_error_text  # one owner (stdlib only); kiln imports them here
-from kiln_trainer.jsonfile import file_kind, load_json, parse_json, read_bounded, read_json, read_own_json
+from kiln_trainer.jsonfile import file_kind, load_json, parse_json, parse_own_json, read_bounded, read_json, read_own_json
 
 __all__ = ["BAD_PATH_ERRNOS", "atomic_write_bytes", "atomic_write_text", "check_file_target", "exchange_paths",
            "file_kind", "fsync_dir", "lies_inside", "load_json", "names_a_bad_path", "naming_path", "open_regular_file",
-           "os_error_cause", "os_error_text", "parse_json", "read_bounded", "read_json", "read_own_json",
+           "os_error_cause", "os_error_text", "parse_json", "parse_own_json", "read_bounded", "read_json", "read_own_json",
            "unusable_target_reason", "write_private"]
 
 
