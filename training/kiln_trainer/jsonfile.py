@@ -25,7 +25,7 @@ import re
 import stat
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 MAX_DEPTH = 64
 """Deepest nesting of arrays and objects accepted; kiln's own files nest at most 6 levels."""
@@ -80,6 +80,38 @@ def parse_json(raw: bytes | str, where: str, error: type[Exception], *,
         raise error(f"{where}: not JSON: {exc}") from None
 
 
+def open_regular_file(path: str | Path, *, follow_link: bool = False, max_bytes: int | None = None) -> BinaryIO:
+    """Open ``path`` for reading only if it is a regular file: never a FIFO (which would block for
+    ever), a device (``/dev/zero`` never ends), a socket or a directory, and, unless ``follow_link``,
+    never through a symlink as its last component.
+
+    One ``open`` with ``O_NOFOLLOW | O_NONBLOCK`` and an ``fstat`` of what was opened, so a file
+    swapped in after a check cannot slip through. Refusals are ``OSError``s naming ``path``: ``ELOOP``
+    for a link, ``EINVAL`` for another kind of file ("is a FIFO, not a regular file"), ``EFBIG`` for
+    one larger than ``max_bytes``.
+    For a whole small file, JSON above all, ``read_bounded`` is the reader.
+    """
+    name = os.fspath(path)
+    flags = os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | (0 if follow_link else os.O_NOFOLLOW)
+    try:
+        fd = os.open(name, flags)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP and not follow_link and os.path.islink(name):
+            raise OSError(errno.ELOOP, "is a symlink; kiln reads no file through a link here", name) from None
+        raise
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise OSError(errno.EINVAL, f"is a {file_kind(st.st_mode)}, not a regular file", name)
+        if max_bytes is not None and st.st_size > max_bytes:
+            raise OSError(errno.EFBIG, f"is {st.st_size} bytes, more than the {max_bytes} bytes allowed", name)
+        os.set_blocking(fd, True)
+        return os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
+
+
 def read_bounded(path: str | Path, what: str, error: type[Exception], *, max_bytes: int,
                  follow_link: bool = True) -> bytes:
     """The bytes of the regular file ``path``, at most ``max_bytes`` of them, or ``error`` naming the
@@ -87,26 +119,14 @@ def read_bounded(path: str | Path, what: str, error: type[Exception], *, max_byt
     a FIFO or device swapped in after a check is still refused, and nothing blocks on opening one.
     Without ``follow_link``, a symlink as the last component is refused (a file inside an input that
     points out of it)."""
-    flags = os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | (0 if follow_link else os.O_NOFOLLOW)
     try:
-        fd = os.open(path, flags)
-    except OSError as exc:
-        if exc.errno == errno.ELOOP and not follow_link:
-            raise error(f"{path}: cannot read {what}: a symlink, and kiln does not follow links here") from exc
-        raise error(f"{path}: cannot read {what}: {exc.strerror or exc}") from exc
-    try:
-        info = os.fstat(fd)
-        if not stat.S_ISREG(info.st_mode):
-            raise error(f"{path}: cannot read {what}: not a regular file but a {file_kind(info.st_mode)}")
-        if info.st_size > max_bytes:
-            raise error(f"{path}: {what} is {info.st_size:,} bytes, over the {max_bytes:,}-byte limit")
-        os.set_blocking(fd, True)
-        with os.fdopen(os.dup(fd), "rb") as fh:
+        with open_regular_file(path, follow_link=follow_link) as fh:
+            size = os.fstat(fh.fileno()).st_size
+            if size > max_bytes:
+                raise error(f"{path}: {what} is {size:,} bytes, over the {max_bytes:,}-byte limit")
             raw = fh.read(max_bytes + 1)
     except OSError as exc:
         raise error(f"{path}: cannot read {what}: {exc.strerror or exc}") from exc
-    finally:
-        os.close(fd)
     if len(raw) > max_bytes:  # grew while it was read
         raise error(f"{path}: {what} is over the {max_bytes:,}-byte limit")
     return raw

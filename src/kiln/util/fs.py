@@ -8,12 +8,20 @@ import os
 import stat
 import tempfile
 from pathlib import Path
-from typing import BinaryIO
 
 from kiln_trainer.checkpoint_manifest import atomic_write_bytes as _atomic_write_bytes
 from kiln_trainer.checkpoint_manifest import fsync_dir
 from kiln_trainer.errors import naming_path, os_error_text  # one owner (stdlib only); kiln imports them here
-from kiln_trainer.jsonfile import file_kind, load_json, parse_json, parse_own_json, read_bounded, read_json, read_own_json
+from kiln_trainer.jsonfile import (
+    file_kind,
+    load_json,
+    open_regular_file,
+    parse_json,
+    parse_own_json,
+    read_bounded,
+    read_json,
+    read_own_json,
+)
 
 __all__ = ["BAD_PATH_ERRNOS", "atomic_write_bytes", "atomic_write_text", "check_file_target", "exchange_paths",
            "file_kind", "fsync_dir", "lies_inside", "load_json", "names_a_bad_path", "naming_path", "open_regular_file",
@@ -49,37 +57,6 @@ def write_private(path: str | Path, text: str) -> Path:
 
 
 # -- reading a file someone else put there ----------------------------------------------------------
-
-
-def open_regular_file(path: str | Path, *, follow_link: bool = False, max_bytes: int | None = None) -> BinaryIO:
-    """Open ``path`` for reading only if it is a regular file: never a FIFO (which would block for
-    ever), a device (``/dev/zero`` never ends), a socket or a directory, and, unless ``follow_link``,
-    never through a symlink as its last component.
-
-    One ``open`` with ``O_NOFOLLOW | O_NONBLOCK`` and an ``fstat`` of what was opened, so a file
-    swapped in after a check cannot slip through. Refusals are ``OSError``s naming ``path``: ``ELOOP``
-    for a link, ``EINVAL`` for another kind of file ("is a FIFO, not a regular file"), ``EFBIG`` for
-    one larger than ``max_bytes``. For a whole small file, JSON above all, ``read_bounded`` is the reader.
-    """
-    name = os.fspath(path)
-    flags = os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | (0 if follow_link else os.O_NOFOLLOW)
-    try:
-        fd = os.open(name, flags)
-    except OSError as exc:
-        if exc.errno == errno.ELOOP and not follow_link and os.path.islink(name):
-            raise OSError(errno.ELOOP, "is a symlink; kiln reads no file through a link here", name) from None
-        raise
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise OSError(errno.EINVAL, f"is a {file_kind(st.st_mode)}, not a regular file", name)
-        if max_bytes is not None and st.st_size > max_bytes:
-            raise OSError(errno.EFBIG, f"is {st.st_size} bytes, more than the {max_bytes} bytes allowed", name)
-        os.set_blocking(fd, True)
-        return os.fdopen(fd, "rb")
-    except BaseException:
-        os.close(fd)
-        raise
 
 
 def lies_inside(path: str | Path, folder: str | Path) -> bool:

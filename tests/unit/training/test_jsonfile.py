@@ -110,5 +110,5 @@ def test_a_link_is_refused_where_links_are_not_followed(tmp_path: Path) -> None:
     link = tmp_path / "inside.json"
     link.symlink_to(target)
     assert load_json(link, "record", Refused) == {}
-    with pytest.raises(Refused, match=f"^{link}: cannot read record: a symlink, and kiln does not follow links here"):
+    with pytest.raises(Refused, match=f"^{link}: cannot read record: is a symlink; kiln reads no file through a link here"):
         load_json(link, "record", Refused, follow_link=False)
