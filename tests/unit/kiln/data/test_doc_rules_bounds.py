@@ -34,7 +34,7 @@ def _check(tmp_path: Path, suite: dict[str, Any], capsys: pytest.CaptureFixture[
 def test_the_pii_email_rule_is_linear_in_the_document() -> None:
     # datatrove's e-mail pattern under Python's re took > 60 s on this 96,000-character document.
     rules = build_rule_set([{"rule": "pii", "kind": "kiln.pii", "params": {"emails": True, "public_ips": True}}])
-    hostile = "a" * 48_000 + "@" + "a." * 24_000
+    hostile = "a." * 48_000 + "@"  # every "a" starts a match attempt that scans to the end
     start = time.monotonic()
     rules.judge(pa.array([hostile, "write to someone@example.org today", "no address here"]))
     assert time.monotonic() - start < 5
@@ -54,10 +54,13 @@ def test_a_catastrophic_phone_pattern_runs_on_re2() -> None:
 
 def test_a_hostile_million_character_document_is_judged_within_a_bound() -> None:
     rules = build_rule_set(load_contract("web-text@1").document_rules)
-    hostile = ("a@" + "a." * 10 + " 1.1.1 ") * (MAX_DOCUMENT_CHARS // 30)
+    # Quadratic for datatrove's e-mail pattern under Python's re (hours); and a text the other rules must read whole.
+    hostile = "a." * (MAX_DOCUMENT_CHARS // 2 - 1) + "@"
+    words = " ".join(["the", "cat", "sat", "on", "a", "mat."] * (MAX_DOCUMENT_CHARS // 20))[:MAX_DOCUMENT_CHARS]
     start = time.monotonic()
-    rules.judge(pa.array([hostile[:MAX_DOCUMENT_CHARS]]))
-    assert time.monotonic() - start < 30
+    dropped = rules.judge(pa.array([hostile, words]))
+    assert time.monotonic() - start < 10
+    assert [d.row for d in dropped if d.rule == DOCUMENT_BUDGET_RULE] == []
 
 
 def test_a_document_over_the_budget_is_dropped_with_a_named_reason_before_any_rule() -> None:
