@@ -65,7 +65,7 @@ from kiln_trainer.errors import (
     TokenManifestError,
     TokenShardError,
 )
-from kiln_trainer.jsonfile import parse_json, read_own_json
+from kiln_trainer.jsonfile import open_regular_file, parse_json, read_own_json
 from kiln_trainer.tokenizer import Tokenizer
 
 __all__ = [
@@ -660,26 +660,38 @@ def pack_training_shards(
 def iter_training_texts(entries: Iterable[_ParquetShard], *, batch_rows: int = 1024) -> Iterator[str]:
     """The ``text`` column of TrainingManifest shards, streamed by record batch, each file sha256-checked
     first, without the rows the contract dropped (``drop_rows``): whoever packs -- the tokenize stage
-    or the trainer's rank 0 -- reads a dropped document never."""
+    or the trainer's rank 0 -- reads a dropped document never.
+
+    Each shard is opened once, as a regular file and not through a link (``open_regular_file``), and
+    the bytes hashed are the bytes parsed: a file swapped in after the check is never read."""
+    import hashlib
+
     import pyarrow.parquet as pq
 
     for entry in entries:
         path = Path(entry.path)
-        if not path.is_file():
-            raise ShardIntegrityError(f"shard {path} listed in the manifest does not exist")
-        actual = sha256_file(path)
-        if actual != entry.sha256:
-            raise ShardIntegrityError(
-                f"shard {path} sha256 mismatch (manifest {entry.sha256}, on disk {actual}); refusing to tokenize it"
-            )
-        skip, row = frozenset(entry.drop_rows), 0
         try:
-            for batch in pq.ParquetFile(path).iter_batches(batch_size=batch_rows, columns=["text"]):
-                texts = batch.column(0).to_pylist()
-                yield from (t for i, t in enumerate(texts, row) if t is not None and i not in skip)
-                row += len(texts)
-        except (OSError, ValueError) as exc:  # pyarrow's ArrowInvalid is a ValueError
-            raise ShardIntegrityError(f"shard {path}: cannot read column 'text': {exc}") from exc
+            fh = open_regular_file(path)
+        except FileNotFoundError:
+            raise ShardIntegrityError(f"shard {path} listed in the manifest does not exist") from None
+        except OSError as exc:
+            raise ShardIntegrityError(f"shard {path} listed in the manifest: {exc.strerror or exc}") from None
+        with fh:
+            digest = hashlib.sha256()
+            while block := fh.read(1 << 20):
+                digest.update(block)
+            if digest.hexdigest() != entry.sha256:
+                raise ShardIntegrityError(f"shard {path} sha256 mismatch (manifest {entry.sha256}, on disk "
+                                          f"{digest.hexdigest()}); refusing to tokenize it")
+            fh.seek(0)
+            skip, row = frozenset(entry.drop_rows), 0
+            try:
+                for batch in pq.ParquetFile(fh).iter_batches(batch_size=batch_rows, columns=["text"]):
+                    texts = batch.column(0).to_pylist()
+                    yield from (t for i, t in enumerate(texts, row) if t is not None and i not in skip)
+                    row += len(texts)
+            except (OSError, ValueError) as exc:  # pyarrow's ArrowInvalid is a ValueError
+                raise ShardIntegrityError(f"shard {path}: cannot read column 'text': {exc}") from exc
 
 
 # --------------------------------------------------------------------------- reading

@@ -137,6 +137,25 @@ def test_shard_hash_mismatch_is_rejected(small_manifest: Path, tmp_path: Path) -
         pack_run_tokens(manifest, load_recipe(TINY), run_dir=tmp_path / "run")
 
 
+def test_a_shard_is_never_read_through_a_link_or_from_a_special_file(small_manifest: Path, tmp_path: Path) -> None:
+    """The shard a manifest names must be a regular file where it is: a link to the right bytes is
+    refused too (the packer reads only its input), and so is a FIFO, which would block the read."""
+    import os
+
+    doc = json.loads(small_manifest.read_text())
+    original = Path(doc["shards"][1]["path"])
+    link = tmp_path / "train-1.parquet"
+    link.symlink_to(original)
+    doc["shards"][1]["path"] = str(link)
+    manifest = load_training_manifest(_reissue(doc, tmp_path / "m.json"))
+    with pytest.raises(ShardIntegrityError, match=f"shard {link} listed in the manifest: .*symlink"):
+        pack_run_tokens(manifest, load_recipe(TINY), run_dir=tmp_path / "run")
+    link.unlink()
+    os.mkfifo(link)
+    with pytest.raises(ShardIntegrityError, match=f"shard {link} listed in the manifest: .*FIFO, not a regular file"):
+        pack_run_tokens(manifest, load_recipe(TINY), run_dir=tmp_path / "run")
+
+
 def test_open_run_tokens_checks_the_named_sha256_and_the_recipe(packed_ref: TokensRef, tmp_path: Path) -> None:
     recipe = load_recipe(TINY)
     data = open_run_tokens(packed_ref, recipe, run_dir=tmp_path, rank=0)
