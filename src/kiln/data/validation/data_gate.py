@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import os
 from collections.abc import Iterable, Sequence
 from pathlib import Path
@@ -10,7 +11,8 @@ from typing import Any
 from kiln.data.contracts import Contract
 from kiln.data.validation.dropped import drop_rows
 from kiln.errors import ContractError, DataGateError
-from kiln.refs import ShardEntry, ShardReport, TrainingManifest, sha256_file
+from kiln.refs import ShardEntry, ShardReport, TrainingManifest
+from kiln.util.fs import open_regular_file
 
 
 def quarantined_share(reports: Sequence[ShardReport]) -> float:
@@ -62,7 +64,16 @@ def _shard_entry(shard: str | Path | ShardEntry | dict[str, Any]) -> dict[str, A
     import pyarrow.parquet as pq
 
     path = os.path.abspath(shard)
-    return ShardEntry(path=path, sha256=sha256_file(path), rows=int(pq.ParquetFile(path).metadata.num_rows)).to_json()
+    try:
+        with open_regular_file(path) as fh:  # the bytes hashed are the bytes counted; never through a link
+            digest = hashlib.sha256()
+            while block := fh.read(1 << 20):
+                digest.update(block)
+            fh.seek(0)
+            rows = int(pq.ParquetFile(fh).metadata.num_rows)
+    except OSError as exc:
+        raise ContractError(f"shard {path} cannot be listed in the TrainingManifest: {exc.strerror or exc}") from None
+    return ShardEntry(path=path, sha256=digest.hexdigest(), rows=rows).to_json()
 
 
 def build_training_manifest(

@@ -71,3 +71,17 @@ def test_manifest_lists_only_healthy_shards_and_verifies(poisoned_corpus, poison
 def test_manifest_refuses_reports_of_another_contract_version() -> None:
     with pytest.raises(ContractError, match="stdlib-py@2"):
         build_training_manifest("x.dir", "stdlib-py", "stdlib-py@1", [fake_report("a"), fake_report("b", contract="stdlib-py@2")])
+
+
+def test_a_listed_shard_is_read_only_as_a_regular_file_where_it_is(poisoned_corpus, poisoned_reports, stdlib_contract,
+                                                                    tmp_path: Path) -> None:
+    import os
+
+    link = tmp_path / "eval-00000.parquet"
+    link.symlink_to(poisoned_corpus["eval"][0])
+    with pytest.raises(ContractError, match=f"shard {link} cannot be listed in the TrainingManifest: .*symlink"):
+        build_training_manifest("d" * 32 + ".dir", "stdlib-py", stdlib_contract, poisoned_reports, [link])
+    link.unlink()
+    os.mkfifo(link)
+    with pytest.raises(ContractError, match="FIFO, not a regular file"):
+        build_training_manifest("d" * 32 + ".dir", "stdlib-py", stdlib_contract, poisoned_reports, [link])
