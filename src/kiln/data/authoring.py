@@ -24,14 +24,13 @@ would drop) so the reviewer can see why each threshold is what it is. How thresh
 from __future__ import annotations
 
 import copy
-import json
 import math
 import re
 from pathlib import Path
 from typing import Any
 
 from kiln.data.contracts import contract_problems, load_contract
-from kiln.errors import ConfigError
+from kiln.errors import ConfigError, ContractError
 
 SAMPLE_SHARDS = 64
 """Shards profiled at most (evenly spread over the sorted shard list)."""
@@ -241,21 +240,13 @@ def check_contract_file(path: str | Path) -> list[str]:
     """Every problem of a contract file, each naming its field: JSON, the suite's structure, each
     expectation as Great Expectations parses it, the document rules' parameters against datatrove's
     signatures, and (for a file at ``.../NAME/vN.json``) name and version against its place."""
-    import os
-    import stat
-
-    from kiln.util.fs import file_kind
+    from kiln.data.contracts import read_contract_json
 
     path = Path(path)
     try:
-        mode = os.stat(path).st_mode
-        if not stat.S_ISREG(mode):  # a FIFO would block the read for ever
-            return [f"{path} is a {file_kind(mode)}, not a contract file"]
-        suite = json.loads(path.read_text(encoding="utf-8"))
-    except OSError as exc:
-        return [f"cannot read {path}: {exc.strerror or exc}"]
-    except ValueError as exc:
-        return [f"{path} is not valid JSON: {exc}"]
+        suite = read_contract_json(path)
+    except ContractError as exc:
+        return [str(exc)]
     place = re.fullmatch(r"v([1-9][0-9]*)\.json", path.name)
     name = path.parent.name if place else None
     version = int(place.group(1)) if place else None

@@ -17,7 +17,6 @@ Loading is pure JSON (no great_expectations import); GE itself parses the suite 
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import re
 from dataclasses import dataclass
@@ -27,6 +26,7 @@ from typing import Any
 from kiln.errors import ContractError
 from kiln.refs import canonical_json
 from kiln.shipped import CONTRACTS_DIR
+from kiln.util.fs import parse_json, read_bounded
 
 # CONTRACTS_DIR (kiln.shipped) is the default home of the contracts; ``KILN_CONTRACTS_DIR`` overrides it.
 
@@ -207,14 +207,24 @@ def load_contract(spec: str, contracts_root: Path | None = None) -> Contract:
             f"contract {name!r} has no version {version} (known: {', '.join(str(v) for v in versions)})"
         )
     path = root / name / f"v{version}.json"
-    try:
-        suite = json.loads(path.read_text(encoding="utf-8"))
-    except OSError as exc:
-        raise ContractError(f"cannot read contract {path}: {exc}") from exc
-    except ValueError as exc:
-        raise ContractError(f"contract {path} is not valid JSON: {exc}") from exc
+    suite = read_contract_json(path)
     _check_suite(suite, name, version, path)
     return Contract(name=name, version=version, suite=suite, settings=suite["meta"]["kiln"], path=path)
+
+
+MAX_CONTRACT_BYTES = 16 << 20
+"""A contract is a suite of expectations and rule settings: kilobytes; a larger file is not one."""
+
+
+def read_contract_json(path: Path) -> Any:
+    """The JSON of the contract file ``path`` through the bounded reader: a regular file of at most
+    ``MAX_CONTRACT_BYTES``, nested and numbered within bounds; ``ContractError`` naming what is wrong."""
+    raw = read_bounded(path, "contract", ContractError, max_bytes=MAX_CONTRACT_BYTES)
+    try:
+        return parse_json(raw, "", ContractError)
+    except ContractError as exc:
+        detail = str(exc).removeprefix(": ").removeprefix("not JSON: ")
+        raise ContractError(f"contract {path} is not valid JSON: {detail}") from None
 
 
 def _check_suite(suite: Any, name: str, version: int, path: Path) -> None:

@@ -33,7 +33,7 @@ from kiln.policy import Policy
 from kiln.refs import DataGateResult, PackedPart, PackedTokensRef, TokenizerRef, TrainingManifest, canonical_json
 from kiln.stages.inputs import load_run_recipe, train_inputs
 from kiln.stages.records import own_training_manifest
-from kiln.util.fs import atomic_write_bytes
+from kiln.util.fs import atomic_write_bytes, read_own_json
 
 log = logging.getLogger("kiln.stages.tokenize")
 
@@ -113,7 +113,7 @@ def tokenizer_stage(policy: Policy, data: DataGateResult, params: dict[str, Any]
     trained = store / f"bpe-{hashlib.sha256(canonical_json(inputs)).hexdigest()[:32]}.json"
     try:
         if cfg.kind == "bpe" and trained.is_file():  # trained before on exactly these shards
-            tokenizer = _load_tokenizer(TokenizerRef.from_json(json.loads(trained.read_text())), cfg.eos_token)
+            tokenizer = _load_tokenizer(TokenizerRef.from_json(read_own_json(trained)), cfg.eos_token)
         else:
             tokenizer = build_tokenizer(cfg, recipe_path=recipe_path,
                                         training_texts=lambda: _texts(manifest.shards))

@@ -115,6 +115,32 @@ def test_malformed_contract_is_a_contract_error(contracts_root: Path, suite: Any
         load_contract("stdlib-py@1", contracts_root)
 
 
+@pytest.mark.parametrize("hostile", ["deep", "digits", "dev-zero", "fifo", "huge"])
+def test_a_hostile_contract_file_is_named_by_load_and_check(contracts_root: Path, hostile: str, capsys) -> None:
+    import os
+
+    from kiln.cli import main
+    from kiln.data.contracts import MAX_CONTRACT_BYTES
+
+    path = contracts_root / "stdlib-py" / "v1.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.unlink(missing_ok=True)
+    make = {"deep": lambda: path.write_text('{"name": ' + "[" * 300_000),
+            "digits": lambda: path.write_text('{"name": ' + "7" * 5000 + "}"),
+            "dev-zero": lambda: path.symlink_to("/dev/zero"),
+            "fifo": lambda: os.mkfifo(path),
+            "huge": lambda: path.write_bytes(b" " * (MAX_CONTRACT_BYTES + 1))}
+    make[hostile]()
+    expected = {"deep": "not valid JSON: nested deeper than 64 levels", "digits": "a number has more than 100 digits",
+                "dev-zero": "character device, not a regular file", "fifo": "FIFO, not a regular file",
+                "huge": f"over the {MAX_CONTRACT_BYTES:,}-byte limit"}[hostile]
+    with pytest.raises(ContractError, match=expected):
+        load_contract("stdlib-py@1", contracts_root)
+    assert main(["contract", "check", str(path)]) == 1  # check's status for a file with problems
+    err = capsys.readouterr().err
+    assert expected.split(",")[0] in err and "Traceback" not in err and str(path) in err
+
+
 def test_contract_errors_are_not_retried() -> None:
     assert ContractError.retryable is False
 
