@@ -87,7 +87,7 @@ from kiln.runs import (
     RESULT_FILE,
     SUPERVISOR_PID,
 )
-from kiln.util.fs import os_error_text, read_own_json
+from kiln.util.fs import os_error_text, parse_own_json, read_own_json
 from kiln.util.net import free_port
 
 _STORE_CODE = """
@@ -593,7 +593,8 @@ class LocalLauncher:
         running = self.find_running(spec.run_dir)
         if running is not None:
             try:
-                same = read_own_json(spec.launch_dir / LAUNCH_SPEC) == json.loads(json.dumps(spec.to_json()))
+                asked = parse_own_json(json.dumps(spec.to_json()), "the launch spec")  # tuples as JSON lists
+                same = read_own_json(spec.launch_dir / LAUNCH_SPEC) == asked
             except (OSError, ValueError):
                 same = False
             if same:

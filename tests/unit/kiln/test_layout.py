@@ -35,3 +35,19 @@ def test_airflow_is_imported_only_by_the_adapters_in_kiln_airflow():
 def test_the_trainer_imports_neither_kiln_nor_airflow():
     trainer = REPO / "training" / "kiln_trainer"
     assert _importers(trainer, "kiln") == [] and _importers(trainer, "airflow") == []
+
+
+def test_every_json_kiln_reads_goes_through_the_one_bounded_reader():
+    """``json.load``/``json.loads`` recurse without a bound and read any size: kiln and its trainer call
+    them only inside ``kiln_trainer.jsonfile``, which bounds size, depth and numbers first."""
+    owner = REPO / "training" / "kiln_trainer" / "jsonfile.py"
+    calls = []
+    for root in (REPO / "src" / "kiln", REPO / "training" / "kiln_trainer"):
+        for path in sorted(root.rglob("*.py")):
+            if path == owner or "_shipped" in path.parts:
+                continue
+            for node in ast.walk(ast.parse(path.read_text())):
+                if (isinstance(node, ast.Attribute) and node.attr in ("load", "loads")
+                        and isinstance(node.value, ast.Name) and node.value.id == "json"):
+                    calls.append(f"{path.relative_to(REPO)}:{node.lineno}: json.{node.attr}")
+    assert not calls, "parse JSON with kiln_trainer.jsonfile (kiln.util.fs re-exports it):\n" + "\n".join(calls)
