@@ -16,7 +16,7 @@ from typing import Any, BinaryIO
 from kiln.data.contracts import Contract
 from kiln.data.validation.reasons import _quarantined
 from kiln.refs import ShardReport
-from kiln.util.fs import file_kind
+from kiln.util.fs import file_kind, open_regular_file
 
 TRAIN_GLOB = "train/*.parquet"
 EVAL_GLOB = "eval/*.parquet"
@@ -105,18 +105,12 @@ def _open_corpus_file(path: str, root: str | None = None) -> BinaryIO:
             raise _NotAShardFile(f"{path} is reached through a symlinked directory (resolves to {real}{outside}); "
                                  "a shard must be a regular file inside the corpus")
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+        return open_regular_file(path)
     except OSError as exc:
         if exc.errno == errno.ELOOP:
             raise _symlink_refused(path) from exc
-        raise
-    try:
-        mode = os.fstat(fd).st_mode
-        if not stat.S_ISREG(mode):
-            raise _NotAShardFile(f"{path} is a {file_kind(mode)}, not a regular file; a shard must be a regular file")
-        return os.fdopen(fd, "rb")
-    except BaseException:
-        os.close(fd)
+        if exc.errno == errno.EINVAL:  # open_regular_file's "is a FIFO, not a regular file"
+            raise _NotAShardFile(f"{path} {exc.strerror}; a shard must be a regular file") from None
         raise
 
 
