@@ -378,12 +378,15 @@ def _line_chunks(stream: _Stream, path: Path) -> Iterator[tuple[int, bytes]]:
             if carry:
                 yield line, carry
             return
+        # Only the line carried over can be longer than a block: it ends at the block's first newline,
+        # or not yet (checked before the two are joined, and whatever chunk its newline comes in).
+        ends = block.find(b"\n")
+        if len(carry) + (ends if ends >= 0 else len(block)) > MAX_LINE_BYTES:
+            raise CorpusInputError(f"{path}:{line}: the line is longer than {MAX_LINE_BYTES} bytes, the cap on one "
+                                   "JSON line (one document); split the document")
         data = carry + block if carry else block
         cut = data.rfind(b"\n")
         if cut < 0:
-            if len(data) > MAX_LINE_BYTES:
-                raise CorpusInputError(f"{path}:{line}: the line is longer than {MAX_LINE_BYTES} bytes, the cap on one "
-                                       "JSON line (one document); split the document")
             carry = data  # one line longer than a chunk: read on
             continue
         chunk, carry = data[: cut + 1], data[cut + 1 :]

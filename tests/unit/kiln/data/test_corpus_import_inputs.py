@@ -208,6 +208,29 @@ def test_a_line_over_the_cap_is_refused_naming_the_cap_and_line(tmp_path: Path, 
         import_corpus(src, tmp_path / "corpora" / "mine", _cfg())
 
 
+@pytest.mark.parametrize("over", [1, 5_000, 16_383])
+def test_a_line_over_the_cap_is_refused_also_when_its_newline_comes_in_the_chunk_that_crosses_the_cap(
+        tmp_path: Path, monkeypatch, over: int) -> None:
+    monkeypatch.setattr(corpus_import, "MAX_LINE_BYTES", 100_000)
+    monkeypatch.setattr(corpus_import, "CHUNK_BYTES", 16_384)
+    src = tmp_path / "long.jsonl"
+    line = json.dumps({"text": "x" * 100_000})
+    src.write_text(json.dumps({"text": "short"}) + "\n" + line[: 100_000 - 2] + "x" * over + line[-2:] + "\n")
+    with pytest.raises(CorpusInputError, match=r"long\.jsonl:2: the line is longer than 100000 bytes"):
+        import_corpus(src, tmp_path / "corpora" / "mine", _cfg())
+
+
+def test_a_line_at_the_cap_is_read(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setattr(corpus_import, "MAX_LINE_BYTES", 100_000)
+    monkeypatch.setattr(corpus_import, "CHUNK_BYTES", 16_384)
+    src = tmp_path / "long.jsonl"
+    docs = [json.dumps({"text": f"short {i}"}) for i in range(20)]
+    src.write_text("\n".join([*docs, json.dumps({"text": "x" * (100_000 - 12)})]) + "\n")
+    assert len(src.read_text().splitlines()[-1]) == 100_000
+    import_corpus(src, tmp_path / "corpora" / "mine", _cfg())
+    assert "x" * (100_000 - 12) in _texts(tmp_path / "corpora" / "mine")
+
+
 def test_a_file_that_decompresses_past_the_cap_is_refused(tmp_path: Path, monkeypatch) -> None:
     monkeypatch.setattr(corpus_import, "MIN_DECOMPRESSED_CAP", 1_000_000)
     src = tmp_path / "bomb.jsonl.gz"
