@@ -34,7 +34,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def _tokenize(args: argparse.Namespace) -> int:
-    from kiln.cli.train import resolve_recipe
+    from kiln.cli.train import refuse_output_inside_corpora, resolve_recipe
     from kiln.errors import ConfigError, KilnError, ManifestError
     from kiln.refs import TrainingManifest
     from kiln.stages.inputs import load_run_recipe
@@ -51,6 +51,9 @@ def _tokenize(args: argparse.Namespace) -> int:
         refuse_unusable_target("--manifest-out", args.manifest_out, directory=False)
         if args.manifest_out.resolve() == args.manifest.resolve():
             raise ConfigError(f"--manifest-out {args.manifest_out} is --manifest: write the new manifest elsewhere")
+    refuse_output_inside_corpora("--out", args.out, args.manifest)
+    if args.manifest_out is not None:
+        refuse_output_inside_corpora("--manifest-out", args.manifest_out, args.manifest)
     # Everything that can fail on the inputs is read and checked here, before anything is written.
     try:
         manifest = load_training_manifest(args.manifest)  # its drop_rows are honoured by the packer

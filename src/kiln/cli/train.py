@@ -90,6 +90,7 @@ def _train(args: argparse.Namespace) -> int:
         raise ConfigError(f"--manifest {args.manifest}: no such file")
     run_dir = args.run_dir.resolve()
     refuse_unusable_target("--run-dir", run_dir, directory=True)
+    refuse_output_inside_corpora("--run-dir", run_dir, manifest)
     spec = LaunchSpec(
         run_dir=run_dir,
         manifest=manifest,
@@ -129,10 +130,20 @@ def refuse_report_inside_inputs(report: Path, checkpoint: Path, manifest: Path |
     for path in manifests:
         if os.path.realpath(report) == os.path.realpath(path):
             raise ConfigError(f"--report {report} is the TrainingManifest {path} the evaluation reads")
-    for corpus in _manifest_corpora(manifests[0]):
-        if lies_inside(report, corpus):
-            raise ConfigError(f"--report {report} lies inside the corpus {corpus} the run was trained and is evaluated "
-                              "on: writing it there would change the corpus")
+    refuse_output_inside_corpora("--report", report, manifests[0])
+
+
+def refuse_output_inside_corpora(flag: str, output: Path, manifest: Path) -> None:
+    """``ConfigError`` (exit 2) when ``output`` lies inside a corpus whose shards the TrainingManifest
+    ``manifest`` names: a file written there changes the corpus (its snapshot, its ``--replace``
+    check) that the command reads."""
+    from kiln.errors import ConfigError
+    from kiln.util.fs import lies_inside
+
+    for corpus in _manifest_corpora(manifest):
+        if lies_inside(output, corpus):
+            raise ConfigError(f"{flag} {output} lies inside the corpus {corpus} the manifest's shards come from: "
+                              "writing it there would change the corpus")
 
 
 def _manifest_corpora(manifest: Path) -> list[Path]:

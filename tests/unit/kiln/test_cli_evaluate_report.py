@@ -65,3 +65,20 @@ def test_a_report_elsewhere_passes_the_check_and_reaches_the_evaluation(tmp_path
     code = main(["evaluate", "--checkpoint", str(step), "--report", str(tmp_path / "eval.json")])
     err = capsys.readouterr().err
     assert code != 0 and "--report" not in err  # the fake checkpoint fails later, in the evaluation itself
+
+
+@pytest.mark.parametrize("argv", [["tokenize", "--recipe", "tiny", "--out", "{corpus}/eval/tokens"],
+                                  ["tokenize", "--recipe", "tiny", "--out", "{tmp}/tokens", "--manifest-out",
+                                   "{corpus}/m.json"],
+                                  ["train", "--recipe", "tiny", "--run-dir", "{corpus}/run"]])
+def test_tokenize_and_train_outputs_inside_the_corpus_are_refused(tmp_path: Path, capsys, argv: list[str]) -> None:
+    """Packed tokens, a manifest or a run directory written into the corpus would change the corpus the
+    manifest's shards come from (its snapshot, the --replace check): refused before anything runs."""
+    _, corpus = _run(tmp_path)
+    before = sorted(p.relative_to(tmp_path).as_posix() for p in tmp_path.rglob("*"))
+    manifest = tmp_path / "run" / "training_manifest.json"
+    line = [a.format(corpus=corpus, tmp=tmp_path) for a in argv] + ["--manifest", str(manifest)]
+    code = main(line)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and f"lies inside the corpus {corpus}" in err[0], err
+    assert sorted(p.relative_to(tmp_path).as_posix() for p in tmp_path.rglob("*")) == before
