@@ -282,3 +282,23 @@ def test_the_sandbox_form_offers_the_imported_corpora_and_the_contracts_that_fit
     assert params.get_param("contract").resolve("stdlib-py@1") == "stdlib-py@1"
     with pytest.raises(ParamValidationError, match="no-such@9"):
         params.get_param("contract").resolve("no-such@9")
+
+
+@pytest.mark.parametrize("hostile", ["deep", "digits", "dev-zero", "fifo"])
+def test_a_hostile_corpus_record_never_breaks_the_dags_parse(tmp_path, monkeypatch, hostile):
+    """One corpus.json built to crash a JSON parser, or to block or exhaust the reader, is listed as
+    unreadable; the DAG still parses with the others offered."""
+    import os
+
+    from kiln.airflow.dagfactory import build_dag
+    from kiln.policy import SANDBOX
+    from kiln.settings import load
+
+    monkeypatch.setenv("KILN_HOME", str(tmp_path / "home"))
+    record = load().corpus_root / "hostile" / "corpus.json"
+    record.parent.mkdir(parents=True)
+    {"deep": lambda: record.write_text("[" * 500_000), "digits": lambda: record.write_text("9" * 10_000),
+     "dev-zero": lambda: record.symlink_to("/dev/zero"), "fifo": lambda: os.mkfifo(record)}[hostile]()
+    corpus = build_dag(SANDBOX).params.get_param("corpus").schema
+    assert "hostile" in corpus["examples"]
+    assert corpus["values_display"]["hostile"] == "hostile (unreadable corpus.json)"
