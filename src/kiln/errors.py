@@ -7,7 +7,8 @@
     ├── SnapshotError              DVC add/push/restore failed, unknown snapshot id
     │   └── SnapshotMismatchError  the bytes found are not the snapshot an asset event announced (no retry)
     ├── ContractError              unknown contract, malformed suite JSON
-    │   └── DataGateError          quarantined share above the policy threshold (no retry)
+    │   ├── DataGateError          quarantined share above the policy threshold (no retry)
+    │   └── PatternNotLinear       a contract's regex that RE2 cannot run with Python's meaning (also a ValueError)
     ├── ManifestError              TrainingManifest / checkpoint manifest missing, tampered, partial
     ├── LaunchError                the training job could not start or ended in failure
     │   └── TrainingFaultError     the trainer diagnosed a fault a retry cannot fix (exit 2)
@@ -56,6 +57,10 @@ class ContractError(KilnError):
 
 class DataGateError(ContractError):
     retryable = False
+
+
+class PatternNotLinear(ContractError, ValueError):
+    """A Python regex kiln cannot run on RE2 (linear time) with the same meaning; the message says why."""
 
 
 class ManifestError(KilnError):

@@ -29,6 +29,8 @@ import re
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from kiln.errors import PatternNotLinear
+
 MAX_REPEAT = 1000
 """Largest bounded repeat count (RE2's own limit)."""
 MAX_PATTERN_CHARS = 10_000
@@ -37,10 +39,6 @@ _MAX_CODE_POINT = 0x10FFFF
 _SURROGATES = (0xD800, 0xDFFF)
 
 Ranges = tuple[tuple[int, int], ...]
-
-
-class PatternNotLinear(ValueError):
-    """A Python regex kiln cannot run on RE2 with the same meaning; the message says why."""
 
 
 def _parser() -> tuple[Any, Any]:

@@ -18,7 +18,8 @@ def redact(text: str, patterns: Iterable[str]) -> str:
     """``text`` with every match of the secret ``patterns`` replaced, on RE2 (linear in the text; a redacted
     span may take one neighbouring character more where the pattern starts or ends with a lookaround or
     ``\\b``). A pattern RE2 cannot take (only from a report older than that check) falls back to ``re``."""
-    from kiln.data.re2_patterns import PatternNotLinear, compiled_search
+    from kiln.data.re2_patterns import compiled_search
+    from kiln.errors import PatternNotLinear
 
     for pattern in patterns:
         try:

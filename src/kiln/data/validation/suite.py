@@ -87,7 +87,8 @@ def _suite(
 def _on_re2(kwargs: dict[str, Any], contract: Contract) -> None:
     """Replace a regex expectation's patterns by their RE2 translations (same verdicts): pandas then runs
     them in Arrow's RE2, never in Python's backtracking ``re`` (``kiln.data.re2_patterns``)."""
-    from kiln.data.re2_patterns import PatternNotLinear, re2_search
+    from kiln.data.re2_patterns import re2_search
+    from kiln.errors import PatternNotLinear
 
     try:
         if isinstance(kwargs.get("regex"), str):

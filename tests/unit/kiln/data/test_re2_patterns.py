@@ -10,7 +10,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kiln.data.contracts import CONTRACTS_DIR
-from kiln.data.re2_patterns import PatternNotLinear, compiled_exact, compiled_search, pattern_problem, re2_search
+from kiln.data.re2_patterns import compiled_exact, compiled_search, pattern_problem, re2_search
+from kiln.errors import PatternNotLinear
 
 WEB_TEXT = json.loads((CONTRACTS_DIR / "web-text" / "v1.json").read_text())
 PHONE = WEB_TEXT["meta"]["kiln"]["document_rules"][0]["params"]["phone_pattern"]
