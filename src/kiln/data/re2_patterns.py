@@ -42,9 +42,10 @@ Ranges = tuple[tuple[int, int], ...]
 
 
 def _parser() -> tuple[Any, Any]:
-    from re import _constants, _parser  # type: ignore[attr-defined]  # private, so not in typeshed
+    """Python's own regex parser (private modules, not in typeshed: imported by name)."""
+    import importlib
 
-    return _parser, _constants
+    return importlib.import_module("re._parser"), importlib.import_module("re._constants")
 
 
 def _normalise(ranges: Sequence[tuple[int, int]]) -> Ranges:
