@@ -75,18 +75,35 @@ def test_two_node_job_runs_through_the_slurm_backend(uninterrupted):
     assert "#SBATCH --nodes=2" in script and f"#SBATCH --partition={PARTITION}" in script
 
 
-def _job_workers(job_id: str) -> list[int]:
-    found = []
+def _job_rank_workers(cluster: SlurmCluster, job_id: str) -> dict[int, int]:
+    """Rank -> pid of the job's trainer processes: the children of its torchrun agents. A job is
+    known by its id and its cluster's ``SLURM_CONF`` (job ids of two test clusters overlap).
+
+    Not "the highest pid whose command line names kiln.launchers.worker": the job's srun and its
+    torchrun agents name that module too (it is torchrun's entry point), and pids wrap at
+    ``kernel.pid_max`` (32768 on the test machines; a whole ``make test`` starts more processes than
+    that), so the highest pid was at times an agent. A SIGKILLed agent ends its srun task
+    ("srun: error: node2: task 1: Killed"), ``--kill-on-bad-exit`` cancels the step and the job
+    ends FAILED: a lost node, not the lost worker this test is about."""
+    procs: dict[int, tuple[int, bytes, bytes]] = {}  # pid -> (parent, cmdline, environ)
     for entry in Path("/proc").iterdir():
         if entry.name.isdigit():
             try:
-                environ = (entry / "environ").read_bytes()
-                cmdline = (entry / "cmdline").read_bytes()
-            except OSError:
+                environ = (entry / "environ").read_bytes() + b"\0"
+                tags = (f"SLURM_JOB_ID={job_id}\0".encode(), f"SLURM_CONF={cluster.conf}\0".encode())
+                if not all(tag in environ for tag in tags):
+                    continue
+                parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+                procs[int(entry.name)] = (parent, (entry / "cmdline").read_bytes(), environ)
+            except (OSError, ValueError, IndexError):
                 continue
-            if f"SLURM_JOB_ID={job_id}\0".encode() in environ and b"kiln.launchers.worker" in cmdline:
-                found.append(int(entry.name))
-    return found
+    agents = {pid for pid, (_, cmdline, _) in procs.items() if b"torch.distributed.run" in cmdline}
+    workers: dict[int, int] = {}
+    for pid, (parent, cmdline, environ) in procs.items():
+        if parent in agents and pid not in agents and b"kiln.launchers.worker" in cmdline:
+            rank = next(v for k, _, v in (kv.partition(b"=") for kv in environ.split(b"\0")) if k == b"RANK")
+            workers[int(rank)] = pid
+    return workers
 
 
 def _submitted_past_first_checkpoint(cluster: SlurmCluster, manifest: Path, run_dir: Path):
@@ -108,7 +125,9 @@ def test_worker_killed_in_a_slurm_job_restarts_the_group_to_identical_weights(un
 
     reference = uninterrupted[0]
     launcher, spec, handle = _submitted_past_first_checkpoint(cluster, manifest, tmp_path / "run")
-    os.kill(max(_job_workers(handle.job_id)), signal.SIGKILL)
+    workers = _job_rank_workers(cluster, handle.job_id)
+    assert sorted(workers) == [0, 1], workers  # one trainer per node, each under its node's torchrun agent
+    os.kill(workers[1], signal.SIGKILL)
     lines: list[str] = []
     status = wait(launcher, handle, log=lines.append, poll_s=0.5)
     assert status.state == "SUCCEEDED", "\n".join(lines)[-3000:]
