@@ -31,6 +31,8 @@ MAX_LITERAL_OPTIONS = 64
 """A node matching more fixed strings than this is not used as a prefilter."""
 MIN_LITERAL_CHARS = 3
 """Required literals shorter than this would let most rows through: no prefilter then."""
+MAX_LITERAL_LENGTH = 256
+"""A run of literals is cut into required strings of about this length: a longer one filters no better."""
 
 
 def _fixed_strings(nodes: Any, names: dict[str, Any]) -> set[str] | None:
@@ -70,25 +72,30 @@ def _fixed_strings(nodes: Any, names: dict[str, Any]) -> set[str] | None:
 
 
 def _required_in(nodes: Any, names: dict[str, Any]) -> list[set[str]]:
-    """Sets of strings such that every match of ``nodes`` contains at least one string of each set."""
+    """Sets of strings such that every match of ``nodes`` contains at least one string of each set.
+
+    One pass: a run of literal nodes grows its set of fixed strings node by node (a contract's
+    pattern comes from a stranger, and re-reading the run at each node was cubic in its length)."""
     found: list[set[str]] = []
-    run: list[Any] = []
+    options: set[str] | None = None  # the fixed strings the current run of literal nodes matches
 
     def close_run() -> None:
-        if run:
-            fixed = _fixed_strings(run, names)
-            if fixed:
-                found.append(fixed)
-            run.clear()
+        nonlocal options
+        if options:
+            found.append(options)
+        options = None
 
     for op, av in nodes:
-        if _fixed_strings([(op, av)], names) is not None:
-            run.append((op, av))
-            # a run longer than the option cap is still useful: keep its best prefix
-            if _fixed_strings(run, names) is None:
-                run.pop()
+        choices = _fixed_strings([(op, av)], names)
+        if choices is not None:
+            # a run longer than the option cap, or than MAX_LITERAL_LENGTH, is still useful: keep its
+            # best prefix and start a new run (each run's strings are required on their own)
+            if (options is None or len(options) * len(choices) > MAX_LITERAL_OPTIONS
+                    or max(map(len, options)) >= MAX_LITERAL_LENGTH):
                 close_run()
-                run.append((op, av))
+                options = choices
+            else:
+                options = {a + b for a in options for b in choices}
             continue
         close_run()
         if op == names["SUBPATTERN"] and not av[1] & re.IGNORECASE:
