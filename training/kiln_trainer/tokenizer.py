@@ -166,6 +166,7 @@ class HFTokenizer(Tokenizer):
         if eos is None:
             raise TokenizerError(f"{where}: has no token {eos_token!r} to use as EOS (document separator)")
         self._artifact = artifact
+        self._where = where
         self._sha256 = hashlib.sha256(artifact).hexdigest()
         self._eos_id = int(eos)
         self.kind = kind
@@ -192,7 +193,18 @@ class HFTokenizer(Tokenizer):
 
     def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
         # encode_batch_fast skips the offsets a trainer never needs; same ids as encode_batch.
-        return [e.ids for e in self._tok.encode_batch_fast(list(texts), add_special_tokens=False)]
+        try:
+            encoded = self._tok.encode_batch_fast(list(texts), add_special_tokens=False)
+        except Exception as exc:
+            raise TokenizerError(f"{self._where}: the tokenizers library cannot encode with it: {exc}") from exc
+        except BaseException as exc:
+            # A file's own regex can panic tokenizers while encoding (Oniguruma's retry limit on a
+            # backtracking Split or Replace pattern): pyo3's PanicException, a BaseException.
+            if type(exc).__name__ != "PanicException":
+                raise
+            raise TokenizerError(f"{self._where}: the tokenizers library panicked encoding text with this tokenizer "
+                                 f"({str(exc).strip()[:200]}); is one of its regexes backtracking?") from exc
+        return [e.ids for e in encoded]
 
     def decode(self, ids: Iterable[int]) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=True)
