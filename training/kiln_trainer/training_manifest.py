@@ -119,7 +119,11 @@ def load_training_manifest(path: str | Path) -> TrainingManifest:
         raise TrainingManifestError(f"{where}: kind is not {TRAINING_MANIFEST_KIND!r}")
     declared = data.get("sha256")
     body = {k: v for k, v in data.items() if k not in ("kind", "sha256")}
-    actual = hashlib.sha256(canonical_json(body)).hexdigest()
+    try:
+        actual = hashlib.sha256(canonical_json(body)).hexdigest()
+    except UnicodeEncodeError as exc:  # JSON can spell a lone surrogate ("\\ud800"); UTF-8 cannot hold it
+        raise TrainingManifestError(f"{where}: a string holds a lone surrogate {exc.object[exc.start:exc.end]!r}, "
+                                    "which no UTF-8 manifest kiln issued holds") from None
     if declared != actual:
         raise TrainingManifestError(
             f"{where}: content hash mismatch (declared {declared}, computed {actual}); "
