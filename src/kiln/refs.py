@@ -33,22 +33,17 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, Literal, Self
 
 from kiln.errors import ManifestError
+from kiln_trainer.contract import (  # the trainer contract: one canonical JSON, one hash rule (standard library only)
+    TRAINING_MANIFEST_KIND,
+    canonical_json,
+    training_manifest_sha256,
+)
+from kiln_trainer.contract import (
+    sha256_file as sha256_file,
+)
 
 if TYPE_CHECKING:
     from kiln.launchers.base import State
-
-
-def canonical_json(obj: Any) -> bytes:
-    """The bytes every content hash in kiln is taken over: sorted keys, no whitespace."""
-    return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
-
-
-def sha256_file(path: str | Path, chunk: int = 1 << 20) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as fh:
-        while block := fh.read(chunk):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 class Ref:
@@ -215,7 +210,9 @@ class TrainingManifest(Ref):
 
     ``tokens`` is absent until the shards are packed (the trainer then packs them itself).
     ``sha256`` is the sha256 of ``canonical_json`` of every other key except ``kind``; an absent
-    ``tokens`` is not in it, so a manifest without tokens keeps the hash it always had.
+    ``tokens`` is not in it, so a manifest without tokens keeps the hash it always had. Kind and hash
+    rule are the trainer contract's (``kiln_trainer.contract.training_manifest_sha256``), which the
+    trainer's reader calls too.
     """
 
     snapshot_id: str
@@ -230,9 +227,7 @@ class TrainingManifest(Ref):
     _absent_when_none = frozenset({"tokens"})
 
     def content_hash(self) -> str:
-        body = Ref.to_json(self)
-        body.pop("sha256")
-        return hashlib.sha256(canonical_json(body)).hexdigest()
+        return training_manifest_sha256(Ref.to_json(self))
 
     @classmethod
     def build(cls, **kwargs: Any) -> TrainingManifest:
@@ -251,7 +246,7 @@ class TrainingManifest(Ref):
         return self
 
     def to_json(self) -> dict[str, Any]:
-        return {"kind": "kiln.TrainingManifest", **Ref.to_json(self)}  # not super(): slots=True makes a new class
+        return {"kind": TRAINING_MANIFEST_KIND, **Ref.to_json(self)}  # not super(): slots=True makes a new class
 
     def write(self, path: str | Path) -> Path:
         from kiln.util.fs import atomic_write_text

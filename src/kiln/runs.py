@@ -21,8 +21,8 @@ never share a directory, and every name is one short, plain path component. Labe
 back from a name: readers take them from ``run.json``, and every writer checks it, so a directory
 made for one run is never used by another.
 
-Standard library only (with the trainer's torch-free ``kiln_trainer.checkpoint_manifest``): the
-signals exporter and the Airflow plugin import this. No other module spells a file name of a run.
+Standard library only (with the trainer contract, ``kiln_trainer.contract``): the signals exporter
+and the Airflow plugin import this. No other module of kiln spells a file name of a run.
 """
 
 from __future__ import annotations
@@ -39,12 +39,18 @@ from typing import Any
 
 from kiln.errors import ConfigError, RunMismatchError
 from kiln.util.fs import fsync_dir, parse_own_json
-from kiln_trainer.checkpoint_manifest import (  # the trainer's names (standard library only)
+from kiln_trainer.contract import (  # the trainer contract's names of a run dir (standard library only)
     CHECKPOINTS_SUBDIR,
     METRICS_JSONL,
     METRICS_PROM,
     RESULT_FILE,
     TRAINING_MANIFEST_COPY,
+)
+from kiln_trainer.contract import (
+    FATAL_SUBDIR as FATAL_SUBDIR,
+)
+from kiln_trainer.contract import (
+    LAUNCH_SUBDIR as LAUNCH_SUBDIR,
 )
 
 RUN_RECORD = "run.json"
@@ -68,12 +74,11 @@ HELDOUT_MANIFEST = "heldout-manifest.json"
 REEVALUATION = "reevaluation.json"
 
 
-# The trainer's run directory (``train/``, or any run dir a launcher is given). The trainer's own
-# names (its result, metrics and checkpoints) are defined in ``kiln_trainer.checkpoint_manifest``,
-# which never imports kiln, and are re-exported here; the launchers' folder is kiln's.
+# The trainer's run directory (``train/``, or any run dir a launcher is given). Its names (the
+# trainer's result, metrics and checkpoints, the launchers' ``.launch/`` and its ``fatal/`` markers)
+# are the trainer contract's (``kiln_trainer.contract``, which never imports kiln), re-exported here;
+# the files inside ``.launch/`` besides ``fatal/`` are kiln's alone.
 TRAINER_FILES = (RESULT_FILE, METRICS_JSONL, METRICS_PROM, TRAINING_MANIFEST_COPY, CHECKPOINTS_SUBDIR)
-LAUNCH_SUBDIR = ".launch"
-"""Per-run launcher state under the run dir: job log, status, agent pids, fatal markers."""
 LAUNCH_SPEC = "spec.json"
 """The LaunchSpec a job was submitted with (a resubmission of the same spec re-attaches)."""
 LAUNCH_STATUS = "status.json"
@@ -82,8 +87,6 @@ LAUNCH_LOG = "job.log"
 LAUNCH_PREVIOUS_LOG = "job.previous.log"
 """The log of the attempt before a resubmission (each attempt streams only its own lines)."""
 SUPERVISOR_PID = "supervisor.pid"
-FATAL_SUBDIR = "fatal"
-"""``rank-N.json`` markers of ranks that exited 2 (a fault a retry cannot fix)."""
 JOB_RECORD = "job.json"
 """The launched job (backend, options, handle), for the DAG's failure callback to cancel it."""
 SLURM_EXCLUDED_NODES = "slurm-excluded-nodes.json"

@@ -2,6 +2,7 @@
 
 Modules (one concern each)::
 
+    contract             what kiln and a trainer share, written once: run dir names, manifest hash, result, exit codes
     errors               the trainer's exception tree (standard library only; no name shared with kiln.errors)
     config               recipe dataclasses, TOML loading, ``--set`` overrides, recipe hash
     training_manifest    TrainingManifest parsing and its content-hash check (standard library only)

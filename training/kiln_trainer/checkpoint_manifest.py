@@ -51,22 +51,38 @@ of that world), every listed file exists with the listed sha256, and nothing els
 directory. Anything else (a crash mid-save, a truncated file, an edited byte, a stray file) is
 not a checkpoint: readers ignore it and say why.
 
-The orchestration side imports only this module (``verify_checkpoint``, ``latest_committed``).
+The orchestration side imports only this module (``verify_checkpoint``, ``latest_committed``); the run
+directory's names and the atomic write it re-exports are ``kiln_trainer.contract``'s.
 """
 
 from __future__ import annotations
 
 import hashlib
-import json
 import logging
-import os
 import re
-import tempfile
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from kiln_trainer.errors import CheckpointError, naming_path
+from kiln_trainer.contract import (  # the run directory's names and the atomic write: the contract's
+    CHECKPOINT_KIND,
+    CHECKPOINTS_SUBDIR,
+    MANIFEST_NAME,
+    METRICS_JSONL,
+    METRICS_PROM,
+    RESULT_FILE,
+    SAMPLE_LOG_SUBDIR,
+    TOKEN_CACHE_SUBDIR,
+    TOKENIZER_FILE,
+    TOKENS_SUBDIR,
+    TRAINING_MANIFEST_COPY,
+    atomic_write_bytes,
+    canonical_json,
+    fsync_dir,
+    sha256_file,
+    step_dir_name,
+)
+from kiln_trainer.errors import CheckpointError
 from kiln_trainer.jsonfile import load_json
 
 __all__ = [
@@ -92,6 +108,7 @@ __all__ = [
     "expected_files",
     "latest_committed",
     "seal",
+    "fsync_dir",
     "sha256_file",
     "step_dir_name",
     "verify_checkpoint",
@@ -99,8 +116,6 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-CHECKPOINT_KIND = "kiln.CheckpointManifest"
-MANIFEST_NAME = "manifest.json"
 FULL_STATE_FORMAT = 2
 """The ``ddp`` strategy's checkpoints: rank 0's ``torch.save`` files of the whole state."""
 SHARDED_FORMAT = 3
@@ -114,23 +129,6 @@ READABLE_FORMATS = (1, *CURRENT_FORMATS)
 DCP_METADATA = ".metadata"
 """``torch.distributed.checkpoint``'s index of a format-3 checkpoint's shards."""
 _DCP_DATA_RE = re.compile(r"^__(\d+)_(\d+)\.distcp$")
-TOKENIZER_FILE = "tokenizer.json"
-"""The tokenizer artifact, in a checkpoint and in a packed token directory (``kiln_trainer.packed``)."""
-CHECKPOINTS_SUBDIR = "checkpoints"
-TRAINING_MANIFEST_COPY = "training_manifest.json"
-"""The trainer's copy of its TrainingManifest in the run dir (``evaluate`` finds it by itself)."""
-RESULT_FILE = "result.json"
-"""The run's TrainResult, written by rank 0 when the run ends (last, after the final commit)."""
-METRICS_JSONL = "metrics.jsonl"
-"""Every logged step and event, one JSON object a line (rank 0)."""
-METRICS_PROM = "metrics.prom"
-"""The latest training gauges in Prometheus' text format (rank 0; the signals exporter reads it)."""
-TOKENS_SUBDIR = "tokens"
-"""Packed token shards the trainer made itself (a manifest without ``tokens``), one content-addressed folder each."""
-TOKEN_CACHE_SUBDIR = "token-cache"
-"""Per-rank caches of token shards streamed from S3 (unless ``KILN_TOKEN_CACHE_DIR`` names another place)."""
-SAMPLE_LOG_SUBDIR = "sample-log"
-"""``rank-NNNNN.jsonl``: the global sample ids each rank consumed per step (``--sample-log``)."""
 _STEP_DIR_RE = re.compile(r"^step-(\d{8})$")
 
 _REQUIRED_KEYS: dict[str, type | tuple[type, ...]] = {
@@ -152,55 +150,10 @@ MAX_MANIFEST_BYTES = 64 << 20
 """A checkpoint manifest lists the checkpoint's files and hashes: kilobytes, never this many bytes."""
 
 
-def canonical_json(obj: Any) -> bytes:
-    """The bytes every content hash is taken over (same rule as kiln's refs): sorted keys, no spaces."""
-    return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
-
-
 def seal(manifest: dict[str, Any]) -> dict[str, Any]:
     """``manifest`` with ``seal_sha256``: the sha256 of the canonical JSON of every other field."""
     body = {k: v for k, v in manifest.items() if k != SEAL_KEY}
     return {**body, SEAL_KEY: hashlib.sha256(canonical_json(body)).hexdigest()}
-
-
-def sha256_file(path: str | Path, chunk: int = 1 << 20) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as fh:
-        while block := fh.read(chunk):
-            digest.update(block)
-    return digest.hexdigest()
-
-
-def fsync_dir(path: str | Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def atomic_write_bytes(path: str | Path, data: bytes, *, mode: int = 0o644) -> Path:
-    """Readers see the old file or the whole new one, never a torn write (tmp, fsync, rename, dir fsync)."""
-    target = Path(path)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
-    try:
-        # mkstemp creates 0600; checkpoints and results are read by other users (orchestration).
-        os.fchmod(fd, mode)
-        with naming_path(target), os.fdopen(fd, "wb") as fh:
-            fh.write(data)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, target)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    fsync_dir(target.parent)
-    return target
-
-
-def step_dir_name(step: int) -> str:
-    return f"step-{step:08d}"
 
 
 def rng_file_name(rank: int) -> str:

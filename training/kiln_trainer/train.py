@@ -126,6 +126,7 @@ from kiln_trainer.checkpoint_manifest import (
     verify_checkpoint,
 )
 from kiln_trainer.config import load_recipe, resume_identity
+from kiln_trainer.contract import EXIT_FATAL, EXIT_OK, EXIT_RETRYABLE, TRAIN_RESULT_KIND, TrainResultRecord
 from kiln_trainer.data import open_run_tokens, pack_run_tokens
 from kiln_trainer.distributed import (
     any_rank,
@@ -171,7 +172,7 @@ from kiln_trainer.training_manifest import TokensRef, load_training_manifest
 _IMPORT_T1 = time.time()
 log = logging.getLogger("kiln_trainer.train")
 
-RESULT_KIND = "kiln.TrainResult"
+RESULT_KIND = TRAIN_RESULT_KIND
 SAMPLE_LOG_ENV = "KILN_SAMPLE_LOG"
 _RECENT_WINDOW = 20
 
@@ -901,7 +902,7 @@ class Run:
 
     # ----------------------------------------------------------------- end of run
 
-    def finish(self, summary: dict[str, Any]) -> dict[str, Any] | None:
+    def finish(self, summary: dict[str, Any]) -> TrainResultRecord | None:
         """Rank 0 writes ``result.json`` for the newest committed checkpoint; every rank waits for it
         (and, under fsdp, for its part of the last save)."""
         result = None
@@ -931,7 +932,7 @@ class Run:
             raise TrainerError(f"no committed checkpoint in {self.run_dir} to report")
         return last_dir
 
-    def _result(self, summary: dict[str, Any], last_dir: Path, checkpoint_blocking_s: float) -> dict[str, Any]:
+    def _result(self, summary: dict[str, Any], last_dir: Path, checkpoint_blocking_s: float) -> TrainResultRecord:
         """The ``kiln.TrainResult`` of this invocation, naming its newest committed checkpoint."""
         ck_manifest = read_own_json(last_dir / "manifest.json")
         st = self.state
@@ -1013,15 +1014,15 @@ def main(argv: list[str] | None = None) -> int:
         finished.close()  # a final write that fails (a full disk) fails the run too
         if result is not None:
             print(json.dumps(result, sort_keys=True))
-        return 0
+        return EXIT_OK
     except TrainerError as exc:
         log.error("%s: %s", type(exc).__name__, exc)
-        return 1 if exc.retryable else 2  # a remote store that may heal: a retry (restart) can succeed
+        return EXIT_RETRYABLE if exc.retryable else EXIT_FATAL  # a remote store that may heal: a retry can succeed
     except OSError as exc:
         if exc.errno not in STORAGE_ERRNOS:
             raise
         log.error("StorageError: %s", os_error_text(exc))
-        return 2
+        return EXIT_FATAL
     finally:
         if run is not None:
             _close_after_failure(run)

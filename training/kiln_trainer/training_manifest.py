@@ -1,5 +1,6 @@
 """The TrainingManifest as the trainer reads it: which shards (path, sha256, rows) it may train and
-evaluate on, under a content hash that refuses a manifest edited after kiln issued it.
+evaluate on, under a content hash that refuses a manifest edited after kiln issued it. The kind and the hash rule are the
+contract's (``kiln_trainer.contract.training_manifest_sha256``), the same function kiln's writer calls.
 
 Optional ``tokens``: the packed token shards the tokenize stage made of those shards::
 
@@ -15,16 +16,14 @@ and the trainer parses the same way on every rank.
 
 from __future__ import annotations
 
-import hashlib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kiln_trainer.checkpoint_manifest import canonical_json
+from kiln_trainer.contract import TRAINING_MANIFEST_KIND, read_json, training_manifest_sha256
 from kiln_trainer.errors import TrainingManifestError
-from kiln_trainer.jsonfile import read_json
 
-TRAINING_MANIFEST_KIND = "kiln.TrainingManifest"
+__all__ = ["TRAINING_MANIFEST_KIND", "ShardEntry", "TokensRef", "TrainingManifest", "load_training_manifest"]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -118,9 +117,8 @@ def load_training_manifest(path: str | Path) -> TrainingManifest:
     if not isinstance(data, dict) or data.get("kind") != TRAINING_MANIFEST_KIND:
         raise TrainingManifestError(f"{where}: kind is not {TRAINING_MANIFEST_KIND!r}")
     declared = data.get("sha256")
-    body = {k: v for k, v in data.items() if k not in ("kind", "sha256")}
     try:
-        actual = hashlib.sha256(canonical_json(body)).hexdigest()
+        actual = training_manifest_sha256(data)
     except UnicodeEncodeError as exc:  # JSON can spell a lone surrogate ("\\ud800"); UTF-8 cannot hold it
         raise TrainingManifestError(f"{where}: a string holds a lone surrogate {exc.object[exc.start:exc.end]!r}, "
                                     "which no UTF-8 manifest kiln issued holds") from None

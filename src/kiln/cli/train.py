@@ -118,7 +118,7 @@ def refuse_report_inside_inputs(report: Path, checkpoint: Path, manifest: Path |
     the step before), on the TrainingManifest it reads, or inside the corpus of its eval shards."""
     from kiln.errors import ConfigError
     from kiln.util.fs import lies_inside
-    from kiln_trainer.checkpoint_manifest import CHECKPOINTS_SUBDIR, MANIFEST_NAME, TRAINING_MANIFEST_COPY
+    from kiln_trainer.contract import CHECKPOINTS_SUBDIR, MANIFEST_NAME, TRAINING_MANIFEST_COPY
 
     step = checkpoint.resolve()
     tree = step.parent if step.parent.name == CHECKPOINTS_SUBDIR else step  # RUN/checkpoints/step-N
@@ -162,7 +162,7 @@ def _manifest_corpora(manifest: Path) -> list[Path]:
 
 def _evaluate(args: argparse.Namespace) -> int:
     from kiln.errors import KilnError
-    from kiln_trainer.checkpoint_manifest import atomic_write_bytes
+    from kiln_trainer.contract import atomic_write_bytes
     from kiln_trainer.errors import TrainerError
     from kiln_trainer.evaluate import evaluate_checkpoint
 

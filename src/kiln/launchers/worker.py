@@ -46,8 +46,10 @@ from typing import Any
 
 from kiln.launchers.base import FATAL_LINE
 from kiln.runs import FATAL_SUBDIR, LAUNCH_SUBDIR
+from kiln_trainer.contract import EXIT_FATAL
 
-FATAL_EXIT = 2
+FATAL_EXIT = EXIT_FATAL
+"""The trainer's exit status for a fault a retry repeats (the trainer contract's)."""
 
 
 class _LastError(logging.Handler):

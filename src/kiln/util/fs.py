@@ -9,13 +9,14 @@ import stat
 import tempfile
 from pathlib import Path
 
-from kiln_trainer.checkpoint_manifest import atomic_write_bytes as _atomic_write_bytes
-from kiln_trainer.checkpoint_manifest import fsync_dir
-from kiln_trainer.errors import naming_path, os_error_text  # one owner (stdlib only); kiln imports them here
-from kiln_trainer.jsonfile import (
+from kiln_trainer.contract import atomic_write_bytes as _atomic_write_bytes
+from kiln_trainer.contract import (  # one owner, the trainer contract (stdlib only); kiln imports them here
     file_kind,
+    fsync_dir,
     load_json,
+    naming_path,
     open_regular_file,
+    os_error_text,
     parse_json,
     parse_own_json,
     read_bounded,

@@ -4,7 +4,9 @@ malformed one is a ``ManifestError`` naming the ref."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
+from pathlib import Path
 
 import pytest
 
@@ -23,6 +25,8 @@ from kiln.refs import (
     RollbackRecord,
     RunOutcome,
     StragglerWatchPlan,
+    TrainingManifest,
+    TrainResult,
     VersionEvaluation,
     WatchDecision,
     WatchOutcome,
@@ -154,3 +158,65 @@ def test_a_shard_reports_xcom_carries_its_dropped_rows_as_a_digest_of_fixed_size
     assert empty["rows_count"] == 0 and empty["rows_sha256"] not in (xcom.dropped["rows_sha256"], "")
     plain = ShardReport(path="/c/train/shard-00001.parquet", sha256="cd" * 32, rows=3, verdict="healthy")
     assert plain.as_xcom() is plain, "a contract that drops nothing: the report as it always was"
+
+
+# ------------------------------------------------------------------ the trainer contract, both sides
+def _fixed_manifest() -> TrainingManifest:
+    return TrainingManifest.build(
+        snapshot_id="0123456789abcdef0123456789abcdef.dir", corpus="web-ü", contract="web@1",
+        shards=[{"path": "/data/train/part-0.parquet", "sha256": "a" * 64, "rows": 10},
+                {"path": "/data/train/part-1.parquet", "sha256": "b" * 64, "rows": 4, "drop_rows": [0, 3]}],
+        eval_shards=[{"path": "/data/eval/part-0.parquet", "sha256": "c" * 64, "rows": 2}],
+        quarantined=["/data/train/bad.parquet"])
+
+
+def test_kilns_training_manifest_keeps_the_hash_it_had_before_the_contract():
+    """Literals computed by this writer before the hash rule moved to ``kiln_trainer.contract``."""
+    manifest = _fixed_manifest()
+    assert manifest.sha256 == "d650c8182129809f19460721bbacfadeada6ee531b5e03aa90955cce286ab47c"
+    tokens = manifest.with_tokens("/data/tokens/token_manifest.json", "d" * 64)
+    assert tokens.sha256 == "d2d277bafdda9e5a80304634a17c2d069ef26d53904e91b7c3c075c1fc2fccc5"
+
+
+def test_a_manifest_kiln_writes_verifies_in_the_trainers_reader(tmp_path: Path):
+    from kiln_trainer.training_manifest import load_training_manifest
+
+    for manifest in (_fixed_manifest(), _fixed_manifest().with_tokens("s3://b/tokens/token_manifest.json", "d" * 64)):
+        read = load_training_manifest(manifest.write(tmp_path / "m.json"))
+        assert read.sha256 == manifest.sha256
+        assert [s.drop_rows for s in read.shards] == [(), (0, 3)]
+
+
+def test_a_manifest_written_by_the_contracts_rule_verifies_in_kilns_reader(tmp_path: Path):
+    from kiln_trainer.contract import TRAINING_MANIFEST_KIND, atomic_write_bytes, training_manifest_sha256
+
+    body = {"snapshot_id": "s.dir", "corpus": "c", "contract": "c@1", "eval_shards": [], "quarantined": [],
+            "shards": [{"path": "/x/train/a.parquet", "sha256": "e" * 64, "rows": 1}],
+            "tokens": {"manifest": "/x/tokens/token_manifest.json", "sha256": "f" * 64}}
+    wire = {"kind": TRAINING_MANIFEST_KIND, **body, "sha256": training_manifest_sha256(body)}
+    path = atomic_write_bytes(tmp_path / "m.json", json.dumps(wire).encode())
+    assert TrainingManifest.read(path).sha256 == wire["sha256"]
+    atomic_write_bytes(path, json.dumps({**wire, "corpus": "edited"}).encode())
+    with pytest.raises(ManifestError, match="content hash does not match"):
+        TrainingManifest.read(path)
+
+
+def test_every_fact_kilns_train_result_reads_is_in_the_contracts_result_record(tmp_path: Path):
+    from kiln.launchers.base import read_result
+    from kiln_trainer.contract import RESULT_FILE, TRAIN_RESULT_KIND, TrainResultRecord
+
+    assert {f.name for f in dataclasses.fields(TrainResult)} <= set(TrainResultRecord.__annotations__)
+    record: TrainResultRecord = {
+        "kind": TRAIN_RESULT_KIND, "run_dir": str(tmp_path), "checkpoint": str(tmp_path / "checkpoints/step-00000002"),
+        "checkpoint_manifest_sha256": "1" * 64, "weights_sha256": "2" * 64, "step": 2, "total_steps": 2,
+        "completed": True, "recipe_sha256": "3" * 64, "training_manifest_sha256": "4" * 64,
+        "token_manifest_sha256": "5" * 64, "tokenizer_sha256": "6" * 64, "snapshot_id": "s.dir", "world_size": 2,
+        "metrics": {"final_loss": None, "tokens_per_s": 1.0, "steps": 2, "wall_s": 1.0, "train_tokens": 8,
+                    "checkpoint_blocking_s": 0.0},
+        "events": [{"kind": "rollback", "at_step": 1}], "mlflow_run_id": "m"}
+    (tmp_path / RESULT_FILE).write_text(json.dumps(record))
+    result = read_result(tmp_path)
+    assert (result.step, result.world_size, result.weights_sha256, result.events) == (2, 2, "2" * 64, record["events"])
+    (tmp_path / RESULT_FILE).write_text(json.dumps({k: v for k, v in record.items() if k != "weights_sha256"}))
+    with pytest.raises(ManifestError, match="weights_sha256"):
+        read_result(tmp_path)

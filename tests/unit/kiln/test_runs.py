@@ -189,8 +189,9 @@ def test_every_airflow_kiln_configures_uses_the_run_id_pattern(tmp_path, monkeyp
 
 # ------------------------------------------------------------------------- one home for the names
 def test_no_module_but_the_owners_spells_a_file_name_of_a_run():
-    """kiln.runs owns the names of a run directory; the trainer's own names live in its torch-free
-    kiln_trainer.checkpoint_manifest. Anywhere else a name is imported, never spelled."""
+    """kiln.runs owns the names of a run directory; the names kiln and the trainer share (the trainer's
+    files, the launchers' folder) live in the trainer contract, kiln_trainer.contract. Anywhere else a
+    name is imported, never spelled."""
     import ast
 
     repo = Path(__file__).resolve().parents[3]
@@ -199,7 +200,7 @@ def test_no_module_but_the_owners_spells_a_file_name_of_a_run():
              runs.LAUNCH_STATUS, runs.LAUNCH_LOG, runs.LAUNCH_PREVIOUS_LOG, runs.SUPERVISOR_PID, runs.JOB_RECORD,
              runs.SLURM_EXCLUDED_NODES, runs.SLURM_SCRIPT, runs.SLURM_JOB_ID, runs.K8S_LOG, runs.ELASTIC_RECORD,
              *runs.TRAINER_FILES}
-    owners = {repo / "src/kiln/runs.py", repo / "training/kiln_trainer/checkpoint_manifest.py"}
+    owners = {repo / "src/kiln/runs.py", repo / "training/kiln_trainer/contract.py"}
     spelled = []
     for path in sorted([*(repo / "src/kiln").rglob("*.py"), *(repo / "training/kiln_trainer").rglob("*.py"),
                         *(repo / "plugins").glob("*.py"), *(repo / "dags").glob("*.py")]):
