@@ -51,3 +51,56 @@ def test_every_json_kiln_reads_goes_through_the_one_bounded_reader():
                         and isinstance(node.value, ast.Name) and node.value.id == "json"):
                     calls.append(f"{path.relative_to(REPO)}:{node.lineno}: json.{node.attr}")
     assert not calls, "parse JSON with kiln_trainer.jsonfile (kiln.util.fs re-exports it):\n" + "\n".join(calls)
+
+
+TRAINER_IMPORTERS_ALLOWED: dict[str, tuple[str, ...]] = {
+    "src/kiln/airflow/dagfactory.py": ("kiln_trainer.config",),
+    "src/kiln/cli/tokenize.py": ("kiln_trainer.data", "kiln_trainer.errors", "kiln_trainer.packed",
+                                 "kiln_trainer.tokenizer", "kiln_trainer.training_manifest"),
+    "src/kiln/cli/train.py": ("kiln_trainer.errors", "kiln_trainer.evaluate", "kiln_trainer.training_manifest"),
+    "src/kiln/launchers/base.py": ("kiln_trainer.config", "kiln_trainer.errors", "kiln_trainer.training_manifest"),
+    "src/kiln/launchers/stragglers.py": ("kiln_trainer.stragglers",),
+    "src/kiln/launchers/worker.py": ("kiln_trainer.packed", "kiln_trainer.train", "kiln_trainer.training_manifest"),
+    "src/kiln/registry/register.py": ("kiln_trainer.checkpoint_manifest", "kiln_trainer.export"),
+    "src/kiln/stages/inputs.py": ("kiln_trainer.config", "kiln_trainer.errors"),
+    "src/kiln/stages/tokenize.py": ("kiln_trainer.errors", "kiln_trainer.packed", "kiln_trainer.remote",
+                                    "kiln_trainer.tokenizer", "kiln_trainer.training_manifest"),
+    "src/kiln/stages/training.py": ("kiln_trainer.checkpoint_manifest",),
+}
+"""The modules of kiln that still import the trainer beyond its contract, and what they import (2026-12-06)."""
+
+
+def _trainer_modules_imported(path: Path) -> set[str]:
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            # ``from kiln_trainer import train`` imports the module kiln_trainer.train
+            found |= ({f"{node.module}.{alias.name}" for alias in node.names} if node.module == "kiln_trainer"
+                      else {node.module})
+    return {name for name in found
+            if (name == "kiln_trainer" or name.startswith("kiln_trainer.")) and name != "kiln_trainer.contract"}
+
+
+def test_kiln_imports_the_trainer_contract_and_no_new_part_of_the_trainer():
+    """The orchestration side imports of the trainer only ``kiln_trainer.contract`` (the run dir's names,
+    the TrainingManifest and TrainResult schemas, exit codes, the metrics record, the atomic write and
+    the bounded JSON reader). ``TRAINER_IMPORTERS_ALLOWED`` lists today's exceptions: a new importer, or
+    a new trainer module imported by a listed one, fails here; a dropped import must be struck from the
+    list, so it only shrinks. Issue 30 (the trainer SDK) drives it to empty."""
+    kiln = REPO / "src" / "kiln"
+    importers = {str(path.relative_to(REPO)): tuple(sorted(modules))
+                 for path in sorted(kiln.rglob("*.py")) if "_shipped" not in path.parts
+                 if (modules := _trainer_modules_imported(path))}
+    new = {k: v for k, v in importers.items() if set(v) - set(TRAINER_IMPORTERS_ALLOWED.get(k, ()))}
+    assert not new, f"import the trainer contract (kiln_trainer.contract), not these: {new}"
+    assert importers == TRAINER_IMPORTERS_ALLOWED, "an import is gone: strike it from TRAINER_IMPORTERS_ALLOWED"
+
+
+def test_the_contract_rule_sees_every_form_of_import(tmp_path: Path):
+    module = tmp_path / "m.py"
+    module.write_text("import kiln_trainer.train\nfrom kiln_trainer import packed, contract\n"
+                      "def f():\n    from kiln_trainer.config import load_recipe\n"
+                      "from kiln_trainer.contract import RESULT_FILE\nfrom kiln.runs import RESULT_FILE\n")
+    assert _trainer_modules_imported(module) == {"kiln_trainer.train", "kiln_trainer.packed", "kiln_trainer.config"}
