@@ -15,7 +15,8 @@ PYTEST_ARGS ?=
 help:
 	@echo "make demo   set everything up and run the production DAG end to end on the embedded stack"
 	@echo "make demo CORPUS=prose   the sandbox DAG on another corpus (prose: text found on this machine, imported)"
-	@echo "make test   set everything up, run make lint, then the whole test suite"
+	@echo "make test   set everything up, run make lint, then the whole test suite (prints the 25 slowest tests)"
+	@echo "make test-fast   unit, DAG and fast integration tests only (under 5 min): the inner loop"
 	@echo "make lint   ruff (rules in pyproject.toml [tool.ruff]) and mypy ([tool.mypy]); both must pass"
 	@echo "make up     start Airflow + MLflow in the background (prints URLs and logins); make down stops them"
 	@echo "make bench  run benchmarks/ and write docs/benchmarks.md"
@@ -48,11 +49,20 @@ status: venv
 demo: venv
 	$(BIN)/kiln demo $(if $(CORPUS),--corpus $(CORPUS))
 
-test: venv system-deps lint
-	$(BIN)/python -m pytest $(PYTEST_ARGS)
+# Two pytest processes (pytest-xdist): the end-to-end tests, which mostly wait on Airflow, run in
+# one of them, one stack at a time; the CPU-bound rest runs in the other meanwhile (groups:
+# tests/conftest.py; figures: docs/testing.md). PYTEST_WORKERS=0 runs everything in one process.
+PYTEST_WORKERS ?= 2
+XDIST = $(if $(filter 0,$(PYTEST_WORKERS)),,-n $(PYTEST_WORKERS) --dist loadgroup)
 
+# The 25 slowest tests are listed before pytest's summary line (which stays last).
+test: venv system-deps lint
+	$(BIN)/python -m pytest $(XDIST) --durations=25 $(PYTEST_ARGS)
+
+# The inner loop (under 5 min on 2 cores): unit, DAG and the fast integration tests; no stack, no
+# torchrun group, no Slurm. `make test` before a push.
 test-fast: venv
-	$(BIN)/python -m pytest -m "not slow" $(PYTEST_ARGS)
+	$(BIN)/python -m pytest $(XDIST) -m "not slow" $(PYTEST_ARGS)
 
 # The habits the code's markers promise, checked: ruff's rule sets and mypy (a few seconds with
 # mypy's cache, about 40 s without it).

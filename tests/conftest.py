@@ -24,6 +24,47 @@ os.environ.pop("MLFLOW_TRACKING_URI", None)
 os.environ.pop("MLFLOW_RUN_ID", None)
 
 
+_ONE_STACK_AT_A_TIME = ("e2e", "e2e_prodlike")
+"""Packages whose tests run against a stack their package fixture starts (Airflow + MLflow on free
+ports): under pytest-xdist all of them run in one worker, one after the other, as without it."""
+
+
+def xdist_group_of(nodeid: str) -> str:
+    """The unit of work pytest-xdist hands one worker (``-n N --dist loadgroup``): the stack packages
+    as one ("stack": one stack at a time, started once, as in a serial run), any other test with its
+    file, so a module fixture (a Slurm cluster, an MLflow server) starts once, not once per worker."""
+    path = nodeid.split("::", 1)[0]
+    parts = path.split("/")
+    if len(parts) > 2 and parts[0] == "tests" and parts[1] in _ONE_STACK_AT_A_TIME:
+        return "stack"
+    return path
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log):
+    """``--dist loadgroup`` schedules by ``xdist_group_of``. pytest-xdist's own loadgroup cannot be
+    used: it passes each test's ``xdist_group`` mark to the scheduler as a node-id suffix, which
+    pytest 9.2 no longer keeps (pytest-xdist issue 1386), so it silently spread the stack tests over
+    the workers and each worker started its own stack."""
+    if config.getvalue("dist") != "loadgroup":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class OneStackAtATime(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return xdist_group_of(nodeid)
+
+    config.option.loadscopereorder = False  # the stack first (the longest unit), as the workers order it
+    return OneStackAtATime(config, log)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if getattr(config.option, "loadgroup", False):  # an xdist worker under --dist loadgroup
+        # The stack's tests wait on Airflow most of the time: they start first, in the one worker
+        # that gets them, and the rest of the suite (CPU-bound) runs in the other workers meanwhile.
+        items.sort(key=lambda item: xdist_group_of(item.nodeid) != "stack")
+
+
 @pytest.fixture(autouse=True)
 def _isolate_mlflow_global_tracking_uri():
     """Give every test mlflow's process-global tracking URI as it found it.
