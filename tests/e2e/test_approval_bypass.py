@@ -110,6 +110,8 @@ def _assert_refused_and_nothing_written(admin, client, run_id: str, champion_bef
 
 
 def test_a_task_marked_success_is_no_approval_and_a_reviewer_still_approves(stack, production):
+    """About 2 min on 2 cores: a full production run (the pinned 300-step recipe on two agents),
+    refused at promote, then its review asked again and approved."""
     from kiln.errors import AirflowAPIError
     from kiln.policy import PRODUCTION
     from kiln.stack.demo import follow_run
@@ -163,6 +165,7 @@ def test_a_task_marked_success_is_no_approval_and_a_reviewer_still_approves(stac
 
 
 def test_a_forged_approval_xcom_is_no_approval(stack, production):
+    """About 1.5 min on 2 cores: a full production run, up to the promote it refuses."""
     from kiln.policy import PRODUCTION
 
     login = production

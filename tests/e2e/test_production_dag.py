@@ -61,6 +61,10 @@ def _patient(stack):
 
 @pytest.mark.timeout(3600)  # two full production runs and a review left to time out
 def test_production_approve_reject_and_timeout(stack, monkeypatch):
+    """About 4.5 min on 2 cores, the slowest test: two full production runs (each trains the pinned
+    300-step recipe on two agents, about 50 s of a 110 s run) and a review left to time out (the
+    60 s floor of the timeout Variable). Approve and reject need their own runs: one run is reviewed
+    once; the timeout reuses the rejected run's review, asked again."""
     login = _patient(stack)
     admin = login("admin")
     import mlflow

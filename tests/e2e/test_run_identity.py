@@ -40,6 +40,8 @@ def test_a_run_id_airflow_cannot_serve_is_refused_when_triggered(stack, admin, r
 
 
 def test_run_ids_that_differ_only_in_replaced_characters_train_and_register_their_own_weights(stack, admin):
+    """About 1.5 min on 2 cores: three sandbox runs, one after the other (the first must end before
+    the others start: that order is the bug it guards against)."""
     import mlflow
 
     from kiln import runs

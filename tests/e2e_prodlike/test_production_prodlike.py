@@ -29,6 +29,8 @@ def _asset_triggered_run(admin, dag_id: str, timeout: float = 300.0) -> dict:
 
 
 def test_asset_triggered_production_run_approved_by_reviewer(prodlike, login):
+    """About 1.5 min on 2 cores: a full production run (the pinned 300-step recipe on two agents)
+    on the production-like stack, which is started for this package alone."""
     from kiln import settings as kiln_settings
     from kiln.cli.snapshot import announce_snapshot
     from kiln.data.corpus import build_corpus
