@@ -23,6 +23,7 @@ choices). Nothing here downloads anything.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -145,23 +146,32 @@ class ByteTokenizer(Tokenizer):
         return bytes(i for i in ids if i != self._eos_id and 0 <= i < 256).decode("utf-8", errors="replace")
 
 
+@contextlib.contextmanager
+def _tokenizers_errors(failed: str, panicked: Callable[[str], str]) -> Iterator[None]:
+    """The tokenizers library's failures as a ``TokenizerError``: ``failed`` followed by its bare
+    ``Exception``'s text, or ``panicked(detail)`` for a Rust panic, which reaches Python as pyo3's
+    ``PanicException``, a ``BaseException`` that ``except Exception`` does not catch."""
+    try:
+        yield
+    except Exception as exc:
+        raise TokenizerError(f"{failed}{exc}") from exc
+    except BaseException as exc:
+        if type(exc).__name__ != "PanicException":
+            raise
+        raise TokenizerError(panicked(str(exc).strip()[:200])) from exc
+
+
 class HFTokenizer(Tokenizer):
     """A Hugging Face ``tokenizers`` JSON artifact (kind ``bpe`` when trained here, else ``file``)."""
 
     def __init__(self, artifact: bytes, *, kind: str, eos_token: str = EOS_TOKEN, where: str = "tokenizer") -> None:
         from tokenizers import Tokenizer as RustTokenizer
 
-        try:
+        # A panic here: e.g. a BPE merge of a token not in the vocabulary.
+        with _tokenizers_errors(f"{where}: not a Hugging Face tokenizer JSON: ",
+                                lambda detail: f"{where}: a Hugging Face tokenizer JSON that the tokenizers library "
+                                f"cannot load (it panicked: {detail})"):
             self._tok = RustTokenizer.from_str(artifact.decode("utf-8"))
-        except Exception as exc:  # tokenizers raises a bare Exception on a bad JSON
-            raise TokenizerError(f"{where}: not a Hugging Face tokenizer JSON: {exc}") from exc
-        except BaseException as exc:
-            # A Rust panic inside tokenizers (e.g. a BPE merge of a token not in the vocabulary) reaches
-            # Python as pyo3's PanicException, which derives from BaseException, not Exception.
-            if type(exc).__name__ != "PanicException":
-                raise
-            raise TokenizerError(f"{where}: a Hugging Face tokenizer JSON that the tokenizers library cannot "
-                                 f"load (it panicked: {str(exc).strip()[:200]})") from exc
         eos = self._tok.token_to_id(eos_token)
         if eos is None:
             raise TokenizerError(f"{where}: has no token {eos_token!r} to use as EOS (document separator)")
@@ -193,17 +203,11 @@ class HFTokenizer(Tokenizer):
 
     def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
         # encode_batch_fast skips the offsets a trainer never needs; same ids as encode_batch.
-        try:
+        # A panic here: a file's own regex past Oniguruma's retry limit (a backtracking Split or Replace).
+        with _tokenizers_errors(f"{self._where}: the tokenizers library cannot encode with it: ",
+                                lambda detail: f"{self._where}: the tokenizers library panicked encoding text with "
+                                f"this tokenizer ({detail}); is one of its regexes backtracking?"):
             encoded = self._tok.encode_batch_fast(list(texts), add_special_tokens=False)
-        except Exception as exc:
-            raise TokenizerError(f"{self._where}: the tokenizers library cannot encode with it: {exc}") from exc
-        except BaseException as exc:
-            # A file's own regex can panic tokenizers while encoding (Oniguruma's retry limit on a
-            # backtracking Split or Replace pattern): pyo3's PanicException, a BaseException.
-            if type(exc).__name__ != "PanicException":
-                raise
-            raise TokenizerError(f"{self._where}: the tokenizers library panicked encoding text with this tokenizer "
-                                 f"({str(exc).strip()[:200]}); is one of its regexes backtracking?") from exc
         return [e.ids for e in encoded]
 
     def decode(self, ids: Iterable[int]) -> str:
