@@ -43,8 +43,19 @@ def _task(admin, dag_id: str, run_id: str, task_id: str, states: tuple[str, ...]
 
 
 def _end_run(admin, dag_id: str, run_id: str) -> None:
-    """Stop a production run the test no longer needs (production runs one at a time)."""
-    admin.request("PATCH", f"/dags/{dag_id}/dagRuns/{run_id}", json={"state": "failed"})
+    """Stop a production run the test no longer needs (production runs one at a time). The embedded
+    stack's SQLite can answer a write with HTTP 500 ("database is locked", while the scheduler writes):
+    the PATCH is sent again then, or the run left behind blocks every later production run."""
+    from kiln.errors import AirflowAPIError
+
+    for attempt in range(5):
+        try:
+            admin.request("PATCH", f"/dags/{dag_id}/dagRuns/{run_id}", json={"state": "failed"})
+            break
+        except AirflowAPIError as exc:
+            if exc.status is None or exc.status < 500 or attempt == 4:
+                raise
+            time.sleep(2)
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
         if not any(ti.get("state") in ("running", "queued", "scheduled", "deferred", "awaiting_input", "restarting")
