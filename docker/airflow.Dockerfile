@@ -72,8 +72,7 @@ RUN grep -v '^torch==' /opt/kiln/constraints.txt > /tmp/constraints.txt \
 # kiln itself. `kiln` is ONE distribution today (packages `kiln` and `kiln_trainer`), and its
 # pyproject lists torch as a dependency, so a plain install would pull torch (a multi-GB CUDA build).
 # Install it with --no-deps: its orchestration dependencies are the explicit list above. That is
-# safe because kiln never imports torch at module level (ARCHITECTURE.md: "never torch at module
-# level"), and tests/unit/test_docker_files.py imports the DAG files and plugins with torch blocked.
+# safe because kiln never imports torch at module level (a rule of its layout), and tests/unit/test_docker_files.py imports the DAG files and plugins with torch blocked.
 # Editable (-e), like `make`: kiln finds data_contracts/, training/recipes/, dags/ relative to the
 # repository root (kiln.policy.REPO_ROOT), so the source tree lives at /opt/kiln.
 # Stages that need torch (train with the `local` launcher, evaluate, export/register the model)

@@ -3,8 +3,8 @@
 No Docker engine runs on the development machines, so nothing here builds an image or starts a
 container. What is checked instead:
 
-* ``docker/compose.yaml`` parses, has the services of the production-like stack (ARCHITECTURE.md
-  "Two stacks"), each with an image or a build whose Dockerfile exists, a healthcheck on every
+* ``docker/compose.yaml`` parses, has the services of the production-like stack (the second of
+  kiln's two stacks), each with an image or a build whose Dockerfile exists, a healthcheck on every
   long-running service, ``depends_on`` in the long form with conditions that can be met, host paths
   that exist, valid ``${VAR}`` interpolation, and no credential written into the file (every
   secret-looking value is interpolated from ``docker/.env``, which git ignores);
