@@ -15,6 +15,7 @@ production name never is, whatever the file says.
 from __future__ import annotations
 
 import hashlib
+import os
 import re
 import tomllib
 from collections.abc import Sequence
@@ -27,7 +28,12 @@ from kiln.shipped import CHECKOUT, CONFIG_DIR, RECIPES_DIR
 
 PRODUCTION_RECIPES_DIR = RECIPES_DIR / "production"
 PRODUCTION_CONFIG = CONFIG_DIR / "production.toml"
-"""The reviewed file the production policy's corpus, contract and model come from."""
+"""The reviewed file the production policy's corpus, contract, model and recipe come from."""
+PRODUCTION_CONFIG_ENV = "KILN_PRODUCTION_CONFIG"
+"""A deployment's own reviewed production config, instead of the shipped ``config/production.toml``
+(read when this module is imported, in every process of the deployment: set it in the environment
+the whole stack starts with). kiln's own end-to-end tests deploy ``tests/e2e/production.toml``."""
+DEFAULT_PRODUCTION_RECIPE = "production/small.toml"
 SANDBOX_PREFIX = "sandbox."
 """Every registered model the sandbox writes is named ``sandbox.*``; no production name may be."""
 _MODEL_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,99}$")
@@ -44,6 +50,9 @@ class ProductionConfig:
     model: str
     """Registered model that serves; candidates go to ``<model>.candidates``, sandbox runs to
     ``sandbox.<model>``."""
+    recipe: str = DEFAULT_PRODUCTION_RECIPE
+    """The pinned recipe every production run trains (path under ``training/recipes``): one of the
+    reviewed recipes under ``training/recipes/production/``, nothing else."""
     source: str = "config/production.toml"
     """Where the values were read (shown in the DAG doc and the task log)."""
     sha256: str = ""
@@ -54,7 +63,7 @@ class ProductionConfig:
         from kiln.data.snapshot import CORPUS_NAME
         from kiln.errors import ContractError
 
-        for name in ("corpus", "contract", "model"):
+        for name in ("corpus", "contract", "model", "recipe"):
             if not isinstance(getattr(self, name), str):
                 raise PolicyError(f"{self.source}: {name} must be a string, got {getattr(self, name)!r}")
         if not CORPUS_NAME.fullmatch(self.corpus):
@@ -71,15 +80,34 @@ class ProductionConfig:
         if self.model.lower().startswith(SANDBOX_PREFIX):
             raise PolicyError(f"{self.source}: model {self.model!r} is in the sandbox's namespace ({SANDBOX_PREFIX}*); "
                               "a production model may never be")
+        recipe = (RECIPES_DIR / self.recipe).resolve()
+        if (self.recipe.startswith("/") or PRODUCTION_RECIPES_DIR not in recipe.parents
+                or recipe.suffix != ".toml" or not recipe.is_file()):
+            shipped = ", ".join(sorted(p.relative_to(RECIPES_DIR).as_posix()
+                                       for p in PRODUCTION_RECIPES_DIR.glob("*.toml")))
+            raise PolicyError(f"{self.source}: recipe {self.recipe!r} is not one of the reviewed production recipes "
+                              f"under training/recipes/production/ ({shipped})")
 
     def values(self) -> dict[str, str]:
-        """What the file sets (what a model version records)."""
-        return {"corpus": self.corpus, "contract": self.contract, "model": self.model}
+        """What the file sets (what a model version records); the recipe only when it is not the
+        default, so versions trained before the key existed record the same values."""
+        values = {"corpus": self.corpus, "contract": self.contract, "model": self.model}
+        if self.recipe != DEFAULT_PRODUCTION_RECIPE:
+            values["recipe"] = self.recipe
+        return values
 
 
-def load_production_config(path: Path = PRODUCTION_CONFIG) -> ProductionConfig:
-    """Read the production policy's reviewed inputs; ``PolicyError`` naming the file, and the line
-    (a TOML error) or the key (a missing, unknown or bad value)."""
+def production_config_path() -> Path:
+    """The reviewed production config this process reads: ``KILN_PRODUCTION_CONFIG`` or the shipped one."""
+    chosen = os.environ.get(PRODUCTION_CONFIG_ENV, "").strip()
+    return Path(chosen).expanduser().resolve() if chosen else PRODUCTION_CONFIG
+
+
+def load_production_config(path: Path | None = None) -> ProductionConfig:
+    """Read the production policy's reviewed inputs (``path``, else ``production_config_path()``);
+    ``PolicyError`` naming the file, and the line (a TOML error) or the key (a missing, unknown or
+    bad value)."""
+    path = production_config_path() if path is None else path
     shown = path.relative_to(CHECKOUT).as_posix() if path.is_relative_to(CHECKOUT) else str(path)
     try:
         raw = path.read_bytes()
@@ -91,14 +119,16 @@ def load_production_config(path: Path = PRODUCTION_CONFIG) -> ProductionConfig:
         raise PolicyError(f"{shown}: not UTF-8 text ({exc.reason} at byte {exc.start})") from None
     except tomllib.TOMLDecodeError as exc:
         raise PolicyError(f"{shown}: not valid TOML: {exc}") from None
-    keys = ("corpus", "contract", "model")
-    unknown = sorted(set(data) - set(keys))
+    keys, optional = ("corpus", "contract", "model"), ("recipe",)
+    unknown = sorted(set(data) - set(keys) - set(optional))
     if unknown:
-        raise PolicyError(f"{shown}: unknown key(s) {', '.join(unknown)}; the file sets {', '.join(keys)}")
+        raise PolicyError(f"{shown}: unknown key(s) {', '.join(unknown)}; the file sets "
+                          f"{', '.join(keys)} and optionally {', '.join(optional)}")
     missing = [k for k in keys if k not in data]
     if missing:
         raise PolicyError(f"{shown}: missing key(s) {', '.join(missing)}")
-    return ProductionConfig(**{k: data[k] for k in keys}, source=shown, sha256=hashlib.sha256(raw).hexdigest())
+    return ProductionConfig(**{k: data[k] for k in (*keys, *optional) if k in data}, source=shown,
+                            sha256=hashlib.sha256(raw).hexdigest())
 
 
 PRODUCTION_INPUTS = load_production_config()
@@ -360,7 +390,7 @@ class Policy:
         time (``run_time_settings``: Variable, what it sets, which task reads it). The DAG file is
         parsed without reading them, so the doc cannot show their values: the task log does."""
         rows = "\n".join(f"| `{k}` | `{v}` |" for k, v in self.summary().items() if k not in ("description",))
-        source = (f"; corpus, contract and models from the reviewed `{self.config.source}`" if self.config else "")
+        source = (f"; corpus, contract, models and recipe from the reviewed `{self.config.source}`" if self.config else "")
         doc = f"{self.description}\n\n**Policy `{self.name}`** (as coded{source})\n\n| setting | value |\n|---|---|\n{rows}\n"
         if run_time_settings:
             settings = "\n".join(f"| `{name}` (or `AIRFLOW_VAR_{name.upper()}`) | {sets} | {read_by} |"
@@ -435,7 +465,7 @@ def build_production_policy(config: ProductionConfig) -> Policy:
         contract=config.contract,
         max_quarantine_share=0.25,
         validation_batch_shards=500,
-        default_recipe="production/small.toml",
+        default_recipe=config.recipe,
         recipes_dir=PRODUCTION_RECIPES_DIR,
         nodes=2,
         nproc_per_node=1,

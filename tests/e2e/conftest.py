@@ -13,6 +13,10 @@ import pytest
 from kiln.settings import restore_environ
 from kiln.util.net import free_port
 
+PRODUCTION_CONFIG = Path(__file__).resolve().parent / "production.toml"
+"""The test deployment's reviewed production config: the shipped one with the 60-step staging recipe
+pinned (``KILN_PRODUCTION_CONFIG``), so each production run trains 60 steps, not 300."""
+
 
 @pytest.fixture(scope="package")
 def stack(tmp_path_factory) -> Iterator[dict[str, str]]:
@@ -20,8 +24,10 @@ def stack(tmp_path_factory) -> Iterator[dict[str, str]]:
 
     home: Path = tmp_path_factory.mktemp("e2e") / "kiln"
     saved = {k: os.environ.get(k)
-             for k in ("KILN_HOME", "KILN_AIRFLOW_PORT", "KILN_MLFLOW_PORT", "KILN_SIGNALS_PORT", "MLFLOW_TRACKING_URI")}
+             for k in ("KILN_HOME", "KILN_AIRFLOW_PORT", "KILN_MLFLOW_PORT", "KILN_SIGNALS_PORT", "MLFLOW_TRACKING_URI",
+                       "KILN_PRODUCTION_CONFIG")}
     os.environ["KILN_HOME"] = str(home)
+    os.environ["KILN_PRODUCTION_CONFIG"] = str(PRODUCTION_CONFIG)
     os.environ["KILN_AIRFLOW_PORT"] = str(free_port())
     os.environ["KILN_MLFLOW_PORT"] = str(free_port())
     os.environ["KILN_SIGNALS_PORT"] = str(free_port())

@@ -14,9 +14,13 @@ import pytest
 from kiln.settings import restore_environ
 from kiln.util.net import free_port
 
+PRODUCTION_CONFIG = Path(__file__).resolve().parents[1] / "e2e" / "production.toml"
+"""The test deployment's reviewed production config, as in ``tests/e2e``: the 60-step staging recipe."""
+
 ENV_KEYS = ("KILN_HOME", "KILN_AIRFLOW_PORT", "KILN_AIRFLOW_URL", "KILN_MLFLOW_PORT", "KILN_SIGNALS_PORT",
             "MLFLOW_TRACKING_URI", "MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD", "KILN_DVC_REMOTE",
-            "KILN_DVC_REMOTE_ENDPOINT", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_DEFAULT_REGION")
+            "KILN_DVC_REMOTE_ENDPOINT", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_DEFAULT_REGION",
+            "KILN_PRODUCTION_CONFIG")
 
 
 def _services_reachable() -> str | None:
@@ -48,6 +52,7 @@ def prodlike(tmp_path_factory) -> Iterator[dict[str, str]]:
     os.environ["KILN_AIRFLOW_PORT"] = str(free_port())
     os.environ["KILN_MLFLOW_PORT"] = str(free_port())
     os.environ["KILN_SIGNALS_PORT"] = str(free_port())
+    os.environ["KILN_PRODUCTION_CONFIG"] = str(PRODUCTION_CONFIG)  # the staging recipe, as in tests/e2e
     try:
         info = prodlike_stack.up(timeout=420, quiet=True)
         os.environ.update(prodlike_stack.client_env())  # this process snapshots to the S3 remote too

@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import re
+from pathlib import Path
 
 import pytest
 
@@ -93,6 +94,38 @@ def test_production_reads_corpus_contract_and_model_from_the_reviewed_file():
     load_contract(PRODUCTION.contract)  # the shipped file names a contract that exists
 
 
+def test_the_config_pins_production_s_recipe_and_a_deployment_points_at_its_own_file(tmp_path, monkeypatch):
+    from kiln.policy import DEFAULT_PRODUCTION_RECIPE, PRODUCTION_CONFIG_ENV, build_production_policy, load_production_config
+
+    assert PRODUCTION.default_recipe == DEFAULT_PRODUCTION_RECIPE == "production/small.toml"
+    config = _config(tmp_path, GOOD + 'recipe = "production/staging.toml"\n')
+    production = build_production_policy(config)
+    assert production.default_recipe == "production/staging.toml"
+    assert production.resolve_recipe(None).name == "staging.toml"
+    assert config.values()["recipe"] == "production/staging.toml"  # recorded on every version it trains
+    assert "recipe" not in _config(tmp_path, GOOD).values()  # the default records what it always did
+    with pytest.raises(PolicyError, match="allows only recipes under"):
+        production.resolve_recipe("tiny.toml")  # a run still cannot name another recipe
+    monkeypatch.setenv(PRODUCTION_CONFIG_ENV, str(tmp_path / "production.toml"))
+    assert load_production_config().source == str(tmp_path / "production.toml")
+    monkeypatch.setenv(PRODUCTION_CONFIG_ENV, str(tmp_path / "missing.toml"))
+    with pytest.raises(PolicyError, match="missing.toml: cannot read the production config"):
+        load_production_config()
+    monkeypatch.delenv(PRODUCTION_CONFIG_ENV)
+    assert load_production_config().source == "config/production.toml"
+
+
+def test_kiln_s_end_to_end_deployment_differs_from_the_shipped_config_only_in_its_recipe():
+    import tomllib
+
+    from kiln.policy import PRODUCTION_CONFIG, load_production_config
+
+    e2e_file = Path(__file__).parents[2] / "e2e" / "production.toml"
+    shipped, e2e = tomllib.loads(PRODUCTION_CONFIG.read_text()), tomllib.loads(e2e_file.read_text())
+    assert e2e.pop("recipe") == "production/staging.toml" and e2e == shipped
+    assert load_production_config(e2e_file).recipe == "production/staging.toml"
+
+
 def test_another_config_moves_production_and_the_sandbox_still_cannot_write_its_names(tmp_path):
     from kiln.policy import build_production_policy, build_sandbox_policy
 
@@ -118,7 +151,14 @@ def test_another_config_moves_production_and_the_sandbox_still_cannot_write_its_
     (GOOD.replace('"stdlib-py@1"', '"stdlib-py"'), "production.toml: contract 'stdlib-py' must pin a version"),
     (GOOD.replace('"acme-web"', '"../etc"'), "production.toml: corpus '../etc' is not a corpus name"),
     (GOOD.replace('"acme-lm"', '"a b"'), "production.toml: model 'a b' is not a registered-model name"),
-    (GOOD + 'recipe = "tiny.toml"\n', "production.toml: unknown key(s) recipe"),
+    (GOOD + 'recipe = "tiny.toml"\n', "production.toml: recipe 'tiny.toml' is not one of the reviewed production "
+                                       "recipes under training/recipes/production/ (production/small-fsdp.toml, "),
+    (GOOD + 'recipe = "production/../tiny.toml"\n', "recipe 'production/../tiny.toml' is not one of the reviewed"),
+    (GOOD + 'recipe = "production/none.toml"\n', "recipe 'production/none.toml' is not one of the reviewed"),
+    (GOOD + 'recipe = "/etc/passwd"\n', "recipe '/etc/passwd' is not one of the reviewed"),
+    (GOOD + "recipe = 3\n", "production.toml: recipe must be a string, got 3"),
+    (GOOD + 'recipes = "production/small.toml"\n', "production.toml: unknown key(s) recipes; the file sets corpus, "
+                                                   "contract, model and optionally recipe"),
     ('corpus = "acme-web"\nmodel = "acme-lm"\n', "production.toml: missing key(s) contract"),
     (GOOD + 'model = "again"\n', "production.toml: not valid TOML: Cannot overwrite a value (at line 4"),
     (GOOD.replace('"acme-lm"', "7"), "production.toml: model must be a string, got 7"),

@@ -147,7 +147,7 @@ def test_resume_identity_ignores_only_how_the_same_batches_are_computed() -> Non
 
 
 @pytest.mark.parametrize("name", ["tiny.toml", "small.toml", "gpt2-small.toml", "production/small.toml",
-                                  "production/small-fsdp.toml"])
+                                  "production/small-fsdp.toml", "production/staging.toml"])
 def test_shipped_recipes_load(name: str) -> None:
     recipe = load_recipe(RECIPES / name)
     assert recipe.tokenizer.kind == "byte" and recipe.model.vocab_size >= 257
@@ -156,6 +156,17 @@ def test_shipped_recipes_load(name: str) -> None:
 
 def test_production_small_is_pinned_to_small() -> None:
     assert load_recipe(RECIPES / "production" / "small.toml").sha256 == load_recipe(RECIPES / "small.toml").sha256
+
+
+def test_the_staging_recipe_is_production_small_with_fewer_steps_and_checkpoints() -> None:
+    """What a staging deployment (kiln's end-to-end tests) trains is the production model, batch and
+    optimizer: only the length of the run and the checkpoint interval differ."""
+    small, staging = (load_recipe(RECIPES / "production" / name).to_dict() for name in ("small.toml", "staging.toml"))
+    assert (small["train"]["steps"], staging["train"]["steps"]) == (300, 60)
+    assert (small["checkpoint"]["every_steps"], staging["checkpoint"]["every_steps"]) == (50, 20)
+    for section in (small, staging):
+        section["train"].pop("steps"), section["checkpoint"].pop("every_steps")
+    assert staging == small
 
 
 def test_the_production_fsdp_variant_differs_only_in_its_parallel_strategy() -> None:
