@@ -2,10 +2,13 @@
 
 Modules (one concern each)::
 
-    contract             what kiln and a trainer share, written once: run dir names, manifest hash, result, exit codes
+    contract             what kiln and a trainer share, written once (standard library only): run dir names,
+                         manifest hash, result, exit codes, the ranks' environment, the straggler rule; and
+      .training_manifest   TrainingManifest parsing and its content-hash check
+      .checkpoint_manifest the commit protocol of both checkpoint formats: ``seal``, ``verify_checkpoint``, ``latest_committed``
     errors               the trainer's exception tree (standard library only; no name shared with kiln.errors)
     config               recipe dataclasses, TOML loading, ``--set`` overrides, recipe hash
-    training_manifest    TrainingManifest parsing and its content-hash check (standard library only)
+    training_manifest    ``contract.training_manifest`` under its former name
     data                 a run's training data: the packed tokens its manifest names, or rank 0 packs them; the checks
     tokenizer            byte / BPE / file tokenizers: one interface, an artifact with a sha256 and an EOS id
     packed               packed token shards: writer, token manifest, checks, random-access reader
@@ -18,19 +21,20 @@ Modules (one concern each)::
     parallel             ``[parallel] strategy``: ddp (replicated) or fsdp (FSDP2 per block and root, bf16 policy on CUDA)
     checkpoint           the ddp strategy's checkpoints (rank 0's async writer), retention, what both formats share
     sharded_checkpoint   the fsdp strategy's: every rank's shards through DCP; either format into either strategy
-    checkpoint_manifest  torch-free commit protocol of both formats: ``verify_checkpoint``, ``latest_committed``
+    checkpoint_manifest  ``contract.checkpoint_manifest`` under its former name
     metrics              metrics.jsonl + optional MLflow batch logging (rank 0 only)
     timing               in-step marks, the DDP gradient-ready hook, the start-up profile, peak FLOP/s and MFU
-    stragglers           torch-free straggler rule: a rank slower than the others' median for K windows
+    stragglers           torch-free straggler monitor: a rank slower than the others' median for K windows
     faults               chaos-test fault hooks (loss spike, slow rank or node), off unless their variable is set
     train                the torchrun entry point: config, distributed init, data, model, optimizer, loop
     evaluate             bits per byte of a committed checkpoint on the eval split, with its own tokenizer
     export               log a committed checkpoint as an MLflow text model (pyfunc: prompts in, text out)
     serving              that model: weights, model shape and tokenizer behind ``predict(prompts) -> texts``
 
-This package never imports Airflow or the ``kiln`` orchestration library. Importing the
-package itself (and ``errors``, ``config``, ``checkpoint_manifest``, ``training_manifest``, ``stragglers`` and the data path:
-``tokenizer``, ``packed``, ``sample_order``, ``loader``, ``remote``, ``data``) is torch-free, so the orchestration
+This package never imports Airflow or the ``kiln`` orchestration library. The orchestration side
+imports ``contract`` (and a few listed exceptions, ``tests/unit/kiln/test_layout.py``). Importing the
+package itself (and ``contract``, ``errors``, ``config``, ``stragglers`` and the data path: ``tokenizer``,
+``packed``, ``sample_order``, ``loader``, ``remote``, ``data``) is torch-free, so the orchestration
 side can check recipes and manifests, verify checkpoints and tokenize without loading torch.
 """
 

@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kiln_trainer.contract import PARALLEL_STRATEGIES
 from kiln_trainer.errors import RecipeError, TokenizerError
 
 _PY_TYPES: dict[str, tuple[type, ...]] = {
@@ -319,9 +320,6 @@ class TrainConfig:
             self.dtype in ("auto", "float32", "bfloat16"), s, "dtype", "must be auto, float32 or bfloat16", self.dtype
         )
         _require(self.log_every >= 1, s, "log_every", "must be >= 1", self.log_every)
-
-
-PARALLEL_STRATEGIES = ("ddp", "fsdp")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

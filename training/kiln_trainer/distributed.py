@@ -19,10 +19,10 @@ import torch
 import torch.distributed as dist
 
 from kiln_trainer.config import Recipe
+from kiln_trainer.contract import NODE_NAME_ENV, THREADS_ENV
 from kiln_trainer.errors import TrainerError
 
-THREADS_ENV = "KILN_TORCH_THREADS"
-NODE_NAME_ENVS = ("KILN_NODE_NAME", "SLURMD_NODENAME")
+NODE_NAME_ENVS = (NODE_NAME_ENV, "SLURMD_NODENAME")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from kiln_trainer.checkpoint_manifest import atomic_write_bytes
+from kiln_trainer.contract import MLFLOW_RUN_ID_ENV, MLFLOW_TRACKING_URI_ENV
 from kiln_trainer.errors import naming_path
 
 log = logging.getLogger(__name__)
@@ -176,5 +177,5 @@ class MetricsHub:
 
 
 def mlflow_target() -> tuple[str, str] | None:
-    uri, run_id = os.environ.get("MLFLOW_TRACKING_URI", ""), os.environ.get("MLFLOW_RUN_ID", "")
+    uri, run_id = os.environ.get(MLFLOW_TRACKING_URI_ENV, ""), os.environ.get(MLFLOW_RUN_ID_ENV, "")
     return (uri, run_id) if uri and run_id else None

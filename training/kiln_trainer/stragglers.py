@@ -13,29 +13,19 @@ A rank is slow in a window when its time exceeds ``factor`` x the median of the 
 times (with 2 ranks the median of both would move with the straggler itself); it is flagged once
 when its slow streak reaches ``windows`` consecutive windows, and cleared when a window is not slow.
 
-The orchestration side (``kiln.launchers.stragglers``) reuses ``slow_ranks`` for its offline
-detector and reads the ``straggler`` events the trainer writes to ``metrics.jsonl``.
+The rule over one window, ``slow_ranks``, and the record's names are the trainer contract's
+(``kiln_trainer.contract``): the orchestration side (``kiln.launchers.stragglers``) re-runs the same
+rule offline and reads the ``straggler`` events the trainer writes to ``metrics.jsonl``.
 """
 
 from __future__ import annotations
 
-import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from kiln_trainer.contract import METRICS_EVENT_KEY, STRAGGLER_EVENT, slow_ranks
 
-def slow_ranks(times: Sequence[float], factor: float) -> list[tuple[int, float, float]]:
-    """``(rank, own seconds, reference seconds)`` of every rank slower than ``factor`` x the median
-    of the other ranks in one window; empty for fewer than 2 ranks."""
-    values = [float(t) for t in times]
-    if len(values) < 2:
-        return []
-    out = []
-    for rank, own in enumerate(values):
-        reference = statistics.median(values[:rank] + values[rank + 1 :])
-        if own > factor * reference:
-            out.append((rank, own, reference))
-    return out
+__all__ = ["Flag", "StragglerMonitor", "slow_ranks"]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -64,7 +54,7 @@ class Flag:
 
     def to_event(self) -> dict[str, object]:
         return {
-            "event": "straggler",
+            METRICS_EVENT_KEY: STRAGGLER_EVENT,
             "rank": self.rank,
             "node": self.node,
             "step_time_s": self.step_time_s,

@@ -126,7 +126,14 @@ from kiln_trainer.checkpoint_manifest import (
     verify_checkpoint,
 )
 from kiln_trainer.config import load_recipe, resume_identity
-from kiln_trainer.contract import EXIT_FATAL, EXIT_OK, EXIT_RETRYABLE, TRAIN_RESULT_KIND, TrainResultRecord
+from kiln_trainer.contract import (
+    EXIT_FATAL,
+    EXIT_OK,
+    EXIT_RETRYABLE,
+    RANK_STEP_TIMES_KEY,
+    TRAIN_RESULT_KIND,
+    TrainResultRecord,
+)
 from kiln_trainer.data import open_run_tokens, pack_run_tokens
 from kiln_trainer.distributed import (
     any_rank,
@@ -851,7 +858,7 @@ class Run:
         if not self.env.is_main:
             return
         medians = [r[0] for r in rows]
-        record: dict[str, Any] = {"rank_step_times": medians, "straggler_rank": -1}
+        record: dict[str, Any] = {RANK_STEP_TIMES_KEY: medians, "straggler_rank": -1}
         if self.env.distributed:
             wall = statistics.fmean(r[2] for r in rows)
             # Weak scaling: a typical rank's compute per step (the lower median, so that with 2

@@ -1,21 +1,32 @@
 """The trainer contract: what kiln and a trainer agree on, written once. Standard library only.
 
-Both sides import this module: the orchestration side (``kiln``) imports nothing else of the
+Both sides import this package: the orchestration side (``kiln``) imports nothing else of the
 trainer package for these facts, and the trainer (``kiln_trainer``) takes its names from here.
 ``docs/trainer-contract.md`` is the prose of the same contract: what kiln hands an entry point
 under torchrun, and what the entry point gives back.
 
-It owns:
+This module owns:
 
 * the run directory's names (``RUN/result.json``, ``RUN/checkpoints/step-00000050/manifest.json``, ...);
 * the TrainingManifest wire schema: its ``kind`` and its content hash (``training_manifest_sha256``
   over ``canonical_json``);
 * the TrainResult schema (``TrainResultRecord``: what ``result.json`` holds);
-* the trainer's exit codes (``EXIT_OK``, ``EXIT_RETRYABLE``, ``EXIT_FATAL``);
-* the metrics record (``metrics.jsonl``'s lines, their ``event`` names) and the heartbeat
-  (``metrics.prom``, rewritten every log interval);
+* the environment kiln sets for the ranks (``THREADS_ENV``, ``NODE_NAME_ENV``, the MLflow run);
+* the recipe's parallel strategies (``PARALLEL_STRATEGIES``);
+* the trainer's exit codes (``EXIT_OK``, ``EXIT_RETRYABLE``, ``EXIT_FATAL``) and the error tree they
+  map from (``kiln_trainer.errors``, re-exported: a ``TrainerError`` is a fault a retry repeats,
+  unless its class says ``retryable``);
+* the metrics record (``metrics.jsonl``'s lines, their ``event`` names), the straggler rule both
+  sides apply (``slow_ranks``) and the heartbeat (``metrics.prom``, rewritten every log interval);
 * the atomic write (``atomic_write_bytes``) and the bounded JSON reader (``kiln_trainer.jsonfile``,
   re-exported).
+
+Its modules own the two documents that cross between the sides:
+
+* ``kiln_trainer.contract.training_manifest``: the TrainingManifest as both sides read it
+  (``load_training_manifest``);
+* ``kiln_trainer.contract.checkpoint_manifest``: the checkpoint commit protocol (``seal``,
+  ``verify_checkpoint``, ``latest_committed``, ``manifest_sha256``).
 """
 
 from __future__ import annotations
@@ -23,12 +34,31 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import statistics
 import tempfile
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Final, TypedDict
 
-from kiln_trainer.errors import STORAGE_ERRNOS, naming_path, os_error_text
+from kiln_trainer.errors import (
+    STORAGE_ERRNOS,
+    BlockSizeMismatchError,
+    CheckpointError,
+    RecipeError,
+    RemoteObjectError,
+    ResumeMismatchError,
+    ShardIntegrityError,
+    StorageError,
+    TokenizerError,
+    TokenizerMismatchError,
+    TokenManifestError,
+    TokenShardError,
+    TrainerError,
+    TrainingDivergedError,
+    TrainingManifestError,
+    naming_path,
+    os_error_text,
+)
 from kiln_trainer.jsonfile import (
     DEFAULT_MAX_BYTES,
     JSONDocumentError,
@@ -43,8 +73,10 @@ from kiln_trainer.jsonfile import (
 )
 
 __all__ = [
+    "BlockSizeMismatchError",
     "CHECKPOINTS_SUBDIR",
     "CHECKPOINT_KIND",
+    "CheckpointError",
     "DEFAULT_MAX_BYTES",
     "EXIT_FATAL",
     "EXIT_OK",
@@ -58,15 +90,26 @@ __all__ = [
     "METRICS_JSONL",
     "METRICS_PROM",
     "METRICS_STEP_KEY",
+    "MLFLOW_RUN_ID_ENV",
+    "MLFLOW_TRACKING_URI_ENV",
+    "NODE_NAME_ENV",
+    "PARALLEL_STRATEGIES",
     "PROM_PREFIX",
     "PROM_STEP_SERIES",
+    "RANK_STEP_TIMES_KEY",
     "RESULT_FILE",
     "ROLLBACK_EVENT",
+    "RecipeError",
+    "RemoteObjectError",
+    "ResumeMismatchError",
     "SAMPLE_LOG_SUBDIR",
     "STARTUP_EVENT",
     "STORAGE_ERRNOS",
     "STRAGGLER_CLEARED_EVENT",
     "STRAGGLER_EVENT",
+    "ShardIntegrityError",
+    "StorageError",
+    "THREADS_ENV",
     "TOKENIZER_FILE",
     "TOKENS_SUBDIR",
     "TOKEN_CACHE_SUBDIR",
@@ -74,8 +117,15 @@ __all__ = [
     "TRAINING_MANIFEST_KIND",
     "TRAINING_MANIFEST_UNHASHED_KEYS",
     "TRAIN_RESULT_KIND",
+    "TokenManifestError",
+    "TokenShardError",
+    "TokenizerError",
+    "TokenizerMismatchError",
     "TrainResultMetrics",
     "TrainResultRecord",
+    "TrainerError",
+    "TrainingDivergedError",
+    "TrainingManifestError",
     "WORLD_SIZE_CHANGE_EVENT",
     "atomic_write_bytes",
     "canonical_json",
@@ -91,6 +141,7 @@ __all__ = [
     "read_json",
     "read_own_json",
     "sha256_file",
+    "slow_ranks",
     "step_dir_name",
     "training_manifest_sha256",
 ]
@@ -157,6 +208,20 @@ EXIT_FATAL: Final = 2
 resume, divergence, a full or read-only run dir): the launcher ends the job at once and fails it without retry."""
 
 
+# -- what kiln hands the entry point besides its arguments ------------------------------------------
+
+THREADS_ENV: Final = "KILN_TORCH_THREADS"
+"""Intra-op threads per rank; the local launcher splits the host's cores among its ranks (results
+depend on the thread count, so a spec that sets it wins)."""
+NODE_NAME_ENV: Final = "KILN_NODE_NAME"
+"""This rank's node, set by the local launcher (on Slurm the trainer reads ``SLURMD_NODENAME``)."""
+MLFLOW_TRACKING_URI_ENV: Final = "MLFLOW_TRACKING_URI"
+MLFLOW_RUN_ID_ENV: Final = "MLFLOW_RUN_ID"
+"""The MLflow run the train stage opened for this run: the entry point logs into it and never ends it."""
+PARALLEL_STRATEGIES: Final = ("ddp", "fsdp")
+"""The values of the recipe's ``parallel.strategy`` (and of a run's ``strategy`` parameter)."""
+
+
 # -- the metrics record and the heartbeat -----------------------------------------------------------
 
 METRICS_STEP_KEY: Final = "step"
@@ -166,6 +231,9 @@ METRICS_EVENT_KEY: Final = "event"
 STRAGGLER_EVENT: Final = "straggler"
 """``{"event": "straggler", "rank", "node", "ratio", "message", ...}``: a rank was flagged slow."""
 STRAGGLER_CLEARED_EVENT: Final = "straggler_cleared"
+RANK_STEP_TIMES_KEY: Final = "rank_step_times"
+"""Once a straggler window: ``{"step", "rank_step_times": [median compute seconds of rank 0, 1, ...],
+"straggler_rank", "scaling_efficiency"}`` (``slow_ranks`` is the rule over one window)."""
 ROLLBACK_EVENT: Final = "rollback"
 """The loss guard rolled back to the newest committed checkpoint (also in ``result.json``'s ``events``)."""
 WORLD_SIZE_CHANGE_EVENT: Final = "world_size_change"
@@ -175,6 +243,21 @@ PROM_PREFIX: Final = "kiln_train_"
 """Every series in ``metrics.prom`` is named ``kiln_train_<metric>``."""
 PROM_STEP_SERIES: Final = "kiln_train_step"
 """The step of the latest record, in every ``metrics.prom``."""
+
+
+def slow_ranks(times: Sequence[float], factor: float) -> list[tuple[int, float, float]]:
+    """``(rank, own seconds, reference seconds)`` of every rank slower than ``factor`` x the median
+    of the other ranks in one window; empty for fewer than 2 ranks. The trainer flags stragglers
+    with it as it trains, kiln re-runs it offline over the recorded windows."""
+    values = [float(t) for t in times]
+    if len(values) < 2:
+        return []
+    out = []
+    for rank, own in enumerate(values):
+        reference = statistics.median(values[:rank] + values[rank + 1 :])
+        if own > factor * reference:
+            out.append((rank, own, reference))
+    return out
 
 
 # -- canonical JSON and the TrainingManifest's content hash -----------------------------------------
