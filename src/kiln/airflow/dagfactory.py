@@ -57,7 +57,7 @@ from kiln.refs import (
     TrainResult,
     WatchDecision,
 )
-from kiln_trainer.config import PARALLEL_STRATEGIES  # torch-free
+from kiln_trainer.contract import PARALLEL_STRATEGIES
 
 if TYPE_CHECKING:
     from kiln.launchers import JobHandle, LaunchPlan

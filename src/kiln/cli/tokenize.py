@@ -38,11 +38,11 @@ def _tokenize(args: argparse.Namespace) -> int:
     from kiln.errors import ConfigError, KilnError, ManifestError
     from kiln.refs import TrainingManifest
     from kiln.stages.inputs import load_run_recipe
+    from kiln_trainer.contract import TrainerError, TrainingManifestError
+    from kiln_trainer.contract.training_manifest import load_training_manifest
     from kiln_trainer.data import pack_run_tokens
-    from kiln_trainer.errors import TrainerError, TrainingManifestError
     from kiln_trainer.packed import load_token_manifest
     from kiln_trainer.tokenizer import load_tokenizer
-    from kiln_trainer.training_manifest import load_training_manifest
 
     recipe_path = resolve_recipe(args.recipe)
     recipe = load_run_recipe(recipe_path, list(args.overrides))

@@ -149,8 +149,8 @@ def refuse_output_inside_corpora(flag: str, output: Path, manifest: Path) -> Non
 def _manifest_corpora(manifest: Path) -> list[Path]:
     """The folders of a TrainingManifest's shards (``CORPUS/eval/x.parquet`` -> ``CORPUS``, a shard
     elsewhere -> its folder); none when it cannot be read (the evaluation then says why)."""
-    from kiln_trainer.errors import TrainerError
-    from kiln_trainer.training_manifest import load_training_manifest
+    from kiln_trainer.contract import TrainerError
+    from kiln_trainer.contract.training_manifest import load_training_manifest
 
     try:
         loaded = load_training_manifest(manifest)
@@ -162,8 +162,7 @@ def _manifest_corpora(manifest: Path) -> list[Path]:
 
 def _evaluate(args: argparse.Namespace) -> int:
     from kiln.errors import KilnError
-    from kiln_trainer.contract import atomic_write_bytes
-    from kiln_trainer.errors import TrainerError
+    from kiln_trainer.contract import TrainerError, atomic_write_bytes
     from kiln_trainer.evaluate import evaluate_checkpoint
 
     refuse_unusable_target("--report", args.report, directory=False)  # before the evaluation, not after it

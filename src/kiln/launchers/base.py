@@ -33,6 +33,7 @@ from kiln.errors import ConfigError, LaunchError, ManifestError, TrainingFaultEr
 from kiln.refs import TrainResult
 from kiln.runs import FATAL_SUBDIR, LAUNCH_STATUS, LAUNCH_SUBDIR, RESULT_FILE
 from kiln.util.fs import read_own_json
+from kiln_trainer.contract import EXIT_FATAL
 
 FATAL_LINE = "[kiln fatal] "
 """Prefix of the line a rank prints on stderr as it exits 2: ``[kiln fatal] rank N: <error>``. The
@@ -229,7 +230,7 @@ def fatal_markers(run_dir: str | Path) -> list[dict[str, Any]]:
         except OSError:
             continue
         except ValueError:  # written whole or not at all, so this is the empty marker of a full disk
-            found.append({"rank": path.stem.removeprefix("rank-"), "exit_code": 2, "error": ""})
+            found.append({"rank": path.stem.removeprefix("rank-"), "exit_code": EXIT_FATAL, "error": ""})
     return found
 
 
@@ -243,7 +244,7 @@ def check_recipe(spec: LaunchSpec) -> None:
     before any worker starts: ``ConfigError`` naming the recipe file and the field, not a trainer
     fault after torchrun's start-up on every node."""
     from kiln_trainer.config import load_recipe  # torch-free
-    from kiln_trainer.errors import RecipeError
+    from kiln_trainer.contract import RecipeError
 
     try:
         load_recipe(spec.recipe, spec.overrides)
@@ -255,8 +256,8 @@ def check_manifest(spec: LaunchSpec) -> None:
     """Refuse a TrainingManifest the trainer would refuse (unreadable, not JSON, edited after kiln
     issued it, a malformed shard list) before any worker starts: ``ManifestError`` naming the file.
     The shards' bytes are the trainer's to hash, on every rank."""
-    from kiln_trainer.errors import TrainingManifestError
-    from kiln_trainer.training_manifest import load_training_manifest  # torch-free
+    from kiln_trainer.contract import TrainingManifestError
+    from kiln_trainer.contract.training_manifest import load_training_manifest
 
     try:
         load_training_manifest(spec.manifest)

@@ -89,6 +89,7 @@ from kiln.runs import (
 )
 from kiln.util.fs import os_error_text, parse_own_json, read_own_json
 from kiln.util.net import free_port
+from kiln_trainer.contract import NODE_NAME_ENV, THREADS_ENV
 
 _STORE_CODE = """
 import sys, time
@@ -110,7 +111,7 @@ def agent_env(spec: LaunchSpec) -> dict[str, str]:
         # Agents share this host: split the cores, never oversubscribe. Determinism depends on the
         # thread count, so a spec that pins KILN_TORCH_THREADS (below, spec.env) wins.
         "OMP_NUM_THREADS": threads,
-        "KILN_TORCH_THREADS": threads,
+        THREADS_ENV: threads,
         # Whole-group restarts on one host succeed reliably only without the shared TCP store
         # (measured here: 2 of 7 restarts succeeded with it, 6 of 6 without).
         "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
@@ -314,7 +315,7 @@ class _Supervisor:
     def start_agent(self, node: int) -> subprocess.Popen[str]:
         proc = subprocess.Popen(
             agent_argv(self.spec, node, self.port),
-            env={**self.env, NODE_TAG_ENV: self.node_tag(node), "KILN_NODE_NAME": f"node{node}"},
+            env={**self.env, NODE_TAG_ENV: self.node_tag(node), NODE_NAME_ENV: f"node{node}"},
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, text=True,
             start_new_session=True, cwd=self.spec.run_dir,
         )

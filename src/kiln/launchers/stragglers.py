@@ -1,7 +1,7 @@
 """Stragglers on the orchestration side: offline detection, and the policy's action on a flag.
 
-The trainer detects stragglers itself (``kiln_trainer.stragglers``, every ``stragglers.every_steps``
-steps, from every rank's compute time per step) and writes what it finds to ``RUN/metrics.jsonl``:
+The trainer detects stragglers itself (every ``stragglers.every_steps`` steps, from every rank's
+compute time per step) and writes what it finds to ``RUN/metrics.jsonl``:
 ``{"step", "rank_step_times": [...], "straggler_rank", "scaling_efficiency"}`` each window and a
 ``{"event": "straggler", "rank", "node", "ratio", "message", ...}`` record when a rank is flagged.
 This module
@@ -19,7 +19,8 @@ This module
             log.warning("%s", flag.message)
 
 The reference is the median of the *other* ranks, so that with 2 ranks a slow rank is compared with
-the healthy one (the median of both would move with the straggler itself).
+the healthy one (the median of both would move with the straggler itself). The rule over one window
+(``slow_ranks``) and the record's names are the trainer contract's, so both sides apply the same rule.
 
 ``rank_step_times_from_metrics(RUN/metrics.jsonl)`` reads the windows a trainer records as
 ``{"step": N, "rank_step_times": [s0, s1, ...]}``.
@@ -35,6 +36,7 @@ from typing import Any, Literal
 from kiln.errors import ConfigError
 from kiln.runs import METRICS_JSONL
 from kiln.util.fs import parse_own_json
+from kiln_trainer.contract import METRICS_EVENT_KEY, METRICS_STEP_KEY, RANK_STEP_TIMES_KEY, STRAGGLER_EVENT, slow_ranks
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -87,10 +89,6 @@ class StragglerDetector:
 
     def observe(self, step: int, rank_step_times: Sequence[float]) -> list[StragglerFlag]:
         """Feed one window; return the ranks whose slow streak reaches ``policy.windows`` now."""
-        # The one rule, shared with the trainer (torch-free); imported here because the Airflow
-        # image, which imports kiln.launchers, does not ship kiln_trainer.
-        from kiln_trainer.stragglers import slow_ranks
-
         times = [float(t) for t in rank_step_times]
         slow = {rank: (own, ref) for rank, own, ref in slow_ranks(times, self.policy.factor)}
         flags = []
@@ -114,9 +112,9 @@ def rank_step_times_from_metrics(path: str | Path) -> Iterator[tuple[int, list[f
                 record = parse_own_json(line, str(path))
             except ValueError:
                 continue  # a line being written
-            times = record.get("rank_step_times")
-            if isinstance(times, list) and "step" in record:
-                yield int(record["step"]), [float(t) for t in times]
+            times = record.get(RANK_STEP_TIMES_KEY)
+            if isinstance(times, list) and METRICS_STEP_KEY in record:
+                yield int(record[METRICS_STEP_KEY]), [float(t) for t in times]
 
 
 def detect(windows: Iterator[tuple[int, list[float]]] | Sequence[tuple[int, list[float]]],
@@ -138,7 +136,7 @@ class StragglerEvent:
 
     @classmethod
     def from_record(cls, record: dict[str, Any]) -> StragglerEvent:
-        return cls(step=int(record["step"]), rank=int(record["rank"]), node=str(record.get("node") or ""),
+        return cls(step=int(record[METRICS_STEP_KEY]), rank=int(record["rank"]), node=str(record.get("node") or ""),
                    ratio=float(record.get("ratio") or 0.0), message=str(record.get("message") or ""))
 
 
@@ -173,7 +171,7 @@ def straggler_events(path: str | Path, offset: int = 0) -> tuple[list[StragglerE
             record = parse_own_json(line, "a straggler event")
         except ValueError:
             continue
-        if isinstance(record, dict) and record.get("event") == "straggler":
+        if isinstance(record, dict) and record.get(METRICS_EVENT_KEY) == STRAGGLER_EVENT:
             try:
                 events.append(StragglerEvent.from_record(record))
             except (KeyError, TypeError, ValueError):

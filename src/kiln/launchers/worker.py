@@ -48,9 +48,6 @@ from kiln.launchers.base import FATAL_LINE
 from kiln.runs import FATAL_SUBDIR, LAUNCH_SUBDIR
 from kiln_trainer.contract import EXIT_FATAL
 
-FATAL_EXIT = EXIT_FATAL
-"""The trainer's exit status for a fault a retry repeats (the trainer contract's)."""
-
 
 class _LastError(logging.Handler):
     def __init__(self) -> None:
@@ -78,7 +75,7 @@ def write_fatal_marker(run_dir: Path, rank: int, error: str) -> Path:
     path = folder / f"rank-{rank}.json"
     tmp = path.with_suffix(f".tmp{os.getpid()}")
     try:
-        tmp.write_text(json.dumps({"rank": rank, "exit_code": FATAL_EXIT, "error": error, "time": time.time()}))
+        tmp.write_text(json.dumps({"rank": rank, "exit_code": EXIT_FATAL, "error": error, "time": time.time()}))
         os.replace(tmp, path)  # readers see the whole marker or none
     except OSError:
         tmp.unlink(missing_ok=True)
@@ -99,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
     except SystemExit as exc:  # argparse: a bad argument is a fault a retry repeats (exit 2 too)
         code = exc.code if isinstance(exc.code, int) else 1
     run_dir = _run_dir(argv)
-    if code == FATAL_EXIT and run_dir is not None:
+    if code == EXIT_FATAL and run_dir is not None:
         rank = int(os.environ.get("RANK", "0") or 0)
         print(f"{FATAL_LINE}rank {rank}: {errors.message}", file=sys.stderr, flush=True)
         try:
@@ -180,9 +177,9 @@ def _warm_data_path(trainer_argv: list[str]) -> None:
     here, 0.04 s the second time): read one shard of the run's manifest before forking, so each
     worker pays only its own read and sha256 check (which it still does, on every start)."""
     try:
+        from kiln_trainer.contract.training_manifest import load_training_manifest
         from kiln_trainer.packed import iter_training_texts
         from kiln_trainer.train import parse_args
-        from kiln_trainer.training_manifest import load_training_manifest
 
         manifest = load_training_manifest(parse_args(trainer_argv).manifest)
         next(iter_training_texts(manifest.shards[:1]), None)

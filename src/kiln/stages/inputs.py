@@ -66,7 +66,7 @@ def load_run_recipe(recipe: Path, overrides: list[str]):  # -> kiln_trainer.conf
     """The recipe with a run's overrides, as the trainer will resolve it; ``ConfigError`` naming the
     field the trainer would refuse."""
     from kiln_trainer.config import load_recipe
-    from kiln_trainer.errors import RecipeError
+    from kiln_trainer.contract import RecipeError
 
     try:
         return load_recipe(recipe, overrides)

@@ -65,7 +65,7 @@ def _texts(shards: list[dict[str, Any]]) -> Any:
 
 
 def _entries_of(shards: list[dict[str, Any]]) -> list[Any]:
-    from kiln_trainer.training_manifest import ShardEntry
+    from kiln_trainer.contract.training_manifest import ShardEntry
 
     return [ShardEntry(path=s["path"], sha256=s["sha256"], rows=int(s["rows"]), drop_rows=tuple(s.get("drop_rows") or ()))
             for s in shards]
@@ -79,7 +79,7 @@ def _gate_manifest(key: str, data: DataGateResult) -> TrainingManifest:
 
 def _load_tokenizer(ref: TokenizerRef, eos_token: str):  # -> kiln_trainer.tokenizer.Tokenizer
     """The run's tokenizer artifact, read with the recipe's EOS token (the one it was built with)."""
-    from kiln_trainer.errors import TokenizerError
+    from kiln_trainer.contract import TokenizerError
     from kiln_trainer.tokenizer import load_tokenizer
 
     try:
@@ -101,7 +101,7 @@ def _out_dir(manifest: TrainingManifest, tokenizer: Any, block_size: int) -> Pat
 
 def tokenizer_stage(policy: Policy, data: DataGateResult, params: dict[str, Any], key: str) -> TokenizerRef:
     """The run's tokenizer, built (or found) and stored by its sha256."""
-    from kiln_trainer.errors import TokenizerError
+    from kiln_trainer.contract import TokenizerError
     from kiln_trainer.tokenizer import build_tokenizer
 
     manifest = _gate_manifest(key, data)
@@ -169,7 +169,7 @@ def tokens_stage(policy: Policy, data: DataGateResult, tokenizer: TokenizerRef, 
 
     Idempotent: a committed token manifest of these inputs is reused (its shards' sizes checked),
     and a training manifest that already names it is left as it is."""
-    from kiln_trainer.errors import TrainerError
+    from kiln_trainer.contract import TrainerError
     from kiln_trainer.packed import TOKEN_MANIFEST_NAME, load_token_manifest, verify_token_shards, write_token_manifest
 
     manifest = _gate_manifest(key, data)

@@ -17,6 +17,7 @@ from kiln.runs import existing_run_dir, run_dir
 from kiln.stages.inputs import load_run_recipe, train_inputs
 from kiln.stages.records import mlflow_run_of, own_training_manifest, refuse_other_inputs
 from kiln.util.fs import atomic_write_text, read_own_json
+from kiln_trainer.contract import MLFLOW_RUN_ID_ENV, MLFLOW_TRACKING_URI_ENV
 
 if TYPE_CHECKING:
     from kiln.launchers import JobHandle, LaunchPlan
@@ -54,7 +55,7 @@ def prepare_train(
         # A run asking for fewer nodes than the policy's min_nodes simply cannot shrink.
         min_nodes=None if policy.min_nodes is None else min(policy.min_nodes, nodes),
         replacement_timeout_s=policy.replacement_timeout_s, spare_nodes=policy.spare_nodes,
-        env={"MLFLOW_RUN_ID": mlflow_run_id, "MLFLOW_TRACKING_URI": s.mlflow_uri,
+        env={MLFLOW_RUN_ID_ENV: mlflow_run_id, MLFLOW_TRACKING_URI_ENV: s.mlflow_uri,
              # Packed tokens named by an s3:// URL (KILN_TOKENS_REMOTE) are on the S3 service DVC uses.
              **({"AWS_ENDPOINT_URL": s.dvc_remote_endpoint}
                 if s.dvc_remote_endpoint and (manifest.tokens or {}).get("manifest", "").startswith("s3://") else {})},
@@ -250,7 +251,7 @@ def train_stage(
 
 
 def _verify_checkpoint(step_dir: str) -> dict[str, Any]:
-    from kiln_trainer.checkpoint_manifest import verify_checkpoint
+    from kiln_trainer.contract.checkpoint_manifest import verify_checkpoint
 
     try:
         return verify_checkpoint(step_dir)
