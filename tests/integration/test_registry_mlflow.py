@@ -610,12 +610,13 @@ def _refs_of(step_dir: Path, manifest: TrainingManifest) -> tuple[dict[str, Any]
     return verified, {"train": train, "eval_report": report, "snapshot": snapshot, "manifest": manifest}
 
 
-def test_a_sharded_checkpoint_is_verified_then_consolidated_into_todays_text_model(tmp_path, client, unique_name):
+def test_a_sharded_checkpoint_is_verified_then_consolidated_into_the_text_models_hf_folder(tmp_path, client, unique_name):
     import mlflow.artifacts
     import mlflow.pyfunc
-    import torch
+    from safetensors.torch import load_file
 
     from kiln_trainer.checkpoint import weights_sha256
+    from kiln_trainer.hf import kiln_state_dict
 
     step_dir, verified, refs = _sharded_candidate(tmp_path)
     assert verified["format"] == 3 and verified["strategy"] == "fsdp"
@@ -626,9 +627,11 @@ def test_a_sharded_checkpoint_is_verified_then_consolidated_into_todays_text_mod
     uri = f"models:/{policy.candidate_model}/{ref['version']}"
     texts = mlflow.pyfunc.load_model(uri).predict(["def main("], params={"max_new_tokens": 8})
     assert len(texts) == 1 and isinstance(texts[0], str)
-    # The served weights are the shards consolidated: the whole model, hashing to the checkpoint's weights_sha256.
-    local = Path(mlflow.artifacts.download_artifacts(f"{uri}/artifacts/weights.pt", dst_path=str(tmp_path / "dl")))
-    served = torch.load(local, map_location="cpu", weights_only=True)
+    # The served weights are the shards consolidated: the whole model, whose safetensors map back to
+    # kiln's state dict hashing to the checkpoint's weights_sha256.
+    local = Path(mlflow.artifacts.download_artifacts(f"{uri}/artifacts/hf_model/model.safetensors",
+                                                     dst_path=str(tmp_path / "dl")))
+    served = kiln_state_dict(load_file(local), verified["recipe"]["model"])
     assert weights_sha256(served) == verified["weights_sha256"]
     assert client.get_model_version(policy.candidate_model, ref["version"]).tags["kiln.weights_sha256"] == (
         verified["weights_sha256"])

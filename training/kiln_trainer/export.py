@@ -9,9 +9,12 @@
 The served model is ``kiln_trainer.serving.TextGenerator`` (see that module for the request
 format and ``mlflow models serve``). Why a pyfunc and not ``mlflow.pytorch``: the PyTorch flavor
 predicts on tensors or frames of numbers, never on text, and a pickled module would make loading
-a model run pickled code. The version holds the weights alone (a state dict, loaded with
-``weights_only=True``), the model's shape, the tokenizer artifact the checkpoint was trained with,
-and the trainer package as code (``code_paths``), so it loads where kiln is not installed.
+a model run pickled code. The version holds a Hugging Face model folder (``artifacts/hf_model``,
+``kiln_trainer.hf``: ``config.json``, ``model.safetensors``, the tokenizer files,
+``generation_config.json``) that ``transformers`` loads and the served model generates from, the
+tokenizer artifact the checkpoint was trained with, and the trainer package as code
+(``code_paths``), so it loads where kiln is not installed. Nothing in it is a pickle: the weights
+are safetensors and the model is logged as code (``mlflow_model.py``), not as a pickled instance.
 
 The model also carries, as MLmodel metadata (flat values the MLflow UI shows and lineage checks
 read) and as files (``artifacts/``): the resolved recipe and the checkpoint manifest (weights,
@@ -68,34 +71,31 @@ def log_model(step_dir: str | Path, name: str = "model", **log_model_kwargs: Any
     ``registered_model_name``)."""
     import mlflow
     import mlflow.pyfunc
+    import safetensors
     import tokenizers
     import torch
+    import transformers
 
-    from kiln_trainer import serving
-    from kiln_trainer.evaluate import load_checkpoint_model
+    from kiln_trainer import hf, serving
 
     if mlflow.active_run() is None:
         raise TrainerError("log_model needs an active MLflow run (mlflow.start_run(run_id=...))")
     step_dir = Path(step_dir).resolve()
-    model, manifest = load_checkpoint_model(step_dir, device="cpu")  # verifies files and weights hash
-    tokenizer = checkpoint_tokenizer(step_dir, manifest)
-    if tokenizer.vocab_size > model.config["vocab_size"]:
-        raise TrainerError(f"{step_dir}: tokenizer vocabulary {tokenizer.vocab_size} exceeds the model's "
-                           f"{model.config['vocab_size']}")
     with tempfile.TemporaryDirectory(prefix="kiln-export-") as tmp:
         files = Path(tmp)
-        torch.save(model.state_dict(), files / serving.WEIGHTS_FILE)
-        (files / serving.MODEL_CONFIG_FILE).write_text(json.dumps(model.config, indent=1, sort_keys=True))
+        # verifies every file and the weights' hash, then writes the Hugging Face folder
+        written = hf.write_checkpoint_folder(step_dir, files / serving.HF_ARTIFACT)
+        manifest, tokenizer = written.manifest, written.tokenizer
         tokenizer.save(files / TOKENIZER_FILE)  # the very artifact: its sha256 is the one trained with
         (files / "recipe.json").write_text(json.dumps(manifest["recipe"], indent=1, sort_keys=True))
         (files / "checkpoint_manifest.json").write_text(json.dumps(manifest, indent=1, sort_keys=True))
         artifacts = {key: str(files / filename) for key, filename in (
-            ("weights", serving.WEIGHTS_FILE), ("model_config", serving.MODEL_CONFIG_FILE),
-            ("tokenizer", TOKENIZER_FILE), ("recipe", "recipe.json"),
+            (serving.HF_ARTIFACT, serving.HF_ARTIFACT), ("tokenizer", TOKENIZER_FILE), ("recipe", "recipe.json"),
             ("checkpoint_manifest", "checkpoint_manifest.json"))}
         info = mlflow.pyfunc.log_model(
             name=name,
-            python_model=serving.TextGenerator(),
+            # models from code: MLflow stores this file, not a pickled TextGenerator
+            python_model=str(Path(__file__).resolve().parent / "mlflow_model.py"),
             artifacts=artifacts,
             code_paths=[str(Path(__file__).resolve().parent)],
             signature=serving.signature(),
@@ -103,7 +103,8 @@ def log_model(step_dir: str | Path, name: str = "model", **log_model_kwargs: Any
             metadata=model_metadata(manifest, step_dir, tokenizer),
             # Pinned to this process's versions; inferring them would import-scan in a subprocess.
             pip_requirements=[f"torch=={torch.__version__.split('+')[0]}", f"tokenizers=={tokenizers.__version__}",
-                              "numpy", "cloudpickle"],
+                              f"transformers=={transformers.__version__}", f"safetensors=={safetensors.__version__}",
+                              "numpy"],
             **log_model_kwargs,
         )
     return info.model_uri

@@ -9,13 +9,14 @@
         -H 'Content-Type: application/json' 127.0.0.1:5001/invocations
     # -> {"predictions": ["<generated text>"]}
 
-What a model version holds (``kiln_trainer.export.log_model`` writes it): the weights alone
-(``weights.pt``, a state dict: loaded with ``weights_only=True``, so loading runs no pickled
-code), the model's shape (``model_config.json``), the tokenizer artifact the checkpoint was
-trained with (``tokenizer.json``, its sha256 in the metadata) and this module's package as code,
-so the model loads where kiln is not installed. Generation stops after ``max_new_tokens`` tokens
-or at the end-of-document token; ``temperature`` 0 (the default) is greedy, so a prompt always
-gets the same text; above 0 the draw is seeded by ``seed`` alone, never by the global RNG.
+It generates from the version's Hugging Face model folder (``artifacts/hf_model``, written by
+``kiln_trainer.hf``): ``transformers.AutoModelForCausalLM`` and ``AutoTokenizer`` load it, weights
+from ``model.safetensors``, so loading runs no pickled code. The model itself is logged as code
+(``kiln_trainer/mlflow_model.py``, MLflow's models from code), never as a pickled instance.
+Generation stops after ``max_new_tokens`` tokens or at the end-of-document token; ``temperature`` 0
+(the default) is greedy, so a prompt always gets the same text; above 0 the draw is seeded by
+``seed`` alone, never by the global RNG. The context slides: only the last ``n_positions`` tokens
+are fed, as kiln's own ``GPT.generate_ids`` does.
 """
 
 from __future__ import annotations
@@ -24,8 +25,8 @@ from typing import Any
 
 from mlflow.pyfunc import PythonModel
 
-WEIGHTS_FILE = "weights.pt"
-MODEL_CONFIG_FILE = "model_config.json"
+HF_ARTIFACT = "hf_model"
+"""The model folder's key among the logged model's artifacts (and its folder under ``artifacts/``)."""
 PARAMS: dict[str, tuple[str, Any]] = {
     "max_new_tokens": ("long", 64),
     "temperature": ("double", 0.0),
@@ -47,22 +48,17 @@ def signature() -> Any:
 
 
 class TextGenerator(PythonModel):
-    """A kiln GPT and its tokenizer behind ``predict(prompts) -> texts``."""
+    """A Hugging Face causal LM folder and its tokenizer behind ``predict(prompts) -> texts``."""
 
     def load_context(self, context: Any) -> None:
-        import torch
+        from transformers import AutoModelForCausalLM, AutoTokenizer
 
-        from kiln_trainer.config import ModelConfig
-        from kiln_trainer.jsonfile import read_own_json
-        from kiln_trainer.model import GPT
-        from kiln_trainer.tokenizer import load_tokenizer
-
-        artifacts = context.artifacts
-        config = read_own_json(artifacts["model_config"])
-        self.model = GPT(ModelConfig(**config))
-        self.model.load_state_dict(torch.load(artifacts["weights"], map_location="cpu", weights_only=True))
+        folder = context.artifacts[HF_ARTIFACT]
+        self.model = AutoModelForCausalLM.from_pretrained(folder)
         self.model.eval()
-        self.tokenizer = load_tokenizer(artifacts["tokenizer"])
+        self.tokenizer = AutoTokenizer.from_pretrained(folder)
+        self.eos_id = int(self.model.generation_config.eos_token_id)
+        self.block_size = int(self.model.config.max_position_embeddings)
 
     # No type hint on model_input: MLflow would infer a signature from it and drop the parameters.
     def predict(self, context, model_input, params=None):
@@ -81,16 +77,15 @@ class TextGenerator(PythonModel):
         import torch
         import torch.nn.functional as F
 
-        eos = self.tokenizer.eos_id
+        eos = self.eos_id
         # An empty prompt starts a new document: the end-of-document token is what precedes one.
-        ids = self.tokenizer.encode_batch([prompt])[0] or [eos]
+        ids = self.tokenizer(prompt, add_special_tokens=False)["input_ids"] or [eos]
         gen = torch.Generator().manual_seed(seed)
-        block = self.model.block_size
         idx = torch.tensor([ids], dtype=torch.long)
         out: list[int] = []
         with torch.no_grad():
             for _ in range(max_new_tokens):
-                logits, _ = self.model(idx[:, -block:])
+                logits = self.model(idx[:, -self.block_size:], use_cache=False).logits
                 last = logits[:, -1, :].float()
                 if temperature == 0:
                     nxt = torch.argmax(last, dim=-1, keepdim=True)
@@ -101,7 +96,9 @@ class TextGenerator(PythonModel):
                     break
                 out.append(token)
                 idx = torch.cat([idx, nxt], dim=1)
-        return self.tokenizer.decode(out)
+        # Rows past the tokenizer's vocabulary (a padded embedding) are no text.
+        known = len(self.tokenizer)
+        return str(self.tokenizer.decode([i for i in out if i < known], skip_special_tokens=True))
 
 
 def _prompts(model_input: Any) -> list[str]:

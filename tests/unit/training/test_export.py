@@ -1,4 +1,5 @@
-"""Export a committed checkpoint to MLflow and get a text model back: prompts in, text out."""
+"""Export a committed checkpoint to MLflow and get a text model back: prompts in, text out, generated
+from the version's Hugging Face folder; nothing in the logged model is a pickle."""
 
 from __future__ import annotations
 
@@ -14,13 +15,23 @@ from trainer_fixtures import write_checkpoints
 pytestmark = pytest.mark.slow
 
 
-def test_log_model_then_pyfunc_predict_turns_prompts_into_text(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("tokenizer_kind", ["byte", "bpe"])
+def test_log_model_then_pyfunc_predict_turns_prompts_into_text(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                               tokenizer_kind: str) -> None:
     import mlflow
     import mlflow.pyfunc
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from kiln_trainer.evaluate import load_checkpoint_model, load_checkpoint_tokenizer
     from kiln_trainer.export import log_model
+    from kiln_trainer.tokenizer import train_bpe
 
-    write_checkpoints(tmp_path / "run", [2])
+    if tokenizer_kind == "bpe":
+        bpe = train_bpe(["def main():\n    return 0\n", "def helper(x):\n    return x + 1\n"] * 30, vocab_size=300)
+        write_checkpoints(tmp_path / "run", [2], tokenizer=bpe,
+                          overrides=("tokenizer.kind=bpe", "tokenizer.vocab_size=300"))
+    else:
+        write_checkpoints(tmp_path / "run", [2])
     step_dir = tmp_path / "run" / "checkpoints" / "step-00000002"
     checkpoint_manifest = json.loads((step_dir / "manifest.json").read_text())
 
@@ -46,9 +57,27 @@ def test_log_model_then_pyfunc_predict_turns_prompts_into_text(tmp_path: Path, m
         info = mlflow.models.get_model_info(uri)
         assert [c["type"] for c in info.signature.inputs.to_dict()] == ["string"]
         assert info.metadata["kiln.weights_sha256"] == checkpoint_manifest["weights_sha256"]
-        assert info.metadata["kiln.vocab_size"] == checkpoint_manifest["recipe"]["model"]["vocab_size"]
+        # the tokenizer's vocabulary (the model's rows when the recipe follows it, as for the byte tokenizer)
+        assert info.metadata["kiln.vocab_size"] == (
+            bpe.vocab_size if tokenizer_kind == "bpe" else checkpoint_manifest["recipe"]["model"]["vocab_size"])
         local = Path(mlflow.artifacts.download_artifacts(uri, dst_path=str(tmp_path / "dl")))
         assert json.loads((local / "artifacts" / "recipe.json").read_text()) == checkpoint_manifest["recipe"]
-        assert not list(local.rglob("*.pkl")) or all(p.name == "python_model.pkl" for p in local.rglob("*.pkl"))
+        # No pickle anywhere: the model is logged as code, the weights are safetensors.
+        assert not [p for p in local.rglob("*") if p.suffix in (".pkl", ".pt", ".bin", ".pth")]
+        assert "model_code_path" in (local / "MLmodel").read_text()
+
+        # The folder transformers loads is what the served model generates from: kiln's own greedy
+        # continuation of the prompt, decoded by kiln's own tokenizer, is the served text.
+        folder = local / "artifacts" / "hf_model"
+        assert sorted(p.name for p in folder.iterdir()) == ["config.json", "generation_config.json",
+                                                            "model.safetensors", "tokenizer.json",
+                                                            "tokenizer_config.json"]
+        assert type(AutoModelForCausalLM.from_pretrained(folder)).__name__ == "GPT2LMHeadModel"
+        kiln_model, manifest = load_checkpoint_model(step_dir)
+        kiln_tokenizer = load_checkpoint_tokenizer(step_dir, manifest)
+        assert AutoTokenizer.from_pretrained(folder)("def main(")["input_ids"] == kiln_tokenizer.encode_batch(["def main("])[0]
+        ours = kiln_model.generate_ids(kiln_tokenizer.encode_batch(["def main("])[0], max_new_tokens=16, temperature=0,
+                                       stop_id=kiln_tokenizer.eos_id)
+        assert texts[0] == kiln_tokenizer.decode(ours)
     finally:
         mlflow.set_tracking_uri("")
