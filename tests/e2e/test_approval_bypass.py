@@ -13,7 +13,7 @@ user with the role "user" may set task states and write XComs in ANY DAG. So, on
   rewritten to "promote" and ``promote`` cleared to run on it, promote refuses without retry
   (the verdict is the one registration recorded on the version), and nothing is written.
 
-Each run is a full production run (the pinned 300-step recipe on two agents): a few minutes each."""
+Each run is a full production run (the test deployment's pinned 60-step staging recipe on two agents): a few minutes each."""
 
 from __future__ import annotations
 
@@ -110,7 +110,7 @@ def _assert_refused_and_nothing_written(admin, client, run_id: str, champion_bef
 
 
 def test_a_task_marked_success_is_no_approval_and_a_reviewer_still_approves(stack, production):
-    """About 2 min on 2 cores: a full production run (the pinned 300-step recipe on two agents),
+    """About 2 min on 2 cores: a full production run (the test deployment's pinned 60-step staging recipe on two agents),
     refused at promote, then its review asked again and approved."""
     from kiln.errors import AirflowAPIError
     from kiln.policy import PRODUCTION

@@ -149,7 +149,7 @@ def _wait_for_review(admin, dag_id: str, run_id: str, timeout: float, settle_s: 
 
 
 def test_production_approval_and_mlflow_lineage(stack, admin, login):
-    """About 2 min on 2 cores: a full production run (the pinned 300-step recipe on two agents)
+    """About 2 min on 2 cores: a full production run (the test deployment's pinned 60-step staging recipe on two agents)
     waits for the review the browser gives."""
     import mlflow
     from selenium.webdriver.common.by import By

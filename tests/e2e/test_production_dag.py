@@ -10,6 +10,8 @@ MLflow identity and this test reads MLflow as the admin."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 pytestmark = [pytest.mark.slow, pytest.mark.e2e, pytest.mark.timeout(900)]
@@ -32,7 +34,7 @@ def _run_production(admin, login, answer: str, conf: dict) -> tuple[str, dict]:
             refused["status"] = exc.status
         login("reviewer").answer_hitl(PRODUCTION.dag_id, run_id, "approval", [answer])
 
-    # Generous: on a loaded 2-core machine one production run (300 steps on 2 agents) took 11 min.
+    # Generous: on a loaded 2-core machine one production run (then 300 steps on 2 agents) took 11 min.
     final = follow_run(admin, PRODUCTION.dag_id, run_id, on_awaiting_input=review, timeout=1500, progress=print)
     states = {ti["task_id"]: ti["state"] for ti in admin.task_instances(PRODUCTION.dag_id, run_id)}
     assert final["state"] == "success", states
@@ -61,8 +63,8 @@ def _patient(stack):
 
 @pytest.mark.timeout(3600)  # two full production runs and a review left to time out
 def test_production_approve_reject_and_timeout(stack, monkeypatch):
-    """About 4.5 min on 2 cores, the slowest test: two full production runs (each trains the pinned
-    300-step recipe on two agents, about 50 s of a 110 s run) and a review left to time out (the
+    """About 4 min on 2 cores, the slowest test: two full production runs (each trains the pinned
+    60-step staging recipe on two agents) and a review left to time out (the
     60 s floor of the timeout Variable). Approve and reject need their own runs: one run is reviewed
     once; the timeout reuses the rejected run's review, asked again."""
     login = _patient(stack)
@@ -98,7 +100,13 @@ def test_production_approve_reject_and_timeout(stack, monkeypatch):
     assert tags["kiln.airflow.run_id"] == run_id and tags["kiln.contract"] == PRODUCTION.contract
     assert tags["kiln.quarantined_shards"] == "2"
     candidate = admin.xcom(PRODUCTION.dag_id, run_id, "register_candidate")
-    assert client.get_model_version(PRODUCTION.candidate_model, str(candidate["version"])).tags["kiln.review"] == "approved"
+    candidate_tags = client.get_model_version(PRODUCTION.candidate_model, str(candidate["version"])).tags
+    assert candidate_tags["kiln.review"] == "approved"
+    # The test deployment's reviewed config (tests/e2e/production.toml, KILN_PRODUCTION_CONFIG) pins
+    # the staging recipe: every process of the stack read it, and the version records it.
+    train = admin.xcom(PRODUCTION.dag_id, run_id, "train")
+    assert train["completed"] and train["world_size"] == 2 and train["step"] == 60, train
+    assert json.loads(candidate_tags["kiln.policy.config"])["recipe"] == "production/staging.toml"
 
     # 2. rejected: the run succeeds without promotion, says so, and the champion does not move
     run2, states2 = _run_production(admin, login, "Reject", {"reason": "e2e reject"})

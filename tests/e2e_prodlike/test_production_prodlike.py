@@ -29,7 +29,7 @@ def _asset_triggered_run(admin, dag_id: str, timeout: float = 300.0) -> dict:
 
 
 def test_asset_triggered_production_run_approved_by_reviewer(prodlike, login):
-    """About 1.5 min on 2 cores: a full production run (the pinned 300-step recipe on two agents)
+    """About 1.5 min on 2 cores: a full production run (the test deployment's pinned 60-step staging recipe on two agents)
     on the production-like stack, which is started for this package alone."""
     from kiln import settings as kiln_settings
     from kiln.cli.snapshot import announce_snapshot
