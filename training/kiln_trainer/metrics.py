@@ -18,7 +18,13 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from kiln_trainer.checkpoint_manifest import atomic_write_bytes
-from kiln_trainer.contract import MLFLOW_RUN_ID_ENV, MLFLOW_TRACKING_URI_ENV
+from kiln_trainer.contract import (
+    METRICS_EVENT_KEY,
+    MLFLOW_RUN_ID_ENV,
+    MLFLOW_TRACKING_URI_ENV,
+    PROM_PREFIX,
+    PROM_STEP_SERIES,
+)
 from kiln_trainer.errors import naming_path
 
 log = logging.getLogger(__name__)
@@ -81,19 +87,19 @@ class PrometheusTextfileSink:
         self._ranks: dict[str, list[float]] = {}
 
     def log(self, step: int, record: dict[str, Any]) -> None:
-        if record.get("event"):
+        if record.get(METRICS_EVENT_KEY):
             return
         self._latest.update(_numeric(record))
         self._ranks.update(_per_rank(record))
-        lines = [f"kiln_train_step{{{self._labels}}} {step}"]
+        lines = [f"{PROM_STEP_SERIES}{{{self._labels}}} {step}"]
         for key, value in sorted(self._latest.items()):
             if math.isfinite(value):
-                lines.append(f"kiln_train_{key}{{{self._labels}}} {value!r}")
+                lines.append(f"{PROM_PREFIX}{key}{{{self._labels}}} {value!r}")
         sep = "," if self._labels else ""
         for key, values in sorted(self._ranks.items()):
             for rank, value in enumerate(values):
                 if math.isfinite(value):
-                    lines.append(f'kiln_train_{key}{{{self._labels}{sep}rank="{rank}"}} {value!r}')
+                    lines.append(f'{PROM_PREFIX}{key}{{{self._labels}{sep}rank="{rank}"}} {value!r}')
         atomic_write_bytes(self.path, ("\n".join(lines) + "\n").encode("utf-8"))
 
     def tag(self, tags: dict[str, str]) -> None:
@@ -122,7 +128,7 @@ class MlflowSink:
             self.client.log_batch(run_id, params=param_list[i : i + 100])
 
     def log(self, step: int, record: dict[str, Any]) -> None:
-        if record.get("event"):
+        if record.get(METRICS_EVENT_KEY):
             return  # events (rollbacks) live in metrics.jsonl and result.json, not as metric series
         now_ms = int(time.time() * 1000)
         values = _numeric(record)

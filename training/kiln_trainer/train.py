@@ -130,8 +130,13 @@ from kiln_trainer.contract import (
     EXIT_FATAL,
     EXIT_OK,
     EXIT_RETRYABLE,
+    METRICS_EVENT_KEY,
     RANK_STEP_TIMES_KEY,
+    ROLLBACK_EVENT,
+    STARTUP_EVENT,
+    STRAGGLER_CLEARED_EVENT,
     TRAIN_RESULT_KIND,
+    WORLD_SIZE_CHANGE_EVENT,
     TrainResultRecord,
 )
 from kiln_trainer.data import open_run_tokens, pack_run_tokens
@@ -517,10 +522,10 @@ class Run:
         every later checkpoint and result.json, and the MLflow tag ``kiln.world_size_change``."""
         step, world = self.state.step, self.env.world_size
         log.info("resumed at world size %d from a checkpoint of world size %d", world, made_at)
-        event = {"kind": "world_size_change", "from_world_size": made_at, "to_world_size": world, "at_step": step,
+        event = {"kind": WORLD_SIZE_CHANGE_EVENT, "from_world_size": made_at, "to_world_size": world, "at_step": step,
                  "accum_steps": self.accum_steps}
         self.state.events = [*self.state.events, event]
-        self.metrics.log(step, {"event": "world_size_change", **event})
+        self.metrics.log(step, {METRICS_EVENT_KEY: WORLD_SIZE_CHANGE_EVENT, **event})
         self.metrics.tag({"kiln.world_size_change": f"{made_at} -> {world} ranks at step {step}"})
 
     def _newest_committed_step_dir(self) -> Path | None:
@@ -623,7 +628,7 @@ class Run:
         self._restore_last_committed_state()
         self.optimizer.zero_grad(set_to_none=True)
         event = {
-            "kind": "rollback",
+            "kind": ROLLBACK_EVENT,
             "reason": reason,
             "at_step": at_step,
             "to_step": self.state.step,
@@ -640,11 +645,11 @@ class Run:
             self.state.step,
             batch,
         )
-        self.metrics.log(at_step, {"event": "rollback", **event})
+        self.metrics.log(at_step, {METRICS_EVENT_KEY: ROLLBACK_EVENT, **event})
 
     def _refuse_past_the_rollback_budget(self, reason: str, loss: float, at_step: int) -> None:
         cfg = self.recipe.guard
-        rollbacks = sum(1 for e in self.state.events if e.get("kind") == "rollback")
+        rollbacks = sum(1 for e in self.state.events if e.get("kind") == ROLLBACK_EVENT)
         if rollbacks >= cfg.max_rollbacks:
             raise TrainingDivergedError(
                 f"{reason} at step {at_step} (loss {loss}); already rolled back {rollbacks} time(s), "
@@ -881,7 +886,7 @@ class Run:
         for rank in cleared:
             log.warning("straggler cleared: rank %d is back within %.2fx of the others at step %d",
                         rank, self.stragglers.factor, step)
-            self.metrics.log(step, {"event": "straggler_cleared", "rank": rank})
+            self.metrics.log(step, {METRICS_EVENT_KEY: STRAGGLER_CLEARED_EVENT, "rank": rank})
             if self.stragglers.current < 0:
                 self.metrics.tag({"kiln.straggler_rank": "-1"})
 
@@ -892,7 +897,7 @@ class Run:
         self.startup.setdefault("resumed", self.startup["model"])
         profile = startup_profile(self.startup, _IMPORT_T0, _IMPORT_T1)
         event = {
-            "event": "startup",
+            METRICS_EVENT_KEY: STARTUP_EVENT,
             "restart_count": env_int("TORCHELASTIC_RESTART_COUNT", 0),
             "resumed_from_step": self.resumed_from,
             "first_step": step,

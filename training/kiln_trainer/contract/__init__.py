@@ -241,7 +241,7 @@ STARTUP_EVENT: Final = "startup"
 """Where an invocation's start-up time went, up to its first step."""
 PROM_PREFIX: Final = "kiln_train_"
 """Every series in ``metrics.prom`` is named ``kiln_train_<metric>``."""
-PROM_STEP_SERIES: Final = "kiln_train_step"
+PROM_STEP_SERIES: Final = f"{PROM_PREFIX}{METRICS_STEP_KEY}"
 """The step of the latest record, in every ``metrics.prom``."""
 
 
@@ -323,7 +323,7 @@ class TrainResultRecord(TypedDict):
     """The world size of this invocation."""
     metrics: TrainResultMetrics
     events: list[dict[str, Any]]
-    """Notable events (resumes, rollbacks), in order."""
+    """Notable events, in order: ``{"kind": ROLLBACK_EVENT, ...}``, ``{"kind": WORLD_SIZE_CHANGE_EVENT, ...}``."""
     mlflow_run_id: str
 
 
