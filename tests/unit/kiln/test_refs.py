@@ -179,7 +179,7 @@ def test_kilns_training_manifest_keeps_the_hash_it_had_before_the_contract():
 
 
 def test_a_manifest_kiln_writes_verifies_in_the_trainers_reader(tmp_path: Path):
-    from kiln_trainer.training_manifest import load_training_manifest
+    from kiln_trainer.contract.training_manifest import load_training_manifest
 
     for manifest in (_fixed_manifest(), _fixed_manifest().with_tokens("s3://b/tokens/token_manifest.json", "d" * 64)):
         read = load_training_manifest(manifest.write(tmp_path / "m.json"))
@@ -220,3 +220,18 @@ def test_every_fact_kilns_train_result_reads_is_in_the_contracts_result_record(t
     (tmp_path / RESULT_FILE).write_text(json.dumps({k: v for k, v in record.items() if k != "weights_sha256"}))
     with pytest.raises(ManifestError, match="weights_sha256"):
         read_result(tmp_path)
+
+
+def test_kilns_training_manifest_has_the_fields_of_the_contracts():
+    """kiln's writer and the contract's reader name the same wire keys (the reader adds only where it
+    read the file from), so a field added on one side alone fails here, not in a run."""
+    from kiln_trainer.contract import training_manifest as contract_manifest
+
+    theirs = {f.name for f in dataclasses.fields(contract_manifest.TrainingManifest)} - {"path"}
+    assert {f.name for f in dataclasses.fields(TrainingManifest)} == theirs
+
+
+def test_kiln_reads_of_result_json_only_keys_the_contract_says_the_trainer_writes():
+    from kiln_trainer.contract import TrainResultRecord
+
+    assert {f.name for f in dataclasses.fields(TrainResult)} <= set(TrainResultRecord.__annotations__)
