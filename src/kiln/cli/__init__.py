@@ -30,6 +30,7 @@ SUBCOMMAND_MODULES = (
     "kiln.cli.validate",
     "kiln.cli.contract",
     "kiln.cli.registry",
+    "kiln.cli.export",
     "kiln.cli.audit",
     "kiln.cli.stack",
     "kiln.cli.demo",

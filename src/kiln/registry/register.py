@@ -59,7 +59,9 @@ def _verify_checkpoint(step_dir: str) -> dict[str, Any]:
 
 
 def _log_checkpoint_model(step_dir: str) -> str:
-    """Log the checkpoint as a text model (``kiln_trainer.serving``) into the active run; returns its URI."""
+    """Log the checkpoint as a text model (``kiln_trainer.serving``) into the active run; returns its URI.
+    The model carries the checkpoint as a Hugging Face folder (``kiln.registry.export.HF_FOLDER``:
+    safetensors weights, tokenizer files) that the text model generates from and ``kiln export`` writes out."""
     from kiln_trainer.export import log_model
 
     return log_model(step_dir, name=MODEL_ARTIFACT_NAME)
