@@ -52,6 +52,7 @@ from kiln.refs import (
     sha256_file,
 )
 from kiln.util.fs import atomic_write_text, read_own_json
+from kiln_trainer.contract import MANIFEST_NAME
 
 log = logging.getLogger("kiln.stages.champion_watch")
 
@@ -127,7 +128,7 @@ def evaluate_version(model: str, version: str, manifest: Path, out: Path) -> Ver
 
     recorded = version_report(model, version)
     step_dir = Path(recorded.checkpoint)
-    if not (step_dir / "manifest.json").is_file():
+    if not (step_dir / MANIFEST_NAME).is_file():
         raise ConfigError(
             f"{model} version {version}: its checkpoint {step_dir} is not available here (pruned, or on "
             "another machine); cannot re-evaluate it"
