@@ -162,6 +162,9 @@ def airflow_env(s: kiln_settings.Settings | None = None) -> dict[str, str]:
             "AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_USERS": ",".join(f"{u}:{r}" for u, r in AIRFLOW_USERS.items()),
             "AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_PASSWORDS_FILE": str(home / "passwords.json"),
             "AIRFLOW__DATABASE__SQL_ALCHEMY_CONN": f"sqlite:///{home / 'airflow.db'}",
+            # Wait up to a minute for SQLite's one write lock, not sqlite3's 5 s (kiln.stack.sqlite).
+            "AIRFLOW__DATABASE__SQL_ALCHEMY_CONNECT_ARGS": "kiln.stack.sqlite.SYNC",
+            "AIRFLOW__DATABASE__SQL_ALCHEMY_CONNECT_ARGS_ASYNC": "kiln.stack.sqlite.ASYNC",
             "AIRFLOW__API__HOST": "127.0.0.1",
             "AIRFLOW__API__PORT": _port(s.airflow_url),
             "AIRFLOW__API__BASE_URL": s.airflow_url,
