@@ -200,7 +200,7 @@ class TrainingManifest(Ref):
     """What the trainer may read: a snapshot's healthy shards under one contract version, and once
     the tokenize stage has packed them, those shards as packed tokens.
 
-    Wire format (the trainer parses this itself, ``kiln_trainer.training_manifest``)::
+    Wire format (the trainer parses this itself, ``kiln_trainer.contract.training_manifest``)::
 
         {"kind": "kiln.TrainingManifest", "snapshot_id": "<md5>.dir", "corpus": "...",
          "contract": "name@version", "shards": [{"path", "sha256", "rows"}, ...],
