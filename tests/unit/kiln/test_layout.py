@@ -57,7 +57,7 @@ TRAINER_IMPORTERS_ALLOWED: dict[str, tuple[tuple[str, ...], str]] = {
     "src/kiln/cli/tokenize.py": (("kiln_trainer.data", "kiln_trainer.packed", "kiln_trainer.tokenizer"),
                                  "`kiln tokenize` packs tokens in-process with the trainer's own packer and tokenizer"),
     "src/kiln/cli/train.py": (("kiln_trainer.evaluate",),
-                              "`kiln train evaluate` runs the trainer's evaluation (its model, torch) behind kiln's checks"),
+                              "`kiln evaluate` runs the trainer's evaluation (its model, torch) behind kiln's checks"),
     "src/kiln/launchers/base.py": (("kiln_trainer.config",),
                                    "the recipe's schema is the trainer's: what it would refuse is refused before any worker"),
     "src/kiln/launchers/worker.py": (("kiln_trainer.packed", "kiln_trainer.train"),
