@@ -30,16 +30,16 @@ from typing import Any
 
 from kiln_trainer.checkpoint_manifest import TOKENIZER_FILE, manifest_sha256
 from kiln_trainer.errors import TrainerError
-from kiln_trainer.tokenizer import ByteTokenizer, Tokenizer, load_tokenizer
+from kiln_trainer.tokenizer import EOS_TOKEN, ByteTokenizer, Tokenizer, load_tokenizer
 
 
 def checkpoint_tokenizer(step_dir: Path, manifest: dict[str, Any]) -> Tokenizer:
     """The tokenizer a checkpoint was trained with: its ``tokenizer.json`` (format 2, listed and
-    hash-checked in the manifest), or for a format-1 checkpoint of the byte stream before
-    tokenizers, the byte tokenizer with that recipe's separator byte."""
+    hash-checked in the manifest; EOS the recipe's ``tokenizer.eos_token``), or for a format-1
+    checkpoint of the byte stream before tokenizers, the byte tokenizer with that recipe's separator byte."""
     path = step_dir / TOKENIZER_FILE
     if path.is_file():
-        tokenizer = load_tokenizer(path)
+        tokenizer = load_tokenizer(path, eos_token=manifest["recipe"].get("tokenizer", {}).get("eos_token", EOS_TOKEN))
         recorded = manifest.get("tokenizer_sha256")
         if recorded and tokenizer.sha256 != recorded:
             raise TrainerError(f"{path}: hashes to {tokenizer.sha256}, the checkpoint was trained with {recorded}")

@@ -156,6 +156,23 @@ def test_the_folder_maps_back_to_the_checkpoints_weights_and_holds_no_pickle(tmp
     assert weights_sha256(back) == written.manifest["weights_sha256"]
 
 
+def test_a_bpe_checkpoint_with_its_own_eos_token_gets_a_folder_whose_eos_is_that_token(tmp_path: Path) -> None:
+    from transformers import AutoTokenizer
+
+    from kiln_trainer.hf import write_checkpoint_folder
+    from kiln_trainer.tokenizer import train_bpe
+
+    bpe = train_bpe(["def main():\n    return 0\n"] * 20, vocab_size=270, eos_token="<eod>")
+    write_checkpoints(tmp_path / "run", [1], tokenizer=bpe,
+                      overrides=("tokenizer.kind=bpe", "tokenizer.vocab_size=270", "tokenizer.eos_token=<eod>"))
+    written = write_checkpoint_folder(tmp_path / "run" / "checkpoints" / "step-00000001", tmp_path / "hf")
+
+    assert written.tokenizer.eos_token == "<eod>" and written.tokenizer.eos_id == 0
+    theirs = AutoTokenizer.from_pretrained(written.path)
+    assert theirs.eos_token == "<eod>" and theirs.eos_token_id == 0
+    assert json.loads((written.path / "generation_config.json").read_text())["eos_token_id"] == 0
+
+
 def test_a_state_that_is_not_the_configs_gpt_is_refused() -> None:
     from kiln_trainer.hf import gpt2_state_dict, kiln_state_dict
 
