@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from kiln_trainer.checkpoint_manifest import (
+from kiln_trainer.config import load_recipe
+from kiln_trainer.contract.checkpoint_manifest import (
     CheckpointError,
     checkpoint_dirs,
     latest_committed,
@@ -19,7 +20,6 @@ from kiln_trainer.checkpoint_manifest import (
     seal,
     verify_checkpoint,
 )
-from kiln_trainer.config import load_recipe
 
 from trainer_fixtures import FIXTURE_MODEL, write_checkpoints
 
@@ -31,7 +31,8 @@ def committed(tmp_path: Path) -> Path:
 
 
 def test_checkpoint_manifest_is_torch_free() -> None:
-    code = "import sys, kiln_trainer.checkpoint_manifest; assert 'torch' not in sys.modules, 'torch imported'"
+    code = ("import sys, kiln_trainer.contract.checkpoint_manifest, kiln_trainer.checkpoint_manifest; "
+            "assert 'torch' not in sys.modules, 'torch imported'")
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
@@ -204,7 +205,7 @@ def test_manifest_written_last_and_atomically(committed: Path) -> None:
 
 
 def test_ranks_verifying_together_each_hash_a_share_and_the_damage_is_found_by_its_owner(committed: Path) -> None:
-    from kiln_trainer.checkpoint_manifest import _dealt
+    from kiln_trainer.contract.checkpoint_manifest import _dealt
 
     names = json.loads((committed / "manifest.json").read_text())["files"]
     for world in (2, 3, 8):

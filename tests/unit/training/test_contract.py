@@ -22,8 +22,8 @@ from kiln_trainer.contract import (
     step_dir_name,
     training_manifest_sha256,
 )
+from kiln_trainer.contract.training_manifest import load_training_manifest
 from kiln_trainer.errors import TrainingManifestError
-from kiln_trainer.training_manifest import load_training_manifest
 
 FIXED_MANIFEST = {
     "snapshot_id": "0123456789abcdef0123456789abcdef.dir",
@@ -114,3 +114,15 @@ def test_the_contract_imports_the_standard_library_and_its_two_stdlib_modules_on
         assert not any(isinstance(node, ast.ImportFrom) and node.level for node in ast.walk(tree)), path
     outside = {m for m in modules if m.split(".")[0] not in sys.stdlib_module_names and m != "__future__"}
     assert outside == {"kiln_trainer.contract", "kiln_trainer.errors", "kiln_trainer.jsonfile"}
+
+
+def test_the_former_module_names_hold_the_contracts_own_objects():
+    """``kiln_trainer.training_manifest`` and ``kiln_trainer.checkpoint_manifest`` moved into the contract;
+    the old names give the same objects (one definition), every one the contract's module exports."""
+    from kiln_trainer import checkpoint_manifest as old_checkpoint
+    from kiln_trainer import training_manifest as old_training
+    from kiln_trainer.contract import checkpoint_manifest, training_manifest
+
+    for old, new in ((old_training, training_manifest), (old_checkpoint, checkpoint_manifest)):
+        assert set(old.__all__) >= set(new.__all__)
+        assert all(getattr(old, name) is getattr(new, name) for name in old.__all__), old.__name__
