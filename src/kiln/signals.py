@@ -50,6 +50,16 @@ from kiln.errors import ConfigError, RunMismatchError
 from kiln.policy import POLICIES
 from kiln.runs import METRICS_JSONL, METRICS_PROM, QUARANTINE_HTML, QUARANTINE_JSON, RESULT_FILE, TRAIN_SUBDIR
 from kiln.util.fs import atomic_write_text, parse_own_json, read_own_json
+from kiln_trainer.contract import METRICS_EVENT_KEY, PROM_PREFIX
+
+GPU_UTIL_SERIES = f"{PROM_PREFIX}gpu_util"
+BUSY_FRAC_SERIES = f"{PROM_PREFIX}busy_frac"
+DATA_WAIT_FRAC_SERIES = f"{PROM_PREFIX}data_wait_frac"
+"""The trainer's series (``metrics.prom``) that utilisation is read from."""
+TRAIN_UP_SERIES = f"{PROM_PREFIX}up"
+TRAIN_METRICS_AGE_SERIES = f"{PROM_PREFIX}metrics_age_seconds"
+TRAIN_UTILISATION_SERIES = f"{PROM_PREFIX}utilisation_ratio"
+"""kiln's own series about a run, in the trainer's namespace (``PROM_PREFIX``) beside its gauges."""
 
 log = logging.getLogger("kiln.signals")
 
@@ -215,12 +225,12 @@ def run_labels(identity: runs.RunIdentity) -> dict[str, str]:
 def utilisation(metrics: Mapping[str, float]) -> float | None:
     """Compute utilisation of a training run: GPU utilisation when the trainer measured it, else the
     busy fraction (time not spent waiting on data or blocked on checkpoints), else ``1 - data wait``."""
-    for key in ("kiln_train_gpu_util", "kiln_train_busy_frac"):
+    for key in (GPU_UTIL_SERIES, BUSY_FRAC_SERIES):
         if key in metrics:
             value = metrics[key]
-            return value / 100.0 if key == "kiln_train_gpu_util" and value > 1.0 else value
-    if "kiln_train_data_wait_frac" in metrics:
-        return max(0.0, 1.0 - metrics["kiln_train_data_wait_frac"])
+            return value / 100.0 if key == GPU_UTIL_SERIES and value > 1.0 else value
+    if DATA_WAIT_FRAC_SERIES in metrics:
+        return max(0.0, 1.0 - metrics[DATA_WAIT_FRAC_SERIES])
     return None
 
 
@@ -248,11 +258,11 @@ def training_samples(config: SignalsConfig, now: float) -> tuple[list[Sample], i
             labels = {k: v for k, v in s.labels if k not in _TRAINER_LABELS_DROPPED}
             samples.append(Sample(s.name, _labels(**{**labels, **base}), s.value))  # dag/run are ours
             latest.setdefault(s.name, s.value)
-        samples.append(Sample("kiln_train_up", _labels(**base), 1.0))
-        samples.append(Sample("kiln_train_metrics_age_seconds", _labels(**base), max(0.0, age)))
+        samples.append(Sample(TRAIN_UP_SERIES, _labels(**base), 1.0))
+        samples.append(Sample(TRAIN_METRICS_AGE_SERIES, _labels(**base), max(0.0, age)))
         util = utilisation(latest)
         if util is not None:
-            samples.append(Sample("kiln_train_utilisation_ratio", _labels(**base), util))
+            samples.append(Sample(TRAIN_UTILISATION_SERIES, _labels(**base), util))
     return samples, bad
 
 
@@ -451,10 +461,10 @@ def queue_samples(config: SignalsConfig) -> tuple[list[Sample], int]:
 
 # -------------------------------------------------------------------------------------- endpoint
 HELP: dict[str, tuple[str, str]] = {
-    "kiln_train_up": ("gauge", "1 for every active training run (metrics.prom fresh, no result.json)"),
-    "kiln_train_metrics_age_seconds": ("gauge", "seconds since the run's metrics.prom was last written"),
-    "kiln_train_utilisation_ratio": ("gauge", "GPU utilisation, else busy fraction, else 1 - data-loader wait"),
-    "kiln_train_checkpoint_lag_steps": ("gauge", "steps since the last committed checkpoint"),
+    TRAIN_UP_SERIES: ("gauge", "1 for every active training run (metrics.prom fresh, no result.json)"),
+    TRAIN_METRICS_AGE_SERIES: ("gauge", "seconds since the run's metrics.prom was last written"),
+    TRAIN_UTILISATION_SERIES: ("gauge", "GPU utilisation, else busy fraction, else 1 - data-loader wait"),
+    f"{PROM_PREFIX}checkpoint_lag_steps": ("gauge", "steps since the last committed checkpoint"),
     "kiln_quarantine_share": ("gauge", "quarantined share of a snapshot's shards"),
     "kiln_policy_max_quarantine_share": ("gauge", "kiln.policy data-gate ceiling on the quarantined share"),
     "kiln_airflow_queue_latency_seconds": ("histogram", "ready -> running of first tries, per DAG, pool, run type, mapped"),
@@ -557,7 +567,7 @@ def _last_jsonl_record(path: Path, max_bytes: int = 65536) -> dict[str, Any] | N
             record = parse_own_json(line, "a metrics line")
         except ValueError:
             continue
-        if isinstance(record, dict) and not record.get("event"):
+        if isinstance(record, dict) and not record.get(METRICS_EVENT_KEY):
             return record
     return None
 

@@ -49,7 +49,7 @@ from kiln.registry.tags import (
 def _verify_checkpoint(step_dir: str) -> dict[str, Any]:
     """The trainer's own manifest check (per-file sha256, committed-last manifest)."""
     try:
-        from kiln_trainer.checkpoint_manifest import verify_checkpoint
+        from kiln_trainer.contract.checkpoint_manifest import verify_checkpoint
     except ImportError as exc:
         raise ManifestError(f"cannot verify checkpoint {step_dir}: the trainer package is missing ({exc})") from exc
     try:

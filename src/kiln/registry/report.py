@@ -21,6 +21,7 @@ if TYPE_CHECKING:
 
 from kiln.registry.tags import LOSS_METRIC, REPORT_DIR, TAGS
 from kiln.util.fs import parse_own_json
+from kiln_trainer.contract import ROLLBACK_EVENT
 
 # ----------------------------------------------------------------------------- evaluation report
 
@@ -60,7 +61,7 @@ def read_loss_jsonl(path: Path) -> list[tuple[int, float]]:
 def loss_curve(client: MlflowClient, run_id: str, train: TrainResult) -> LossCurve:
     """The training run's ``loss`` history from MLflow, else the trainer's ``RUN_DIR/metrics.jsonl``."""
     rollbacks = sorted({int(e["at_step"]) for e in train.events
-                        if e.get("kind") == "rollback" and isinstance(e.get("at_step"), int)})
+                        if e.get("kind") == ROLLBACK_EVENT and isinstance(e.get("at_step"), int)})
     by_step: dict[int, float] = {}
     if train.mlflow_run_id:
         for metric in sorted(client.get_metric_history(run_id, LOSS_METRIC), key=lambda m: (m.timestamp, m.step)):

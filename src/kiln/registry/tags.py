@@ -15,6 +15,7 @@ from kiln.refs import (
 )
 from kiln.shipped import CHECKOUT
 from kiln.util.fs import parse_own_json
+from kiln_trainer.contract import MANIFEST_NAME
 
 if TYPE_CHECKING:
     from mlflow.entities.model_registry import ModelVersion
@@ -25,8 +26,8 @@ if TYPE_CHECKING:
 EVAL_SPLIT = "eval"
 PREVIOUS_ALIAS = "previous"
 MODEL_ARTIFACT_NAME = "model"
-CHECKPOINT_MANIFEST_NAME = "manifest.json"
-"""The trainer's commit record inside a step directory (``kiln_trainer.checkpoint_manifest``)."""
+CHECKPOINT_MANIFEST_NAME = MANIFEST_NAME
+"""The trainer's commit record inside a step directory (the contract's ``MANIFEST_NAME``)."""
 
 # Tag keys. Every kiln tag starts with "kiln." so that kiln's facts never collide with a user's.
 TAGS = {

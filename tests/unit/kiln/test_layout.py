@@ -62,7 +62,7 @@ TRAINER_IMPORTERS_ALLOWED: dict[str, tuple[tuple[str, ...], str]] = {
                                    "the recipe's schema is the trainer's: what it would refuse is refused before any worker"),
     "src/kiln/launchers/worker.py": (("kiln_trainer.packed", "kiln_trainer.train"),
                                      "torchrun's entry point: runs the trainer's main in its process (its agent preloads it)"),
-    "src/kiln/registry/register.py": (("kiln_trainer.checkpoint_manifest", "kiln_trainer.export"),
+    "src/kiln/registry/register.py": (("kiln_trainer.export",),
                                       "the HF export work (issue 30, item 4) owns it now"),
     "src/kiln/stages/inputs.py": (("kiln_trainer.config",),
                                   "the recipe's schema is the trainer's: a run's recipe resolves as the trainer will resolve it"),
