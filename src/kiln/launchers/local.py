@@ -503,14 +503,27 @@ def _alive(pid: int) -> bool:
             return False
     except ChildProcessError:
         pass
-    try:
-        with open(f"/proc/{pid}/stat") as fh:
-            state = fh.read().rsplit(")", 1)[1].split()[0]
-        with open(f"/proc/{pid}/cmdline", "rb") as fh:
-            cmdline = fh.read()
-    except OSError:
-        return False
-    return state not in ("Z", "X") and b"kiln.launchers.local" in cmdline
+    deadline = time.monotonic() + _EXEC_GRACE_S
+    while True:
+        try:
+            with open(f"/proc/{pid}/stat") as fh:
+                state = fh.read().rsplit(")", 1)[1].split()[0]
+            with open(f"/proc/{pid}/cmdline", "rb") as fh:
+                cmdline = fh.read()
+        except OSError:
+            return False
+        if cmdline or state in ("Z", "X") or time.monotonic() >= deadline:
+            return state not in ("Z", "X") and b"kiln.launchers.local" in cmdline
+        time.sleep(0.02)  # in the middle of its execve: read again
+
+
+_EXEC_GRACE_S = 2.0
+"""How long ``_alive`` reads an empty command line again before it takes it as an answer. A process
+in the middle of ``execve`` has its new memory but not yet its argument list (Linux sets
+``arg_start``/``arg_end`` in the ELF loader after ``begin_new_exec``, which is also when a ``vfork``
+parent such as ``subprocess.Popen`` goes on), so for that moment ``/proc/PID/cmdline`` reads empty.
+On a loaded machine a poll right after a supervisor started landed there and called it dead ("died
+without a final status"). A pid that stays empty is a kernel thread's, or none of ours."""
 
 
 def _how_it_ended(pid: int) -> str:

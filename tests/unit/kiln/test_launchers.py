@@ -317,7 +317,7 @@ def test_trigger_turns_an_exclude_node_flag_into_one_straggler_event(tmp_path):
         events = t.run()
         first = asyncio.ensure_future(events.__anext__())
         await asyncio.sleep(0.4)
-        assert not first.done(), "an earlier attempt's flag (before the offset) must not fire"
+        assert not first.done(), ("an earlier attempt's flag (before the offset) must not fire", first.result().payload)
         with metrics.open("a") as fh:
             fh.write(json.dumps({"event": "straggler", "step": 30, "rank": 1, "node": "node2", "ratio": 5.0,
                                  "message": "straggler: rank 1 on node node2"}) + "\n")
@@ -713,3 +713,25 @@ def test_an_elastic_agents_first_rendezvous_waits_for_every_node_later_ones_for_
     join("again", first)
     assert worlds["again"] == 1, "a later round goes on with min_nodes"
     first.shutdown()
+
+
+def test_a_supervisor_just_started_by_another_process_is_alive_and_a_kernel_thread_is_not():
+    """``_alive`` reads /proc for a supervisor this process did not start. Right after ``execve`` a
+    process' command line reads empty for a moment (a poll there once called a live supervisor dead);
+    one that stays empty is no supervisor (pid 2, kthreadd, where this machine shows it)."""
+    import subprocess
+    import sys
+
+    from kiln.launchers import local
+
+    for _ in range(20):
+        proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)", "kiln.launchers.local"],
+                                start_new_session=True)
+        try:
+            assert local._alive(proc.pid)
+        finally:
+            proc.kill()
+            proc.wait()
+        assert not local._alive(proc.pid)
+    if Path("/proc/2/comm").is_file() and Path("/proc/2/cmdline").read_bytes() == b"":
+        assert not local._alive(2)
