@@ -13,6 +13,17 @@ A recipe file is TOML with one table per section, e.g.::
 
 Unknown sections or keys are errors (a typo must not silently fall back to a default).
 
+The recipe names its trainer (``kiln_trainer.contract.entrypoint``): a top-level ``trainer = "kiln"``
+(the default) or ``"package.module:function"``, or a ``[trainer]`` table (``train``, ``evaluate``,
+``export``). For a trainer of the user's own, ``[model]`` is the user's: kiln checks only the keys its
+orchestration reads (``block_size``: the packed samples' length; ``vocab_size``: against the
+tokenizer) and keeps the others as given in ``Recipe.user_model`` (hashed with the rest); every other
+section keeps kiln's schema, since kiln's stages and guarantees read them (``data``, ``train``,
+``checkpoint``, ``stragglers``, ``tokenizer``, ``parallel``, and ``optim``/``guard``/``eval`` where the
+trainer uses them), each checked alone: the rule across kiln's sections (``optim.warmup_steps`` within
+``train.steps``) is kiln's trainer's. A recipe of ``kiln`` records no ``trainer`` in its resolved form, so its hash is
+the one it had before a recipe could name a trainer.
+
 Why the tokenizer is its own ``[tokenizer]`` section rather than fields of ``[data]``: it is an
 artifact that outlives the run (it is saved in every checkpoint, travels with the registered model
 and is what serving encodes with), the tokenize stage needs it and the block size and nothing else
@@ -38,6 +49,13 @@ from pathlib import Path
 from typing import Any
 
 from kiln_trainer.contract import PARALLEL_STRATEGIES
+from kiln_trainer.contract.entrypoint import (
+    RECIPE_TRAINER_KEY,
+    TrainerSpec,
+    apply_trainer_overrides,
+    parse_override,
+    trainer_from_recipe_data,
+)
 from kiln_trainer.errors import RecipeError, TokenizerError
 
 _PY_TYPES: dict[str, tuple[type, ...]] = {
@@ -449,10 +467,22 @@ class Recipe:
     guard: GuardConfig = field(default_factory=GuardConfig)
     stragglers: StragglerConfig = field(default_factory=StragglerConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
+    trainer: TrainerSpec = field(default_factory=TrainerSpec)
+    """The trainer the recipe names (``kiln``, or the user's entry points)."""
+    user_model: dict[str, Any] = field(default_factory=dict)
+    """A user trainer's ``[model]`` keys besides ``block_size`` and ``vocab_size`` (``model`` holds
+    those two), as the recipe gives them; always empty for ``kiln``."""
 
     def __post_init__(self) -> None:
+        if self.trainer.is_kiln and self.user_model:
+            raise RecipeError(f"model: unknown key(s) {sorted(self.user_model)} (kiln's trainer takes "
+                              f"{sorted(f.name for f in dataclasses.fields(ModelConfig))})")
+        for key, value in self.user_model.items():
+            if not _plain_value(value):
+                raise RecipeError(f"model.{key} = {value!r}: a user model's value must be a string, number, "
+                                  "boolean, array or table (it is hashed as JSON)")
         _require(
-            self.optim.warmup_steps <= self.train.steps,
+            not self.trainer.is_kiln or self.optim.warmup_steps <= self.train.steps,
             "optim",
             "warmup_steps",
             f"must be <= train.steps ({self.train.steps})",
@@ -471,8 +501,14 @@ class Recipe:
         elif known is not None:
             check_model_vocab(self.model.vocab_size, known, tok)
 
-    def to_dict(self) -> dict[str, dict[str, Any]]:
-        return dataclasses.asdict(self)
+    def to_dict(self) -> dict[str, Any]:
+        """The resolved recipe, ``{section: {key: value}}``: what is hashed and recorded. A user trainer's
+        recipe adds ``trainer`` and its ``[model]`` is the user's keys plus ``block_size`` and ``vocab_size``."""
+        out: dict[str, Any] = {name: dataclasses.asdict(getattr(self, name)) for name in _SECTION_CLASSES}
+        if not self.trainer.is_kiln:
+            out["model"] = {**self.user_model, **{k: out["model"][k] for k in _USER_MODEL_KILN_KEYS}}
+            out[RECIPE_TRAINER_KEY] = self.trainer.to_recipe_value()
+        return out
 
     @property
     def sha256(self) -> str:
@@ -483,15 +519,20 @@ class Recipe:
         """Build from nested ``{section: {key: value}}``; unknown sections/keys raise RecipeError."""
         if not isinstance(data, dict):
             raise RecipeError(f"recipe must be a table of sections, got {type(data).__name__}")
-        sections = {f.name: f for f in dataclasses.fields(cls)}
-        unknown = set(data) - set(sections)
+        data = dict(data)
+        trainer = trainer_from_recipe_data(data)
+        unknown = set(data) - set(_SECTION_CLASSES)
         if unknown:
-            raise RecipeError(f"unknown recipe section(s) {sorted(unknown)}; known: {sorted(sections)}")
-        built: dict[str, Any] = {}
+            raise RecipeError(f"unknown recipe section(s) {sorted(unknown)}; known: "
+                              f"{sorted([*_SECTION_CLASSES, RECIPE_TRAINER_KEY])}")
+        built: dict[str, Any] = {"trainer": trainer}
         for name, table in data.items():
             section_cls = _SECTION_CLASSES[name]
             if not isinstance(table, dict):
                 raise RecipeError(f"[{name}] must be a table, got {type(table).__name__}")
+            if name == "model" and not trainer.is_kiln:
+                built["user_model"] = {k: v for k, v in table.items() if k not in _USER_MODEL_KILN_KEYS}
+                table = {k: v for k, v in table.items() if k in _USER_MODEL_KILN_KEYS}
             keys = {f.name for f in dataclasses.fields(section_cls)}
             bad = set(table) - keys
             if bad:
@@ -512,6 +553,18 @@ _SECTION_CLASSES: dict[str, type] = {
     "stragglers": StragglerConfig,
     "eval": EvalConfig,
 }
+def _plain_value(value: Any) -> bool:
+    if isinstance(value, (str, int, float, bool)):
+        return True
+    if isinstance(value, list):
+        return all(_plain_value(v) for v in value)
+    if isinstance(value, dict):
+        return all(isinstance(k, str) and _plain_value(v) for k, v in value.items())
+    return False
+
+
+_USER_MODEL_KILN_KEYS = ("block_size", "vocab_size")
+"""The ``[model]`` keys kiln reads of a user trainer's recipe (the packed samples, the tokenizer check)."""
 
 
 def check_model_vocab(model_vocab: int, tokenizer_vocab: int, tokenizer: TokenizerConfig) -> None:
@@ -549,22 +602,6 @@ def recipe_sha256(recipe: Recipe) -> str:
     return hashlib.sha256(blob.encode("utf-8")).hexdigest()
 
 
-def parse_override(text: str) -> tuple[str, str, Any]:
-    """``section.key=value`` → (section, key, value); value parsed as a TOML value, else a bare string."""
-    if "=" not in text:
-        raise RecipeError(f"override {text!r}: expected section.key=value")
-    dotted, raw = text.split("=", 1)
-    parts = dotted.strip().split(".")
-    if len(parts) != 2 or not all(parts):
-        raise RecipeError(f"override {text!r}: key must be section.key, got {dotted!r}")
-    raw = raw.strip()
-    try:
-        value = tomllib.loads(f"v = {raw}")["v"]
-    except tomllib.TOMLDecodeError:
-        value = raw  # `--set train.device=cpu` without TOML quotes
-    return parts[0], parts[1], value
-
-
 def load_recipe(path: str | Path | None, overrides: list[str] | tuple[str, ...] = ()) -> Recipe:
     """Resolve defaults < TOML file (if given) < overrides into a validated Recipe.
 
@@ -579,8 +616,11 @@ def load_recipe(path: str | Path | None, overrides: list[str] | tuple[str, ...] 
             raise RecipeError(f"recipe file {path} not found") from exc
         except tomllib.TOMLDecodeError as exc:
             raise RecipeError(f"recipe file {path}: invalid TOML: {exc}") from exc
+    apply_trainer_overrides(data, overrides)
     for text in overrides:
         section, key, value = parse_override(text)
+        if section == RECIPE_TRAINER_KEY:
+            continue  # applied above
         table = data.setdefault(section, {})
         if not isinstance(table, dict):
             raise RecipeError(f"override {text!r}: [{section}] is not a table in the recipe")

@@ -31,7 +31,13 @@ either strategy (``kiln_trainer.sharded_checkpoint``).
      "token_manifest_sha256": "<hex>", "tokenizer_sha256": "<hex>",
      "tokenizer": {"kind": "byte", "sha256": "<hex>", "vocab_size": 257, "eos_id": 256},
      "files": {"model.pt": "<sha256>", ..., "tokenizer.json": "<sha256>"}, "weights_sha256": "<hex>",
-     "created_at": "2026-11-29T17:00:00+00:00", "seal_sha256": "<hex>"}
+     "created_at": "2026-11-29T17:00:00+00:00",
+     "trainer": {"spec": "kiln", "distribution": "kiln", "version": "0.1.0"}, "seal_sha256": "<hex>"}
+
+``trainer`` says which trainer made the weights, and which version of its distribution
+(``kiln_trainer.contract.entrypoint.trainer_record``): ``seal`` adds it when the manifest has none,
+from the trainer the manifest's recipe names, resolved in the sealing process (the trainer's own).
+Checkpoints sealed before the field existed have none and still verify (kiln's trainer made them).
 
 ``world_size`` is the world size the checkpoint was written at (one RNG file per rank); the model
 and optimizer state load at any world size (format 2: replicated; format 3: DCP reshards).
@@ -83,6 +89,7 @@ from kiln_trainer.contract import (  # the run directory's names and the atomic 
     sha256_file,
     step_dir_name,
 )
+from kiln_trainer.contract.entrypoint import parse_trainer, trainer_record
 from kiln_trainer.errors import CheckpointError
 from kiln_trainer.jsonfile import load_json
 
@@ -155,14 +162,26 @@ _REQUIRED_KEYS: dict[str, type | tuple[type, ...]] = {
 _REQUIRED_FROM_FORMAT_2: dict[str, type] = {"token_manifest_sha256": str, "tokenizer_sha256": str, "tokenizer": dict}
 _REQUIRED_FROM_FORMAT_3: dict[str, type] = {"strategy": str}
 SEAL_KEY = "seal_sha256"
+TRAINER_KEY = "trainer"
+"""The trainer record: ``{"spec", "distribution", "version"}`` (``trainer_record``); absent in
+checkpoints sealed before it existed."""
 MAX_MANIFEST_BYTES = 64 << 20
 """A checkpoint manifest lists the checkpoint's files and hashes: kilobytes, never this many bytes."""
 
 
 def seal(manifest: dict[str, Any]) -> dict[str, Any]:
-    """``manifest`` with ``seal_sha256``: the sha256 of the canonical JSON of every other field."""
+    """``manifest`` with its trainer record (``TRAINER_KEY``; when it has none: the trainer its
+    ``recipe`` names, ``trainer_record``) and ``seal_sha256``: the sha256 of the canonical JSON of
+    every other field."""
     body = {k: v for k, v in manifest.items() if k != SEAL_KEY}
-    return {**body, SEAL_KEY: hashlib.sha256(canonical_json(body)).hexdigest()}
+    if TRAINER_KEY not in body:
+        recipe = body.get("recipe")
+        body[TRAINER_KEY] = trainer_record(parse_trainer((recipe if isinstance(recipe, dict) else {}).get(TRAINER_KEY)))
+    return {**body, SEAL_KEY: _seal_sha256(body)}
+
+
+def _seal_sha256(body: dict[str, Any]) -> str:
+    return hashlib.sha256(canonical_json({k: v for k, v in body.items() if k != SEAL_KEY})).hexdigest()
 
 
 def rng_file_name(rank: int) -> str:
@@ -233,7 +252,11 @@ def read_manifest(step_dir: str | Path) -> dict[str, Any]:
     match = _STEP_DIR_RE.fullmatch(step_dir.name)
     if match and int(match.group(1)) != manifest["step"]:
         raise CheckpointError(f"{path}: field 'step' is {manifest['step']} but the directory is {step_dir.name}")
-    if seal(manifest)[SEAL_KEY] != manifest[SEAL_KEY]:
+    trainer = manifest.get(TRAINER_KEY)
+    if trainer is not None and not (isinstance(trainer, dict) and all(
+            isinstance(trainer.get(k), str) for k in ("spec", "distribution", "version"))):
+        raise CheckpointError(f"{path}: field {TRAINER_KEY!r} must be an object with string spec, distribution, version")
+    if _seal_sha256(manifest) != manifest[SEAL_KEY]:
         raise CheckpointError(f"{path}: seal mismatch: the manifest was changed after it was written")
     return manifest
 
