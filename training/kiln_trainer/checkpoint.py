@@ -463,5 +463,5 @@ def load_model_weights(step_dir: str | Path) -> tuple[dict[str, Any], dict[str, 
     if manifest.get("format") == SHARDED_FORMAT:
         from kiln_trainer.sharded_checkpoint import load_full_model_state
 
-        return manifest, load_full_model_state(Path(step_dir), manifest)
+        return manifest, load_full_model_state(Path(step_dir))
     return manifest, _load(Path(step_dir) / "model.pt")

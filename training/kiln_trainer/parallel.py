@@ -20,6 +20,7 @@ place, and the optimizer has to hold those.
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -45,9 +46,13 @@ def fsdp_mixed_precision(recipe: Recipe, device: torch.device) -> Any | None:
     return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
 
 
-def shard_model(model: GPT, recipe: Recipe, env: DistEnv) -> None:
+def shard_model(
+    model: torch.nn.Module, recipe: Recipe, env: DistEnv, *, blocks: Iterable[torch.nn.Module] | None = None
+) -> None:
     """FSDP2 in place: every block, then the root. ``train.compile`` compiles each block before it is
-    sharded (``Module.compile``: in place, so the parameter names, which checkpoints key on, stay)."""
+    sharded (``Module.compile``: in place, so the parameter names, which checkpoints key on, stay).
+    ``blocks``: the modules sharded one by one (a transformer's layers); None means kiln's GPT's
+    ``transformer.h``."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
@@ -58,7 +63,11 @@ def shard_model(model: GPT, recipe: Recipe, env: DistEnv) -> None:
     policy = fsdp_mixed_precision(recipe, env.device)
     if policy is not None:
         kwargs["mp_policy"] = policy
-    for block in model.transformer.h:
+    if blocks is None:
+        if not isinstance(model, GPT):
+            raise TypeError(f"shard_model of a {type(model).__name__}: name its blocks (blocks=model.layers, ...)")
+        blocks = model.transformer.h
+    for block in blocks:
         if recipe.train.compile:
             block.compile()
         fully_shard(block, **kwargs)

@@ -36,9 +36,9 @@ Loading (``load_model_and_optimizer``), on every rank:
 - format 3, either strategy: the load target is ``get_state_dict(model, optimizer)`` of this run
   (DTensor shards under fsdp, whole tensors under ddp); ``dcp.load`` fills it from the shards of
   whatever world size wrote them (resharding) and ``set_state_dict`` puts it in place;
-- format 2 into fsdp: the whole state (``torch.load(weights_only=True)``) goes into a plain model
-  and optimizer, is keyed by parameter name (``get_state_dict``) and scattered into this rank's
-  shards (``set_state_dict(..., full_state_dict=True)``);
+- format 2 into fsdp: the whole state (``torch.load(weights_only=True)``), its optimizer state
+  keyed by parameter name (positions are this run's optimizer's parameters, named by the model),
+  is scattered into this rank's shards (``set_state_dict(..., full_state_dict=True)``);
 - format 2 into ddp: ``load_state_dict``, as before.
 """
 
@@ -62,7 +62,7 @@ from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
-from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import ReadItem
 from torch.distributed.checkpoint.staging import AsyncStager
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
@@ -86,13 +86,12 @@ from kiln_trainer.checkpoint_manifest import (
     sha256_file,
     step_dir_name,
 )
-from kiln_trainer.config import Recipe
 from kiln_trainer.distributed import DistEnv, any_rank, broadcast_object
 from kiln_trainer.errors import STORAGE_ERRNOS, CheckpointError, StorageError, TrainerError, os_error_text
-from kiln_trainer.model import GPT
-from kiln_trainer.optim import make_optimizer
 
 log = logging.getLogger(__name__)
+_MODEL_KEY = "model"
+"""The model's state under this key in every format-3 checkpoint (the optimizer's under ``optim``)."""
 # dcp.load(no_dist=True) in a process that has a group (rank 0 hashing what it wrote) warns that it
 # "assumes the intent is to load in a single process": that is the intent.
 warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized", category=UserWarning)
@@ -184,21 +183,32 @@ def _dcp_load(state: dict[str, Any], step_dir: Path, *, no_dist: bool, partial: 
 # --------------------------------------------------------------------------- loading
 
 
-def load_full_model_state(step_dir: Path, manifest: dict[str, Any]) -> dict[str, torch.Tensor]:
+def load_full_model_state(step_dir: Path) -> dict[str, torch.Tensor]:
     """The whole model state dict of a format-3 checkpoint, in this process alone (no collective):
-    for evaluation, export and the weights hash. The shards of any world size are consolidated."""
-    recipe = Recipe.from_dict(manifest["recipe"])
-    with torch.device("meta"):
-        shape = GPT(recipe.model).state_dict()
-    model = {name: torch.empty(t.shape, dtype=t.dtype) for name, t in shape.items()}
-    state = {"model": model}
-    _dcp_load(state, Path(step_dir), no_dist=True, partial=False)
-    return state["model"]
+    for evaluation, export and the weights hash. The shards of any world size are consolidated; the
+    names, shapes and dtypes come from the checkpoint's own index (DCP's ``.metadata``, read through
+    ``SafeReader``), so any model's checkpoint loads without building the model."""
+    step_dir = Path(step_dir)
+    try:
+        index = SafeReader(step_dir).read_metadata().state_dict_metadata
+    except (OSError, EOFError, pickle.UnpicklingError, AttributeError, TypeError, ValueError) as exc:
+        raise CheckpointError(f"{step_dir / DCP_METADATA}: not a readable DCP index: {exc}") from exc
+    prefix = f"{_MODEL_KEY}."
+    model = {
+        key[len(prefix):]: torch.empty(meta.size, dtype=meta.properties.dtype)
+        for key, meta in index.items()
+        if key.startswith(prefix) and isinstance(meta, TensorStorageMetadata)
+    }
+    if not model:
+        raise CheckpointError(f"{step_dir / DCP_METADATA}: no model tensors (no key under {prefix!r})")
+    state = {_MODEL_KEY: model}
+    _dcp_load(state, step_dir, no_dist=True, partial=False)
+    return state[_MODEL_KEY]
 
 
 def load_model_and_optimizer(
     step_dir: Path, manifest: dict[str, Any], model: torch.nn.Module, optimizer: torch.optim.Optimizer, *,
-    recipe: Recipe, sharded: bool,
+    sharded: bool,
 ) -> None:
     """Every rank (a collective for format 3 when a process group exists): this run's model and
     optimizer take the checkpoint's state, whatever format, strategy and world size wrote it.
@@ -214,15 +224,29 @@ def load_model_and_optimizer(
         model.load_state_dict(whole_model)
         optimizer.load_state_dict(whole_optim)
         return
-    # The saved optimizer state is keyed by parameter position; set_state_dict wants names. A plain
-    # model and optimizer built as the trainer builds them translate one into the other.
-    plain = GPT(recipe.model)
-    plain_optimizer = make_optimizer(plain, recipe.optim)
-    plain.load_state_dict(whole_model)
-    plain_optimizer.load_state_dict(whole_optim)
-    model_sd, optim_sd = get_state_dict(plain, plain_optimizer)
-    set_state_dict(model, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd,
+    set_state_dict(model, optimizer, model_state_dict=whole_model,
+                   optim_state_dict=_keyed_by_name(whole_optim, model, optimizer),
                    options=StateDictOptions(full_state_dict=True))
+
+
+def _keyed_by_name(
+    whole_optim: dict[str, Any], model: torch.nn.Module, optimizer: torch.optim.Optimizer
+) -> dict[str, Any]:
+    """A saved ``Optimizer.state_dict`` (state keyed by parameter position) keyed by parameter name,
+    as ``set_state_dict`` takes it. Position ``i`` is the ``i``-th parameter of ``optimizer``'s
+    groups: this run built its optimizer as the saving run did, over the same parameters (FSDP2 keeps
+    their names)."""
+    names = {id(p): name for name, p in model.named_parameters()}
+    order = [names[id(p)] for group in optimizer.param_groups for p in group["params"]]
+    try:
+        return {
+            "state": {order[int(i)]: v for i, v in whole_optim["state"].items()},
+            "param_groups": [{**{k: v for k, v in g.items() if k != "params"}, "params": [order[int(i)] for i in g["params"]]}
+                             for g in whole_optim["param_groups"]],
+        }
+    except (IndexError, KeyError, TypeError, ValueError) as exc:
+        raise CheckpointError(f"the checkpoint's optimizer state does not fit this optimizer's "
+                              f"{len(order)} parameters: {exc!r}") from exc
 
 
 # --------------------------------------------------------------------------- saving
@@ -378,7 +402,7 @@ class ShardedCheckpointWriter:
         files = {**shard_files, DCP_METADATA: sha256_file(step_dir / DCP_METADATA)}
         files |= write_side_state(step_dir, ident, scheduler=scheduler, trainer_state=trainer_state,
                                   rng_blobs=rng_blobs)
-        weights = weights_sha256(load_full_model_state(step_dir, {"recipe": ident.recipe}))
+        weights = weights_sha256(load_full_model_state(step_dir))
         commit(step_dir, ident, step=step, files=files, weights=weights, strategy="fsdp", format_version=SHARDED_FORMAT)
         with self._lock:
             self.last_committed_step = step

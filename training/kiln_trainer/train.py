@@ -554,7 +554,7 @@ class Run:
         world size wrote it; returns the world size it was written at."""
         manifest = read_manifest(step_dir)
         self._refuse_a_checkpoint_of_another_run(manifest, step_dir)
-        load_model_and_optimizer(step_dir, manifest, self.model, self.optimizer, recipe=self.recipe,
+        load_model_and_optimizer(step_dir, manifest, self.model, self.optimizer,
                                  sharded=uses_fsdp(self.recipe))
         ck = load_side_state(step_dir, manifest, rank=self.env.rank)
         self.scheduler.load_state_dict(ck.scheduler)

@@ -1,0 +1,71 @@
+"""A session's streaming loader: the packed tokens the TrainingManifest names (or rank 0 packs them),
+checked on every rank before step 1, read through ``TokenLoader`` -- global batches whose sample ids
+depend only on the seed, the shards and the step, never on the world size; each rank reads its
+contiguous ``1/W`` of each."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from kiln_trainer import errors as trainer_errors
+from kiln_trainer.checkpoint_manifest import SAMPLE_LOG_SUBDIR
+from kiln_trainer.config import Recipe
+from kiln_trainer.data import RunTokens, open_run_tokens, pack_run_tokens
+from kiln_trainer.distributed import DistEnv, broadcast_object
+from kiln_trainer.errors import STORAGE_ERRNOS, StorageError, TrainerError, os_error_text
+from kiln_trainer.loader import TokenLoader
+from kiln_trainer.training_manifest import TokensRef, TrainingManifest
+
+
+def open_loader(
+    manifest: TrainingManifest, recipe: Recipe, env: DistEnv, *, run_dir: Path, recipe_path: Path | None,
+    sample_log: bool,
+) -> tuple[RunTokens, TokenLoader]:
+    """Every rank opens and checks the same packed tokens (rank 0 packs them first if the manifest
+    names none), then reads only its part of each global batch."""
+    ref = manifest.tokens or _pack_on_rank0(manifest, recipe, env, run_dir=run_dir, recipe_path=recipe_path)
+    data = open_run_tokens(ref, recipe, run_dir=run_dir, rank=env.rank, recipe_path=recipe_path)
+    log_path = run_dir / SAMPLE_LOG_SUBDIR / f"rank-{env.rank:05d}.jsonl" if sample_log else None
+    loader = TokenLoader(
+        data.tokens,
+        global_batch_size=recipe.data.global_batch_size,
+        micro_batch_size=recipe.data.micro_batch_size,
+        rank=env.rank,
+        world_size=env.world_size,
+        seed=recipe.train.seed,
+        window_shards=recipe.data.window_shards,
+        prefetch_steps=recipe.data.prefetch_steps,
+        sample_log=log_path,
+    )
+    return data, loader
+
+
+def _pack_on_rank0(
+    manifest: TrainingManifest, recipe: Recipe, env: DistEnv, *, run_dir: Path, recipe_path: Path | None
+) -> TokensRef:
+    """Rank 0 packs the manifest's shards under the run dir (or finds them packed); the others
+    wait for the reference, or for the fault rank 0 met, which every rank then raises (exit 2)."""
+    outcome: dict[str, str] | None = None
+    if env.is_main:
+        try:
+            ref = pack_run_tokens(manifest, recipe, run_dir=run_dir, recipe_path=recipe_path)
+            outcome = {"manifest": ref.manifest, "sha256": ref.sha256}
+        except TrainerError as exc:
+            outcome = {"error": type(exc).__name__, "message": str(exc)}
+        except OSError as exc:
+            if exc.errno not in STORAGE_ERRNOS:
+                raise
+            outcome = {"error": StorageError.__name__, "message": f"packing token shards: {os_error_text(exc)}"}
+    outcome = broadcast_object(outcome, env)
+    assert outcome is not None
+    if "error" in outcome:
+        _raise_rank0_fault(outcome)
+    return TokensRef(manifest=outcome["manifest"], sha256=outcome["sha256"])
+
+
+def _raise_rank0_fault(outcome: dict[str, str]) -> None:
+    """Re-raise, on every rank, the trainer fault rank 0 met (its class, by name, from the error tree)."""
+    cls = getattr(trainer_errors, outcome["error"], TrainerError)
+    if not (isinstance(cls, type) and issubclass(cls, TrainerError)):
+        cls = TrainerError
+    raise cls(outcome["message"])
