@@ -1,6 +1,6 @@
 # syntax=docker/dockerfile:1
 # kiln's trainer image: torch + the trainer (kiln_trainer), NO Airflow. One container per node; the
-# entrypoint is torchrun running `-m kiln_trainer.train`.
+# entrypoint is torchrun running kiln's worker, `-m kiln.launchers.worker`.
 #
 # CPU build (default base):
 #   docker build -f docker/trainer.Dockerfile -t kiln-trainer:cpu .

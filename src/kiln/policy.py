@@ -87,6 +87,13 @@ class ProductionConfig:
                                        for p in PRODUCTION_RECIPES_DIR.glob("*.toml")))
             raise PolicyError(f"{self.source}: recipe {self.recipe!r} is not one of the reviewed production recipes "
                               f"under training/recipes/production/ ({shipped})")
+        from kiln_trainer.contract import RecipeError
+        from kiln_trainer.contract.entrypoint import read_recipe_trainer
+
+        try:  # the spec's syntax here; that it resolves, in the run's first task (kiln.stages.inputs)
+            read_recipe_trainer(recipe)
+        except RecipeError as exc:
+            raise PolicyError(f"{self.source}: recipe {self.recipe!r}: {exc}") from None
 
     def values(self) -> dict[str, str]:
         """What the file sets (what a model version records); the recipe only when it is not the

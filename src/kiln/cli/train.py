@@ -4,10 +4,13 @@
 agents on this host form one N-node gang over c10d rendezvous, exactly as the train stage does::
 
     kiln train --recipe tiny --manifest M.json --run-dir RUN [--nnodes N] [--nproc-per-node P] \\
-        [--set section.key=value ...] [--max-restarts R] [--max-steps S]
+        [--set section.key=value ...] [--trainer SPEC] [--max-restarts R] [--max-steps S]
 
 ``--recipe`` is a name under ``training/recipes`` (``tiny``, ``tiny.toml``, ``production/small``)
-or a path to a TOML file. Trainer output goes to stderr; stdout gets the TrainResult JSON. Re-running
+or a path to a TOML file. The recipe names its trainer (``trainer``: ``kiln``, the default, or
+``package.module:function`` of your own package); ``--trainer SPEC`` is ``--set trainer.train=SPEC``.
+A recipe or a trainer that does not resolve is refused before any agent starts (exit 2, naming it).
+Trainer output goes to stderr; stdout gets the TrainResult JSON. Re-running
 the same line resumes from the newest committed checkpoint in RUN.
 
 ``kiln evaluate`` scores one committed checkpoint on the held-out split and writes an EvalReport::
@@ -40,6 +43,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
         help="override a recipe field (repeatable)",
     )
+    t.add_argument("--trainer", default=None, metavar="SPEC",
+                   help="the train entry point: kiln (kiln's trainer) or package.module:function of your own "
+                        "package (default: the recipe's trainer)")
     t.add_argument("--max-restarts", type=non_negative_int, default=0,
                    help="torchrun whole-gang restarts on failure (default 0)")
     t.add_argument("--max-steps", type=positive_int, default=None,
@@ -82,7 +88,7 @@ def _run_key(run_dir: Path) -> str:
 def _train(args: argparse.Namespace) -> int:
     from kiln.errors import ConfigError, ManifestError
     from kiln.launchers import LaunchSpec, launch_local
-    from kiln.launchers.base import check_manifest
+    from kiln.launchers.base import check_manifest, check_recipe
 
     recipe = resolve_recipe(args.recipe)
     manifest = args.manifest.resolve()
@@ -99,9 +105,10 @@ def _train(args: argparse.Namespace) -> int:
         nodes=args.nnodes,
         nproc_per_node=args.nproc_per_node,
         max_restarts=args.max_restarts,
-        overrides=tuple(args.overrides),
+        overrides=(*args.overrides, *([f"trainer.train={json.dumps(args.trainer)}"] if args.trainer else [])),
         max_steps=args.max_steps,
     )
+    check_recipe(spec)  # the recipe and its trainer, before any agent (the launcher checks again)
     try:
         check_manifest(spec)  # the launcher checks it too; on the command line it is a usage error
     except ManifestError as exc:

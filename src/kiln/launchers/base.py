@@ -12,7 +12,8 @@ A backend turns a ``LaunchSpec`` into one gang of torchrun agents (one per node)
 again lives in the handle and in ``RUN/.launch/``, so a deferrable Airflow trigger can poll from
 another process.
 
-Fatal trainer faults: every worker runs ``kiln.launchers.worker``, which calls the trainer and, when it
+Fatal trainer faults: every worker runs ``kiln.launchers.worker``, which calls the trainer the recipe
+names (its ``trainer``: ``kiln`` or the user's entry point) and, when it
 exits 2 (a fault a retry cannot fix), drops ``RUN/.launch/fatal/rank-N.json``. Backends check for that
 marker on each poll and end the whole job at once, so neither torchrun's restarts nor Airflow's
 retries repeat a run that must fail the same way: the status is FATAL and ``result`` raises
@@ -240,14 +241,17 @@ def fatal_reason(markers: list[dict[str, Any]]) -> str:
 
 
 def check_recipe(spec: LaunchSpec) -> None:
-    """Refuse a recipe the trainer would refuse (unknown section or key, wrong type, bad ``--set``)
-    before any worker starts: ``ConfigError`` naming the recipe file and the field, not a trainer
-    fault after torchrun's start-up on every node."""
+    """Refuse a recipe the trainer would refuse (unknown section or key, wrong type, bad ``--set``),
+    and a trainer entry point that does not resolve (``kiln_trainer.contract.entrypoint``: no such
+    module, no such function, not a function of ``argv``, kiln's own source tree), before any worker
+    starts: ``ConfigError`` naming the recipe file and the field or spec, not a trainer fault after
+    torchrun's start-up on every node."""
     from kiln_trainer.config import load_recipe  # torch-free
     from kiln_trainer.contract import RecipeError
+    from kiln_trainer.contract.entrypoint import validate_trainer
 
     try:
-        load_recipe(spec.recipe, spec.overrides)
+        validate_trainer(load_recipe(spec.recipe, spec.overrides).trainer)
     except RecipeError as exc:
         raise ConfigError(f"recipe {spec.recipe}: {exc}") from exc
 

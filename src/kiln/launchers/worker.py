@@ -1,9 +1,13 @@
-"""The process torchrun starts on every rank: the trainer, plus a marker when it exits 2.
+"""The process torchrun starts on every rank: the trainer the recipe names, plus a marker when it exits 2.
 
     python -m kiln.launchers.worker --manifest M.json --recipe R.toml --run-dir RUN [...]
 
-takes exactly the trainer's arguments and runs ``kiln_trainer.train.main`` in this process (no extra
-process, so a SIGKILL of this pid is a SIGKILL of the trainer). torchrun cannot tell a diagnosed
+takes exactly the trainer's arguments, reads which trainer the recipe names (``trainer``: ``kiln``,
+kiln's ``kiln_trainer.train:main``, or the user's ``package.module:function``;
+``kiln_trainer.contract.entrypoint``) and calls that entry point with them in this process (no extra
+process, so a SIGKILL of this pid is a SIGKILL of the trainer). A spec that does not resolve is a
+fault a retry repeats: exit 2 with the marker, naming the spec (the launchers refuse it before any
+worker starts, so this is for a recipe changed in between). torchrun cannot tell a diagnosed
 fault (exit 2) from a crash and would restart both; the marker ``RUN/.launch/fatal/rank-N.json`` lets
 the launcher end the job at once and fail it without retry.
 
@@ -35,18 +39,20 @@ Workers are children of the agent (their cmdline is the agent's, which names thi
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
 import signal
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from kiln.launchers.base import FATAL_LINE
+from kiln.launchers.base import FATAL_LINE, WORKER_MODULE
 from kiln.runs import FATAL_SUBDIR, LAUNCH_SUBDIR
-from kiln_trainer.contract import EXIT_FATAL
+from kiln_trainer.contract import EXIT_FATAL, RecipeError
 
 
 class _LastError(logging.Handler):
@@ -83,18 +89,59 @@ def write_fatal_marker(run_dir: Path, rank: int, error: str) -> Path:
     return path
 
 
+def train_entrypoint(argv: list[str]) -> tuple[Callable[[list[str]], Any], str]:
+    """The train entry point the recipe in ``argv`` names (``--recipe``, its ``trainer.*`` ``--set``
+    overrides), imported, and the logger its errors are read from (its top-level package's name:
+    ``kiln_trainer`` for ``kiln``). ``EntrypointError``/``RecipeError`` naming the spec or the recipe;
+    a bad argument exits 2 (argparse)."""
+    from kiln_trainer.contract.entrypoint import (
+        KILN_TRAIN_ENTRYPOINT,
+        KILN_TRAINER,
+        load_entrypoint,
+        parse_trainer_args,
+        read_recipe_trainer,
+    )
+
+    args = parse_trainer_args(argv, prog=f"python -m {WORKER_MODULE}")
+    spec = read_recipe_trainer(args.recipe, args.overrides)
+    target = KILN_TRAIN_ENTRYPOINT if spec.train == KILN_TRAINER else spec.train
+    return load_entrypoint(spec.train), target.split(".", 1)[0].split(":", 1)[0]
+
+
+def _exit_code(returned: object) -> int:
+    """An entry point's return value as the rank's exit status: an int as it is, ``None`` as
+    ``EXIT_OK`` (as ``sys.exit(None)``), anything else a crash (1, retryable), said on stderr."""
+    if returned is None:
+        return 0
+    if isinstance(returned, int) and not isinstance(returned, bool):
+        return returned
+    print(f"[worker] the train entry point returned {returned!r}, not an exit code (int): exit 1",
+          file=sys.stderr, flush=True)
+    return 1
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["--agent"]:
         return agent_main(argv[1:])
-    from kiln_trainer.train import main as trainer_main  # torch: only in the worker process
-
     errors = _LastError()
-    logging.getLogger("kiln_trainer").addHandler(errors)
+    logger: logging.Logger | None = None
     try:
-        code = trainer_main(argv)
+        entrypoint, package = train_entrypoint(argv)  # kiln's: torch, only in the worker process
+        # Not the root logger: a handler there would keep the trainer's logging.basicConfig from
+        # installing its own, and its log would be lost.
+        logger = logging.getLogger(package)
+        logger.addHandler(errors)
+        code = _exit_code(entrypoint(argv))
     except SystemExit as exc:  # argparse: a bad argument is a fault a retry repeats (exit 2 too)
         code = exc.code if isinstance(exc.code, int) else 1
+    except RecipeError as exc:  # the recipe or its trainer spec (or a user trainer raising one): a retry repeats it
+        errors.message = f"{type(exc).__name__}: {exc}"
+        print(f"[worker] {errors.message}", file=sys.stderr, flush=True)
+        code = EXIT_FATAL
+    finally:
+        if logger is not None:
+            logger.removeHandler(errors)
     run_dir = _run_dir(argv)
     if code == EXIT_FATAL and run_dir is not None:
         rank = int(os.environ.get("RANK", "0") or 0)
@@ -177,14 +224,21 @@ def _warm_data_path(trainer_argv: list[str]) -> None:
     here, 0.04 s the second time): read one shard of the run's manifest before forking, so each
     worker pays only its own read and sha256 check (which it still does, on every start)."""
     try:
+        from kiln_trainer.contract.entrypoint import parse_trainer_args
         from kiln_trainer.contract.training_manifest import load_training_manifest
         from kiln_trainer.packed import iter_training_texts
-        from kiln_trainer.train import parse_args
 
-        manifest = load_training_manifest(parse_args(trainer_argv).manifest)
+        manifest = load_training_manifest(parse_trainer_args(trainer_argv).manifest)
         next(iter_training_texts(manifest.shards[:1]), None)
     except (Exception, SystemExit):
         pass  # a bad manifest, argument or shard is the worker's to diagnose and report (exit 2)
+
+
+def _preload_trainer(trainer_argv: list[str]) -> None:
+    """Import the recipe's train entry point once, in the agent, so every forked worker has it."""
+    # A bad spec, recipe or argument is the worker's to report (exit 2, with the marker).
+    with contextlib.suppress(Exception, SystemExit):
+        train_entrypoint(trainer_argv)
 
 
 def agent_main(argv: list[str]) -> int:
@@ -203,8 +257,7 @@ def agent_main(argv: list[str]) -> int:
     # does torch's log formatter for any traceback, e.g. the agent's report of a dead worker).
     import torch._dynamo  # noqa: F401
 
-    import kiln_trainer.train  # noqa: F401
-
+    _preload_trainer(list(args.training_script_args))
     _warm_data_path(list(args.training_script_args))
     _fast_rendezvous_polling()
     if config.min_nodes < config.max_nodes:

@@ -8,7 +8,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from kiln.errors import ConfigError
+from kiln.errors import ConfigError, PolicyError
 from kiln.policy import Policy
 from kiln.refs import SnapshotRef
 
@@ -37,10 +37,11 @@ def check_run_conf(policy: Policy, conf: dict[str, Any], allowed: set[str], para
         recipe, _nodes, overrides = train_inputs(policy, params)
         asked = {k: conf[k] for k in sorted(conf or {}) if k in TRAIN_PARAMS}
         try:
-            load_run_recipe(recipe, overrides)
+            resolved = load_run_recipe(recipe, overrides)
         except ConfigError as exc:
             raise ConfigError(f"{policy.dag_id}: run parameters {asked or 'as defaulted'} do not make a valid "
                               f"recipe: {exc}") from exc
+        check_run_trainer(policy, recipe, resolved.trainer)
 
 
 TRAIN_PARAMS = ("recipe", "nodes", "seed", "max_steps", "strategy")
@@ -72,6 +73,27 @@ def load_run_recipe(recipe: Path, overrides: list[str]):  # -> kiln_trainer.conf
         return load_recipe(recipe, overrides)
     except RecipeError as exc:
         raise ConfigError(f"recipe {recipe} with {overrides or 'no overrides'}: {exc}") from exc
+
+
+def check_run_trainer(policy: Policy, recipe: Path, trainer: Any) -> dict[str, str]:  # trainer: TrainerSpec
+    """Refuse, before any worker starts, a trainer the recipe names that does not resolve
+    (``ConfigError`` naming the recipe and the spec: no such module or function, not a function of
+    ``argv``, inside kiln's source tree), and on a pinned policy (production) one that is not kiln's
+    and not an installed distribution with a version (``PolicyError``): a production version must
+    record which release of the trainer made it. Returns the trainer's record (``trainer_record``)."""
+    from kiln_trainer.contract import RecipeError
+    from kiln_trainer.contract.entrypoint import trainer_record, validate_trainer
+
+    try:
+        validate_trainer(trainer)
+    except RecipeError as exc:
+        raise ConfigError(f"recipe {recipe}: {exc}") from exc
+    record = trainer_record(trainer)
+    if policy.pinned_inputs and not trainer.is_kiln and not (record["distribution"] and record["version"]):
+        raise PolicyError(f"policy {policy.name!r}: recipe {recipe} names trainer {trainer.train!r}, which is not "
+                          "an installed distribution with a version; production trains kiln's trainer or an "
+                          "installed release of yours (pip install it where the workers run)")
+    return record
 
 
 def run_policy(policy: Policy, params: dict[str, Any], snapshot: SnapshotRef) -> Policy:

@@ -110,12 +110,14 @@ def test_worker_marks_exit_2_and_only_exit_2(tmp_path, monkeypatch):
     from kiln.launchers import worker
 
     monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
+    recipe = Path(__file__).resolve().parents[3] / "training" / "recipes" / "tiny.toml"  # trainer = kiln
+    argv = ["--manifest", str(tmp_path / "m.json"), "--recipe", str(recipe), "--run-dir", str(tmp_path)]
     monkeypatch.setattr(trainer, "main", lambda argv: 1)
-    assert worker.main(["--run-dir", str(tmp_path)]) == 1
+    assert worker.main(argv) == 1
     assert fatal_markers(tmp_path) == []
     monkeypatch.setattr(trainer, "main", lambda argv: 2)
     monkeypatch.setenv("RANK", "1")
-    assert worker.main(["--run-dir", str(tmp_path)]) == 2
+    assert worker.main(argv) == 2
     assert [m["rank"] for m in fatal_markers(tmp_path)] == [1]
 
 
