@@ -122,6 +122,7 @@ def lineage_tags(
         TAGS["tokenizer_sha256"]: str(verified.get("tokenizer_sha256", "")),
         TAGS["tokenizer"]: str((verified.get("tokenizer") or {}).get("kind", "")),
         TAGS["token_manifest_sha256"]: str(verified.get("token_manifest_sha256", "")),
+        **trainer_tags(verified),
         TAGS["git_sha"]: _git_sha(),
         TAGS["dag_id"]: dag_id,
         TAGS["run_id"]: run_id,
@@ -143,6 +144,17 @@ def lineage_tags(
             raise ConfigError(f"lineage may not override {RUN_KEY_TAG}")
         tags[full] = str(value)
     return tags
+
+
+def trainer_tags(verified: dict[str, Any]) -> dict[str, str]:
+    """Which trainer made the weights, from the checkpoint's own record (its sealed ``trainer``):
+    ``kiln.trainer`` (``kiln`` or the entry point), ``kiln.trainer.distribution`` and
+    ``kiln.trainer.version``. A checkpoint sealed before the record existed is kiln's trainer's, of
+    a version it did not record (both empty)."""
+    record = verified.get("trainer") or {}
+    return {TAGS["trainer"]: str(record.get("spec") or "kiln"),
+            TAGS["trainer_distribution"]: str(record.get("distribution") or ""),
+            TAGS["trainer_version"]: str(record.get("version") or "")}
 
 
 def _find_or_start_run(client: MlflowClient, policy: Policy, train: TrainResult, run_key: str) -> tuple[str, bool]:

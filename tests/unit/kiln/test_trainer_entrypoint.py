@@ -158,3 +158,14 @@ def test_the_worker_refuses_a_spec_that_does_not_resolve_with_the_fatal_marker(t
     assert worker.main(argv) == EXIT_FATAL
     marker = json.loads((run_dir / LAUNCH_SUBDIR / FATAL_SUBDIR / "rank-0.json").read_text())
     assert "EntrypointError" in marker["error"] and "trainer.train = 'usertrain.train:missing'" in marker["error"]
+
+
+def test_a_model_version_records_the_trainer_its_checkpoint_names():
+    from kiln.registry.register import trainer_tags
+
+    record = {"spec": "usertrain.train:main", "distribution": "usertrain", "version": "2.0.1"}
+    assert trainer_tags({"trainer": record}) == {"kiln.trainer": "usertrain.train:main",
+                                                 "kiln.trainer.distribution": "usertrain",
+                                                 "kiln.trainer.version": "2.0.1"}
+    # sealed before checkpoints named their trainer: kiln's, of a version nobody recorded
+    assert trainer_tags({}) == {"kiln.trainer": "kiln", "kiln.trainer.distribution": "", "kiln.trainer.version": ""}
