@@ -206,11 +206,14 @@ class TrainingManifest(Ref):
          "contract": "name@version", "shards": [{"path", "sha256", "rows"}, ...],
          "eval_shards": [{"path", "sha256", "rows"}, ...], "quarantined": ["path", ...],
          "tokens": {"manifest": "<token_manifest.json path or s3:// URL>", "sha256": "<hex>"},
+         "trainer": {"spec": "kiln", "distribution": "kiln", "version": "0.1.0"},
          "sha256": "<hex>"}
 
     ``tokens`` is absent until the shards are packed (the trainer then packs them itself).
+    ``trainer`` is the trainer the run's recipe names, as ``trainer_record`` resolves it
+    (``kiln_trainer.contract.entrypoint``), absent on a manifest issued before runs named theirs.
     ``sha256`` is the sha256 of ``canonical_json`` of every other key except ``kind``; an absent
-    ``tokens`` is not in it, so a manifest without tokens keeps the hash it always had. Kind and hash
+    ``tokens`` or ``trainer`` is not in it, so a manifest without them keeps the hash it always had. Kind and hash
     rule are the trainer contract's (``kiln_trainer.contract.training_manifest_sha256``), which the
     trainer's reader calls too.
     """
@@ -222,9 +225,11 @@ class TrainingManifest(Ref):
     eval_shards: list[dict[str, Any]]
     quarantined: list[str] = field(default_factory=list)
     tokens: dict[str, str] | None = None
+    trainer: dict[str, str] | None = None
+    """The trainer the run's recipe names: ``{"spec", "distribution", "version"}`` (``trainer_record``)."""
     sha256: str = ""
 
-    _absent_when_none = frozenset({"tokens"})
+    _absent_when_none = frozenset({"tokens", "trainer"})
 
     def content_hash(self) -> str:
         return training_manifest_sha256(Ref.to_json(self))
@@ -238,6 +243,11 @@ class TrainingManifest(Ref):
         """This manifest naming its packed tokens (``None``: naming none), under its new hash."""
         tokens = None if token_manifest_sha256 is None else {"manifest": token_manifest, "sha256": token_manifest_sha256}
         unsigned = dataclasses.replace(self, tokens=tokens, sha256="")
+        return dataclasses.replace(unsigned, sha256=unsigned.content_hash())
+
+    def with_trainer(self, record: dict[str, str] | None) -> TrainingManifest:
+        """This manifest naming the trainer that is to read it (``None``: naming none), under its new hash."""
+        unsigned = dataclasses.replace(self, trainer=None if record is None else dict(record), sha256="")
         return dataclasses.replace(unsigned, sha256=unsigned.content_hash())
 
     def verify(self) -> TrainingManifest:

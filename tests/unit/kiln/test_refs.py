@@ -187,6 +187,26 @@ def test_a_manifest_kiln_writes_verifies_in_the_trainers_reader(tmp_path: Path):
         assert [s.drop_rows for s in read.shards] == [(), (0, 3)]
 
 
+def test_a_manifest_names_its_trainer_under_a_new_hash_and_older_ones_keep_theirs(tmp_path: Path):
+    from kiln_trainer.contract import TrainingManifestError
+    from kiln_trainer.contract.training_manifest import load_training_manifest
+
+    plain = _fixed_manifest()
+    record = {"spec": "my_lm.train:main", "distribution": "my-lm", "version": "1.0"}
+    named = plain.with_trainer(record).with_tokens("/data/tokens/token_manifest.json", "d" * 64)
+    assert plain.with_trainer(None).sha256 == plain.sha256 == "d650c8182129809f19460721bbacfadeada6ee531b5e03aa90955cce286ab47c"
+    assert named.sha256 not in (plain.sha256, plain.with_tokens("/data/tokens/token_manifest.json", "d" * 64).sha256)
+    read = load_training_manifest(named.write(tmp_path / "m.json"))
+    assert (read.trainer, read.sha256) == (record, named.sha256)
+    assert TrainingManifest.read(tmp_path / "m.json") == named
+    assert load_training_manifest(plain.write(tmp_path / "old.json")).trainer is None  # issued before: readable
+    wire = {**named.to_json(), "trainer": {"spec": "my_lm.train:main"}}
+    wire["sha256"] = TrainingManifest.from_json(wire).content_hash()
+    (tmp_path / "bad.json").write_text(json.dumps(wire))
+    with pytest.raises(TrainingManifestError, match="'trainer' must be an object of strings"):
+        load_training_manifest(tmp_path / "bad.json")
+
+
 def test_a_manifest_written_by_the_contracts_rule_verifies_in_kilns_reader(tmp_path: Path):
     from kiln_trainer.contract import TRAINING_MANIFEST_KIND, atomic_write_bytes, training_manifest_sha256
 

@@ -10,6 +10,13 @@ Optional ``tokens``: the packed token shards the tokenize stage made of those sh
 part of the content hash like every other field. Without it the trainer packs the listed shards
 itself (``kiln_trainer.data``).
 
+Optional ``trainer``: the trainer the run's recipe names, as kiln resolved it
+(``kiln_trainer.contract.entrypoint.trainer_record``)::
+
+    "trainer": {"spec": "kiln" | "package.module:function", "distribution": "...", "version": "..."}
+
+part of the content hash when present; a manifest issued before it existed keeps its hash.
+
 Part of the trainer contract, standard library only (no torch): kiln reads a manifest with it (the
 launchers check one before any worker starts) and the trainer parses the same way on every rank.
 """
@@ -61,6 +68,8 @@ class TrainingManifest:
     quarantined: tuple[str, ...] = field(default=())
     tokens: TokensRef | None = None
     """The packed token shards of ``shards``, when the tokenize stage made them."""
+    trainer: dict[str, str] | None = None
+    """The trainer the run's recipe names (``trainer_record``), when kiln recorded it."""
     sha256: str
     path: str = ""
     """Where it was read from (not part of the content)."""
@@ -110,6 +119,16 @@ def _tokens_ref(raw: Any, where: str) -> TokensRef | None:
     return TokensRef(manifest=location, sha256=digest)
 
 
+def _trainer_record(raw: Any, where: str) -> dict[str, str] | None:
+    if raw is None:
+        return None
+    if not (isinstance(raw, dict) and {"spec", "distribution", "version"} <= set(raw)
+            and all(isinstance(k, str) and isinstance(v, str) for k, v in raw.items())):
+        raise TrainingManifestError(f"{where}: 'trainer' must be an object of strings with 'spec', 'distribution' "
+                                    f"and 'version', got {raw!r:.120}")
+    return dict(raw)
+
+
 def load_training_manifest(path: str | Path) -> TrainingManifest:
     """Read a TrainingManifest JSON and check its content hash; raise TrainingManifestError otherwise."""
     where = str(path)
@@ -145,6 +164,7 @@ def load_training_manifest(path: str | Path) -> TrainingManifest:
         eval_shards=eval_shards,
         quarantined=tuple(quarantined),
         tokens=_tokens_ref(data.get("tokens"), where),
+        trainer=_trainer_record(data.get("trainer"), where),
         sha256=actual,
         path=str(Path(path).resolve()),
     )
