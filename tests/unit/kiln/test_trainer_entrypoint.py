@@ -169,3 +169,18 @@ def test_a_model_version_records_the_trainer_its_checkpoint_names():
                                                  "kiln.trainer.version": "2.0.1"}
     # sealed before checkpoints named their trainer: kiln's, of a version nobody recorded
     assert trainer_tags({}) == {"kiln.trainer": "kiln", "kiln.trainer.distribution": "", "kiln.trainer.version": ""}
+
+
+def test_the_sandbox_forms_recipe_with_a_bad_trainer_fails_the_runs_first_task(tmp_path, user_trainer):
+    import dataclasses
+
+    from kiln.stages.inputs import check_run_conf
+
+    policy = dataclasses.replace(SANDBOX, recipes_dir=tmp_path)  # the form offers the recipes under it
+    recipe = recipe_naming(tmp_path, "usertrain.train:missing")
+    params = {"recipe": str(recipe), "max_steps": 4}
+    with pytest.raises(ConfigError, match="trainer.train = 'usertrain.train:missing'") as caught:
+        check_run_conf(policy, params, {"recipe", "max_steps"}, params)
+    assert not caught.value.retryable
+    recipe_naming(tmp_path, "usertrain.train:main")  # the same recipe file, naming a trainer that resolves
+    check_run_conf(policy, params, {"recipe", "max_steps"}, params)

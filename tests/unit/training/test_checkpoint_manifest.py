@@ -223,3 +223,26 @@ def test_ranks_verifying_together_each_hash_a_share_and_the_damage_is_found_by_i
     for rank in (0, 1):
         with pytest.raises(CheckpointError, match="'rng-rank00000.pt' listed in the manifest is missing"):
             verify_checkpoint(committed, share=(rank, 2))
+
+
+def test_a_checkpoint_records_the_trainer_and_one_sealed_before_the_record_still_verifies(committed: Path) -> None:
+    import hashlib
+    import importlib.metadata
+
+    from kiln_trainer.contract import canonical_json
+
+    manifest = verify_checkpoint(committed)
+    assert manifest["trainer"] == {"spec": "kiln", "distribution": "kiln", "version": importlib.metadata.version("kiln")}
+    path = committed / "manifest.json"
+    older = {k: v for k, v in manifest.items() if k not in ("trainer", "seal_sha256")}  # as sealed before the record
+    path.write_text(json.dumps({**older, "seal_sha256": hashlib.sha256(canonical_json(older)).hexdigest()}))
+    assert "trainer" not in verify_checkpoint(committed)
+    claimed = {**manifest, "trainer": {**manifest["trainer"], "version": "9.9"}}  # edited after sealing
+    path.write_text(json.dumps(claimed))
+    with pytest.raises(CheckpointError, match="seal mismatch"):
+        verify_checkpoint(committed)
+    path.write_text(json.dumps(seal({**manifest, "trainer": "kiln"})))
+    with pytest.raises(CheckpointError, match="field 'trainer' must be an object"):
+        verify_checkpoint(committed)
+    user = {**older, "recipe": {**older["recipe"], "trainer": "my_lm.train:main"}}
+    assert seal(user)["trainer"] == {"spec": "my_lm.train:main", "distribution": "", "version": ""}
