@@ -89,7 +89,9 @@ def _params(policy: Policy) -> dict[str, Param]:
     choices = form_choices(policy.corpus)
     return {
         "recipe": Param(policy.default_recipe, type="string", enum=_recipe_choices(policy), title="Recipe",
-                        description="Training recipe under training/recipes/."),
+                        description="Training recipe under training/recipes/. It names its trainer (kiln's, "
+                                    "or an entry point of your installed package); one that does not resolve "
+                                    "fails the run's first task."),
         "nodes": Param(policy.nodes, type="integer", minimum=1, maximum=2, title="Nodes",
                        description="torchrun agents forming one job (1 process each on the local launcher)."),
         "max_steps": Param(None, type=["null", "integer"], minimum=1, maximum=5000, title="Max steps",
