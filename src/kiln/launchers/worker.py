@@ -100,12 +100,17 @@ def train_entrypoint(argv: list[str]) -> tuple[Callable[[list[str]], Any], str]:
         load_entrypoint,
         parse_trainer_args,
         read_recipe_trainer,
+        trainer_record,
     )
 
     args = parse_trainer_args(argv, prog=f"python -m {WORKER_MODULE}")
     spec = read_recipe_trainer(args.recipe, args.overrides)
     target = KILN_TRAIN_ENTRYPOINT if spec.train == KILN_TRAINER else spec.train
-    return load_entrypoint(spec.train), target.split(".", 1)[0].split(":", 1)[0]
+    function = load_entrypoint(spec.train)
+    # The record every checkpoint's seal adds: its distribution lookup (a scan of the installed
+    # distributions, ~0.3 s) happens here, at start-up (in the agent, before forking), not at the first save.
+    trainer_record(spec)
+    return function, target.split(".", 1)[0].split(":", 1)[0]
 
 
 def _exit_code(returned: object) -> int:
