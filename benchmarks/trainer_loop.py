@@ -79,23 +79,30 @@ def _build_manifest(root: Path, limit_bytes: int = 600_000) -> Path:
 
 
 def _kiln_run(manifest: Path, run_dir: Path, overrides: list[str]) -> dict[str, float]:
-    from kiln_trainer.train import Run
+    from kiln_trainer import sdk
+    from kiln_trainer.train import train
 
-    run = Run(argparse.Namespace(manifest=manifest, recipe=RECIPE, run_dir=run_dir, overrides=overrides, max_steps=None,
-                                 sample_log=False))
+    class LoopClock(sdk.StepHook):
+        """The loop's start (wall, loop-thread CPU, process CPU), taken after the resume."""
+
+        def on_start(self, session: sdk.Session) -> None:
+            self.t0, self.cpu0, self.proc0 = time.perf_counter(), time.thread_time(), time.process_time()
+
+    clock = LoopClock()
+    args = argparse.Namespace(manifest=manifest, recipe=RECIPE, run_dir=run_dir, overrides=overrides, max_steps=None,
+                              sample_log=False)
+    session = sdk.start(args, hooks=[*sdk.default_hooks(), clock])
     try:
-        run.resume_or_start()
-        cpu0, proc0 = time.thread_time(), time.process_time()
-        summary = run.train()
-        cpu_s, proc_s = time.thread_time() - cpu0, time.process_time() - proc0
-        assert run.writer is not None
-        blocking_s = run.writer.total_blocking_s
-        run.finish(summary)
+        train(session)
+        loop_s = time.perf_counter() - clock.t0
+        cpu_s, proc_s = time.thread_time() - clock.cpu0, time.process_time() - clock.proc0
+        blocking_s = session.checkpoints.blocking_s
+        session.finish()
     finally:
-        run.close()
+        session.close()
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     fracs = [r["data_wait_frac"] for r in records if "data_wait_frac" in r]
-    return {"loop_s": summary["loop_s"], "blocking_s": blocking_s, "data_wait_frac": statistics.fmean(fracs),
+    return {"loop_s": loop_s, "blocking_s": blocking_s, "data_wait_frac": statistics.fmean(fracs),
             "cpu_s": cpu_s, "process_cpu_s": proc_s}
 
 

@@ -46,9 +46,9 @@ import sys
 from collections.abc import Callable, Sequence
 
 from kiln_trainer.contract import EXIT_FATAL, EXIT_OK, EXIT_RETRYABLE
+from kiln_trainer.contract.entrypoint import trainer_arg_parser
 from kiln_trainer.distributed import env_int
 from kiln_trainer.errors import STORAGE_ERRNOS, TrainerError, os_error_text
-from kiln_trainer.sdk.arguments import argument_parser
 from kiln_trainer.sdk.hooks import StepHook, StepStats, default_hooks
 from kiln_trainer.sdk.session import Session
 
@@ -58,8 +58,8 @@ log = logging.getLogger("kiln_trainer.train")
 
 
 def parse_args(argv: Sequence[str] | None = None, *, prog: str = "trainer", description: str | None = None) -> argparse.Namespace:
-    """The arguments kiln hands every rank (``sdk.arguments``)."""
-    return argument_parser(prog, description or "").parse_args(None if argv is None else list(argv))
+    """The arguments kiln hands every rank (``contract.entrypoint.trainer_arg_parser``)."""
+    return trainer_arg_parser(prog, description).parse_args(None if argv is None else list(argv))
 
 
 def start(args: argparse.Namespace, *, hooks: list[StepHook] | None = None) -> Session:

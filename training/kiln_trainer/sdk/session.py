@@ -12,6 +12,7 @@ frame each step; ``finish`` writes ``result.json``; ``close`` releases everythin
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import math
 import time
@@ -74,6 +75,15 @@ class Session:
 
         self.env: DistEnv = init_distributed(self.recipe)
         self.marks["dist_init"] = time.time()
+        try:
+            self._open(manifest_path, recipe_path, max_steps=max_steps, sample_log=sample_log)
+        except BaseException:
+            with contextlib.suppress(Exception):  # the first error is the one to report
+                self.close()
+            raise
+
+    def _open(self, manifest_path: Path, recipe_path: Path, *, max_steps: int | None, sample_log: bool) -> None:
+        """Everything after the process group: threads, nodes, the loader, rank 0's metrics, the seed."""
         self.threads = set_threads(self.env)
         self.nodes = gather_node_names(self.env)
         if self.env.device.type == "cuda":
