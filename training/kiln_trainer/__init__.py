@@ -6,6 +6,7 @@ Modules (one concern each)::
                          manifest hash, result, exit codes, the ranks' environment, the straggler rule; and
       .training_manifest   TrainingManifest parsing and its content-hash check
       .checkpoint_manifest the commit protocol of both checkpoint formats: ``seal``, ``verify_checkpoint``, ``latest_committed``
+      .entrypoint          which trainer a recipe names, the argv every rank gets, loading and checking an entry point
     errors               the trainer's exception tree (standard library only; no name shared with kiln.errors)
     config               recipe dataclasses, TOML loading, ``--set`` overrides, recipe hash
     training_manifest    ``contract.training_manifest`` under its former name
@@ -26,10 +27,16 @@ Modules (one concern each)::
     timing               in-step marks, the DDP gradient-ready hook, the start-up profile, peak FLOP/s and MFU
     stragglers           torch-free straggler monitor: a rank slower than the others' median for K windows
     faults               chaos-test fault hooks (loss spike, slow rank or node), off unless their variable is set
-    train                the torchrun entry point: config, distributed init, data, model, optimizer, loop
+    sdk                  the trainer SDK: a ``Session`` keeps every guarantee around any torch model (start,
+                         loader, ``wrap`` in the strategy, resume and save, ``report``, ``finish``); ``sdk.run``
+                         is an entry point's ``main`` (exit codes, teardown)
+      .hooks               ``StepHook`` and kiln's hooks, one module each: faults, guard, startup, stragglers, interval_log
+    train                kiln's torchrun entry point on the SDK: the GPT, its optimizer, the loop
     evaluate             bits per byte of a committed checkpoint on the eval split, with its own tokenizer
-    export               log a committed checkpoint as an MLflow text model (pyfunc: prompts in, text out)
-    serving              that model: weights, model shape and tokenizer behind ``predict(prompts) -> texts``
+    hf                   a committed checkpoint as a Hugging Face folder (GPT2LMHeadModel, safetensors, tokenizer files)
+    export               log a committed checkpoint as an MLflow text model (pyfunc as code, the Hugging Face folder)
+    serving              that model: ``transformers`` over the folder behind ``predict(prompts) -> texts``
+    mlflow_model         the file MLflow logs as the version's model code (models from code: no pickle)
 
 This package never imports Airflow or the ``kiln`` orchestration library. The orchestration side
 imports ``contract`` (and a few listed exceptions, ``tests/unit/kiln/test_layout.py``). Importing the

@@ -3,9 +3,9 @@
 ``generate_ids(ids) -> ids`` samples token ids (encode and decode with the checkpoint's
 ``tokenizer.json``, ``kiln_trainer.tokenizer.load_tokenizer``). For the byte tokenizer ``generate``
 takes ``bytes`` (or ``str``, encoded as UTF-8) and returns ``bytes``: ids are byte values and the
-EOS id (256) is never sampled. The module keeps its ``ModelConfig`` as a plain dict attribute so
-that a pickled module (the MLflow model format, see ``export``) rebuilds without the recipe
-machinery.
+EOS id (256) is never sampled. The module keeps its ``ModelConfig`` as a plain dict attribute
+(``config``), which ``kiln_trainer.hf`` maps onto a ``GPT2Config``: a registered version carries the
+weights as a Hugging Face folder of safetensors (docs/registry.md), never a pickled module.
 """
 
 from __future__ import annotations
