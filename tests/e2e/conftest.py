@@ -44,6 +44,18 @@ def stack(tmp_path_factory) -> Iterator[dict[str, str]]:
 
 
 @pytest.fixture(scope="package")
+def deployed_production():
+    """The production policy as the stack's processes build it (from ``PRODUCTION_CONFIG``), for a
+    test that runs production's stages in-process: the versions it registers record the deployment's
+    config, as the stack's do (``kiln.policy`` in this process read the shipped one at import)."""
+    from kiln.policy import PRODUCTION, build_production_policy, load_production_config
+
+    policy = build_production_policy(load_production_config(PRODUCTION_CONFIG))
+    assert policy.config is not None and policy.config.values() != PRODUCTION.config.values()  # type: ignore[union-attr]
+    return policy
+
+
+@pytest.fixture(scope="package")
 def admin(stack):
     from kiln.stack import embedded as kiln_stack
     from kiln.stack.airflow_client import AirflowClient

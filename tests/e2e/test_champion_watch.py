@@ -44,7 +44,7 @@ def _trained_and_promoted(policy, corpus: str, key: str, steps: int) -> dict:
     return {**promoted.to_json(), "bits_per_byte": evaluation.bits_per_byte}
 
 
-def test_stale_champion_is_rolled_back_after_approval(stack, login, tmp_path):
+def test_stale_champion_is_rolled_back_after_approval(stack, login, tmp_path, deployed_production):
     import mlflow
 
     from kiln import settings as kiln_settings
@@ -61,7 +61,9 @@ def test_stale_champion_is_rolled_back_after_approval(stack, login, tmp_path):
     # Production's target model and gate; a tiny recipe on one node so that setup stays short.
     # The gate is opened for the setup only: other e2e tests may already have promoted a better
     # production champion on this shared stack, and the setup must install its own two versions.
-    setup = dataclasses.replace(PRODUCTION, recipes_dir=RECIPES_DIR, default_recipe="tiny.toml", nodes=1,
+    # The deployment's policy (its reviewed config, as the stack's tasks read it), so that these
+    # versions record the same config as the production runs of the other tests on this stack.
+    setup = dataclasses.replace(deployed_production, recipes_dir=RECIPES_DIR, default_recipe="tiny.toml", nodes=1,
                                 max_restarts=0, pinned_inputs=False,
                                 gate=GatePolicy(max_bits_per_byte=PRODUCTION.gate.max_bits_per_byte, max_regression=100.0))
     previous = _trained_and_promoted(setup, PRODUCTION.corpus, "e2e_watch_setup/previous", steps=30)
