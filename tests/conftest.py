@@ -5,7 +5,6 @@ Set before anything imports airflow or kiln.settings reads the environment.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import sys
 import tempfile
@@ -57,27 +56,6 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log):
 
     config.option.loadscopereorder = False  # the stack first (the longest unit), as the workers order it
     return OneStackAtATime(config, log)
-
-
-NICE_BESIDE_THE_STACK = 10
-"""Niceness of an xdist worker that runs no stack test. The stack's tests spend most of their time
-waiting on Airflow, but when a task starts (a new Python process) or a production run trains, they
-need the CPU at once, and beside an equal-priority CPU-bound worker each of them ran 20-35 % slower
-(docs/testing.md): the stack worker is the critical path of ``make test``. Niced, the other worker
-(and every process it starts: torchrun groups, Slurm daemons, MLflow servers) takes the CPU the
-stack leaves idle, and yields it when the stack wants it. What a test checks does not change."""
-
-
-def pytest_runtest_setup(item: pytest.Item) -> None:
-    if not os.environ.get("PYTEST_XDIST_WORKER"):
-        return  # one process: nothing beside it to yield to
-    niced = os.getpriority(os.PRIO_PROCESS, 0) >= NICE_BESIDE_THE_STACK
-    if xdist_group_of(item.nodeid) != "stack" and not niced:
-        os.setpriority(os.PRIO_PROCESS, 0, NICE_BESIDE_THE_STACK)
-    elif xdist_group_of(item.nodeid) == "stack" and niced:
-        # The stack is the first unit a worker gets, so this is not expected; only root may undo it.
-        with contextlib.suppress(PermissionError):
-            os.setpriority(os.PRIO_PROCESS, 0, 0)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
