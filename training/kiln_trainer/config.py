@@ -43,7 +43,6 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -54,6 +53,7 @@ from kiln_trainer.contract.entrypoint import (
     TrainerSpec,
     apply_trainer_overrides,
     parse_override,
+    read_recipe_toml,
     trainer_from_recipe_data,
 )
 from kiln_trainer.errors import RecipeError, TokenizerError
@@ -609,13 +609,7 @@ def load_recipe(path: str | Path | None, overrides: list[str] | tuple[str, ...] 
     ``model.vocab_size`` follows it like the other kinds."""
     data: dict[str, dict[str, Any]] = {}
     if path is not None:
-        try:
-            with open(path, "rb") as fh:
-                data = tomllib.load(fh)
-        except FileNotFoundError as exc:
-            raise RecipeError(f"recipe file {path} not found") from exc
-        except tomllib.TOMLDecodeError as exc:
-            raise RecipeError(f"recipe file {path}: invalid TOML: {exc}") from exc
+        data = read_recipe_toml(path)
     apply_trainer_overrides(data, overrides)
     for text in overrides:
         section, key, value = parse_override(text)

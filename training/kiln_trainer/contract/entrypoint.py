@@ -57,6 +57,7 @@ __all__ = [
     "parse_override",
     "parse_trainer",
     "parse_trainer_args",
+    "read_recipe_toml",
     "read_recipe_trainer",
     "trainer_arg_parser",
     "trainer_from_recipe_data",
@@ -253,18 +254,24 @@ def apply_trainer_overrides(data: dict[str, Any], overrides: Sequence[str]) -> N
         data[RECIPE_TRAINER_KEY] = table
 
 
-def read_recipe_trainer(path: str | Path, overrides: Sequence[str] = ()) -> TrainerSpec:
-    """The trainer a recipe file names, with its ``trainer.*`` overrides: what ``load_recipe``
-    resolves, read without the rest of the recipe's schema (kiln's worker reads it on every rank)."""
+def read_recipe_toml(path: str | Path) -> dict[str, Any]:
+    """A recipe file's TOML table; ``RecipeError`` naming the file when it is missing, unreadable
+    or not TOML (``load_recipe`` and ``read_recipe_trainer`` both read recipes through it)."""
     try:
         with open(path, "rb") as fh:
-            data = tomllib.load(fh)
+            return tomllib.load(fh)
     except FileNotFoundError as exc:
         raise RecipeError(f"recipe file {path} not found") from exc
     except tomllib.TOMLDecodeError as exc:
         raise RecipeError(f"recipe file {path}: invalid TOML: {exc}") from exc
     except OSError as exc:
         raise RecipeError(f"recipe file {path}: {exc.strerror or exc}") from exc
+
+
+def read_recipe_trainer(path: str | Path, overrides: Sequence[str] = ()) -> TrainerSpec:
+    """The trainer a recipe file names, with its ``trainer.*`` overrides: what ``load_recipe``
+    resolves, read without the rest of the recipe's schema (kiln's worker reads it on every rank)."""
+    data = read_recipe_toml(path)
     apply_trainer_overrides(data, overrides)
     try:
         return trainer_from_recipe_data(data)
