@@ -32,6 +32,8 @@ the EOS token as bytes, as kiln does). ``test_hf`` holds that both give kiln's i
 
 from __future__ import annotations
 
+import contextlib
+import importlib.metadata
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -139,30 +141,47 @@ def _kiln_names(model_config: Mapping[str, Any]) -> set[str]:
 
 
 def gpt2_config(model_config: Mapping[str, Any], tokenizer: Tokenizer, dtype: str = "float32") -> dict[str, Any]:
-    """``config.json``: the ``GPT2Config`` that computes what kiln's GPT of ``model_config`` does."""
-    from transformers import GPT2Config
-
+    """``config.json``: the ``GPT2Config`` that computes what kiln's GPT of ``model_config`` does, as
+    ``GPT2Config(...).to_dict()`` writes it. Built here rather than by ``transformers``: importing
+    it takes seconds, and every registration writes this file in a fresh task process.
+    ``test_hf`` holds that this is ``GPT2Config``'s own dictionary for the pinned ``transformers``."""
     n_embd = int(model_config["n_embd"])
-    config = GPT2Config(
-        vocab_size=int(model_config["vocab_size"]),
-        n_positions=int(model_config["block_size"]),
-        n_embd=n_embd,
-        n_layer=int(model_config["n_layer"]),
-        n_head=int(model_config["n_head"]),
-        n_inner=4 * n_embd,
-        activation_function="gelu",  # nn.GELU(): the exact erf form, not GPT-2's tanh approximation
-        layer_norm_epsilon=1e-5,  # nn.LayerNorm's default
+    dropout = float(model_config["dropout"])
+    config: dict[str, Any] = {
+        **_GPT2_DEFAULTS,
+        "vocab_size": int(model_config["vocab_size"]),
+        "n_positions": int(model_config["block_size"]),
+        "n_embd": n_embd,
+        "n_layer": int(model_config["n_layer"]),
+        "n_head": int(model_config["n_head"]),
+        "n_inner": 4 * n_embd,
+        "activation_function": "gelu",  # nn.GELU(): the exact erf form, not GPT-2's tanh approximation
+        "layer_norm_epsilon": 1e-5,  # nn.LayerNorm's default
         # kiln trains with model.dropout; what is served and fine-tuned from here starts with the same
-        resid_pdrop=float(model_config["dropout"]),
-        embd_pdrop=float(model_config["dropout"]),
-        attn_pdrop=float(model_config["dropout"]),
-        bos_token_id=tokenizer.eos_id,  # a document starts after an EOS: kiln has no other BOS
-        eos_token_id=tokenizer.eos_id,
-        tie_word_embeddings=True,
-        architectures=["GPT2LMHeadModel"],
-        dtype=dtype,
-    )
-    return config.to_dict()
+        "resid_pdrop": dropout,
+        "embd_pdrop": dropout,
+        "attn_pdrop": dropout,
+        "bos_token_id": tokenizer.eos_id,  # a document starts after an EOS: kiln has no other BOS
+        "eos_token_id": tokenizer.eos_id,
+        "tie_word_embeddings": True,
+        "architectures": ["GPT2LMHeadModel"],
+        "dtype": dtype,
+    }
+    with contextlib.suppress(importlib.metadata.PackageNotFoundError):
+        config["transformers_version"] = importlib.metadata.version("transformers")
+    return config
+
+
+_GPT2_DEFAULTS: dict[str, Any] = {
+    "_name_or_path": "", "add_cross_attention": False, "chunk_size_feed_forward": 0,
+    "id2label": {"0": "LABEL_0", "1": "LABEL_1"}, "initializer_range": 0.02, "is_encoder_decoder": False,
+    "label2id": {"LABEL_0": 0, "LABEL_1": 1}, "model_type": "gpt2", "output_attentions": False,
+    "output_hidden_states": False, "pad_token_id": None, "problem_type": None, "reorder_and_upcast_attn": False,
+    "return_dict": True, "scale_attn_by_inverse_layer_idx": False, "scale_attn_weights": True,
+    "summary_activation": None, "summary_first_dropout": 0.1, "summary_proj_to_labels": True,
+    "summary_type": "cls_index", "summary_use_proj": True, "use_cache": True,
+}
+"""The rest of ``GPT2Config().to_dict()`` (transformers 5.25): its defaults, which kiln's GPT does not change."""
 
 
 def generation_config(tokenizer: Tokenizer) -> dict[str, Any]:

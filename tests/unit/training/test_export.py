@@ -42,8 +42,16 @@ def test_log_model_then_pyfunc_predict_turns_prompts_into_text(tmp_path: Path, m
         experiment = mlflow.create_experiment("kiln-export", artifact_location=str(tmp_path / "artifacts"))
         with pytest.raises(TrainerError, match="active MLflow run"):
             log_model(step_dir)
+
+        # Logging does not load the model back to predict its input example (a third of every
+        # registration); this test loads and predicts below instead.
+        # (Model.log only warns when that check raises: the calls are counted, not refused.)
+        serving_checks: list[object] = []
+        monkeypatch.setattr(mlflow.models.utils, "_validate_serving_input",
+                            lambda **kwargs: serving_checks.append(kwargs))
         with mlflow.start_run(experiment_id=experiment):
             uri = log_model(step_dir)
+        assert serving_checks == [], "log_model loaded the model to validate its serving input"
 
         model = mlflow.pyfunc.load_model(uri)
         texts = model.predict(["def main(", ""], params={"max_new_tokens": 16})
@@ -56,12 +64,17 @@ def test_log_model_then_pyfunc_predict_turns_prompts_into_text(tmp_path: Path, m
 
         info = mlflow.models.get_model_info(uri)
         assert [c["type"] for c in info.signature.inputs.to_dict()] == ["string"]
+        assert info.flavors["python_function"]["loader_module"] == "mlflow.pyfunc.loaders.code_model"
+
         assert info.metadata["kiln.weights_sha256"] == checkpoint_manifest["weights_sha256"]
         # the tokenizer's vocabulary (the model's rows when the recipe follows it, as for the byte tokenizer)
         assert info.metadata["kiln.vocab_size"] == (
             bpe.vocab_size if tokenizer_kind == "bpe" else checkpoint_manifest["recipe"]["model"]["vocab_size"])
         local = Path(mlflow.artifacts.download_artifacts(uri, dst_path=str(tmp_path / "dl")))
         assert json.loads((local / "artifacts" / "recipe.json").read_text()) == checkpoint_manifest["recipe"]
+        example = json.loads((local / "serving_input_example.json").read_text())
+        assert model.predict(example["inputs"], params=example["params"]) == model.predict(
+            ["def main("], params={"max_new_tokens": 8}), "the saved serving example is the one logged, and serves"
         # No pickle anywhere: the model is logged as code, the weights are safetensors.
         assert not [p for p in local.rglob("*") if p.suffix in (".pkl", ".pt", ".bin", ".pth")]
         assert "model_code_path" in (local / "MLmodel").read_text()

@@ -53,6 +53,28 @@ def _logits_gap(kiln_model: Any, hf_model: Any) -> float:
     return float((ours - theirs).abs().max())
 
 
+@pytest.mark.parametrize(("eos_id", "dropout", "dtype"), [(256, 0.0, "float32"), (0, 0.1, "bfloat16")])
+def test_config_json_is_gpt2configs_own_dictionary(eos_id: int, dropout: float, dtype: str) -> None:
+    """kiln writes config.json without importing transformers (seconds in every registration task);
+    this holds it to what GPT2Config itself writes for the pinned transformers, key for key."""
+    import importlib.metadata
+
+    from transformers import GPT2Config
+
+    from kiln_trainer.hf import gpt2_config
+    from kiln_trainer.tokenizer import ByteTokenizer
+
+    model = {"vocab_size": 300, "block_size": 32, "n_embd": 16, "n_layer": 2, "n_head": 2, "dropout": dropout}
+    ours = gpt2_config(model, ByteTokenizer(eos_id=eos_id), dtype)
+    theirs = GPT2Config(vocab_size=300, n_positions=32, n_embd=16, n_layer=2, n_head=2, n_inner=64,
+                        activation_function="gelu", layer_norm_epsilon=1e-5, resid_pdrop=dropout, embd_pdrop=dropout,
+                        attn_pdrop=dropout, bos_token_id=eos_id, eos_token_id=eos_id, tie_word_embeddings=True,
+                        architectures=["GPT2LMHeadModel"], dtype=dtype).to_dict()
+    assert json.loads(json.dumps(ours)) == json.loads(json.dumps(theirs)), "config.json's content"
+    assert ours["transformers_version"] == importlib.metadata.version("transformers")
+    assert GPT2Config.from_dict(ours).to_dict() == theirs
+
+
 @pytest.mark.parametrize("bias", [False, True], ids=["bias-false", "bias-true"])
 def test_gpt2lmheadmodel_from_the_folder_gives_kilns_logits(tmp_path: Path, bias: bool) -> None:
     from transformers import AutoModelForCausalLM, GPT2LMHeadModel
