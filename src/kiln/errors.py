@@ -10,6 +10,8 @@
     │   ├── DataGateError          quarantined share above the policy threshold (no retry)
     │   └── PatternNotLinear       a contract's regex that RE2 cannot run with Python's meaning (also a ValueError)
     ├── ManifestError              TrainingManifest / checkpoint manifest missing, tampered, partial
+    │   └── ProvenanceError        a signed artifact whose signature, statement or bytes do not verify, or a
+    │                              signing key that is missing, unreadable or trusted by two policies (no retry)
     ├── LaunchError                the training job could not start or ended in failure
     │   └── TrainingFaultError     the trainer diagnosed a fault a retry cannot fix (exit 2)
     ├── RegistryError              MLflow registration / alias move failed
@@ -64,6 +66,14 @@ class PatternNotLinear(ContractError, ValueError):
 
 
 class ManifestError(KilnError):
+    retryable = False
+
+
+class ProvenanceError(ManifestError):
+    """A model artifact's signature (``model.sig``), its signed provenance statement or its bytes do not
+    verify for the policy asked, or the policy's keys are unusable: the message names the file, signature or
+    key at fault. A retry finds the same bytes."""
+
     retryable = False
 
 

@@ -31,6 +31,7 @@ SUBCOMMAND_MODULES = (
     "kiln.cli.contract",
     "kiln.cli.registry",
     "kiln.cli.export",
+    "kiln.cli.verify",
     "kiln.cli.audit",
     "kiln.cli.stack",
     "kiln.cli.demo",

@@ -1,0 +1,437 @@
+"""kiln's provenance statement for a model artifact: an in-toto Statement v1 whose predicate is SLSA
+Provenance v1 (https://slsa.dev/provenance/v1).
+
+The statement's ``subject`` is every file of the artifact directory (its path relative to the
+directory, ``/``-separated, sorted) with its sha256, except the two signature files kiln writes beside
+them (``model.sig`` and ``provenance.dsse.json``, ``SIGNATURE_FILES``). The predicate says how the
+files were made, from what, by whom::
+
+    buildDefinition.buildType             BUILD_TYPE
+    buildDefinition.externalParameters    the resolved recipe, seed, world size, strategy, steps
+    buildDefinition.internalParameters    the policy, the Airflow DAG id and run id, the launcher and its nodes
+    buildDefinition.resolvedDependencies  one ResourceDescriptor ({"name", "uri", "digest"}) per input:
+                                          snapshot, contract, quarantine report, training manifest,
+                                          tokenizer, token manifest, kiln's code, the trainer, torch,
+                                          Python, platform
+    runDetails.builder                    {"id": "urn:kiln:builder:<policy>", "version": {"kiln": ...}}
+    runDetails.metadata                   invocationId (the run key), startedOn, finishedOn
+    runDetails.byproducts                 checkpoint manifest, evaluation report, gate decision, approval
+
+``statement_bytes`` is the canonical JSON of it (sorted keys, no spaces, UTF-8: the one kiln hashes
+manifests with), so the same inputs and the same files give the same bytes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.metadata
+import os
+import platform
+import re
+import stat
+import sys
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from kiln.errors import ConfigError, ProvenanceError
+from kiln_trainer.contract import canonical_json
+
+STATEMENT_TYPE = "https://in-toto.io/Statement/v1"
+PREDICATE_TYPE = "https://slsa.dev/provenance/v1"
+BUILD_TYPE = "urn:kiln:build-type:train-and-register:v1"
+"""What the build is: a training run of kiln's pipeline (snapshot, contract, tokenize, torchrun
+training, evaluation, gate) whose committed checkpoint is registered as a model."""
+MODEL_SIGNATURE_FILE = "model.sig"
+"""model-signing's Sigstore bundle over every file of the directory but itself."""
+PROVENANCE_FILE = "provenance.dsse.json"
+"""kiln's statement as one DSSE envelope (JSON), signed with the policy's key."""
+SIGNATURE_FILES = (MODEL_SIGNATURE_FILE, PROVENANCE_FILE)
+"""Files of an artifact directory that are not subjects of its statement (they sign them)."""
+CODE_SUFFIXES = frozenset({".py", ".json", ".md", ".toml"})
+"""What counts as kiln's code in ``code_sha256``: its modules and the package data a wheel ships
+(pyproject's ``package-data``: contracts, recipes, config, DAG and plugin files), never bytecode."""
+
+_HEX64 = re.compile(r"[0-9a-f]{64}")
+
+
+# ------------------------------------------------------------------------------ inputs
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class TrainerIdentity:
+    """The trainer that made the weights, as the checkpoint records it (``kiln_trainer.contract.entrypoint
+    .trainer_record``): its entry point, the distribution that provides it and that distribution's version,
+    and the sha256 of the distribution's installed files (``distribution_sha256``; "" when unknown)."""
+
+    spec: str
+    distribution: str
+    version: str
+    sha256: str = ""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ProvenanceInputs:
+    """Everything the statement says besides the artifact's own files. The register stage fills it from
+    what it holds (``from_registration``); every digest is lowercase hex sha256 unless said otherwise."""
+
+    # internalParameters: who ran it, where
+    policy: str
+    dag_id: str
+    run_id: str
+    launcher: str
+    """The launcher backend (``local``, ``slurm``, ``kubernetes``)."""
+    nodes: tuple[str, ...]
+    """The nodes the job ran on (host names), in rank order where known."""
+    # externalParameters: what was asked for
+    recipe: Mapping[str, Any]
+    """The resolved recipe (every default filled in), as the checkpoint records it."""
+    seed: int
+    world_size: int
+    strategy: str
+    steps: int
+    # resolvedDependencies: what it read, each by digest
+    snapshot_id: str
+    """DVC's directory hash of the corpus snapshot, ``<md5>.dir``."""
+    corpus: str
+    snapshot_remote: str
+    contract: str
+    """``name@version`` of the data contract."""
+    contract_suite_sha256: str
+    quarantine_report_sha256: str
+    quarantine_report_uri: str
+    training_manifest_sha256: str
+    training_manifest_uri: str
+    tokenizer_kind: str
+    tokenizer_sha256: str
+    token_manifest_sha256: str = ""
+    """"" for a run trained on the byte stream before tokenize stages (then no dependency is listed)."""
+    token_manifest_uri: str = ""
+    git_commit: str = ""
+    """kiln's checkout commit when known ("" or ``unknown`` otherwise)."""
+    code_sha256: str
+    """``code_sha256()`` of the installed ``kiln`` and ``kiln_trainer``."""
+    trainer: TrainerIdentity
+    torch_version: str
+    python_version: str
+    platform: str
+    # runDetails
+    run_key: str
+    started_on: str
+    finished_on: str
+    """RFC 3339 times in UTC."""
+    checkpoint_manifest_sha256: str
+    eval_report: Mapping[str, Any]
+    decision: Mapping[str, Any]
+    approval: Mapping[str, Any] | None = None
+    """The approval record, once there is one (a statement made at registration has none)."""
+    kiln_version: str = ""
+
+    def __post_init__(self) -> None:
+        from kiln.policy import POLICIES
+
+        if self.policy not in POLICIES:
+            raise ConfigError(f"provenance: policy must be one of {', '.join(POLICIES)}, got {self.policy!r}")
+        for name in ("dag_id", "run_id", "launcher", "strategy", "snapshot_id", "corpus", "contract",
+                     "tokenizer_kind", "torch_version", "python_version", "platform", "run_key",
+                     "started_on", "finished_on"):
+            if not isinstance(getattr(self, name), str) or not getattr(self, name):
+                raise ConfigError(f"provenance: {name} must be a non-empty string, got {getattr(self, name)!r}")
+        for name in ("contract_suite_sha256", "quarantine_report_sha256", "training_manifest_sha256",
+                     "tokenizer_sha256", "code_sha256", "checkpoint_manifest_sha256"):
+            _check_hex(name, getattr(self, name))
+        if self.token_manifest_sha256:
+            _check_hex("token_manifest_sha256", self.token_manifest_sha256)
+        if self.trainer.sha256:
+            _check_hex("trainer.sha256", self.trainer.sha256)
+        for name in ("seed", "world_size", "steps"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < (1 if name != "seed" else 0):
+                raise ConfigError(f"provenance: {name} must be an integer >= {1 if name != 'seed' else 0}, got {value!r}")
+        if not self.snapshot_id.endswith(".dir"):
+            raise ConfigError(f"provenance: snapshot_id must be DVC's '<md5>.dir', got {self.snapshot_id!r}")
+        if not isinstance(self.nodes, tuple) or not all(isinstance(n, str) and n for n in self.nodes):
+            raise ConfigError(f"provenance: nodes must be a tuple of host names, got {self.nodes!r}")
+
+
+def _check_hex(name: str, value: object) -> None:
+    if not isinstance(value, str) or not _HEX64.fullmatch(value):
+        raise ConfigError(f"provenance: {name} must be a lowercase hex sha256, got {value!r}")
+
+
+# ------------------------------------------------------------------------------ digests of what is installed
+
+
+def _tree_files(root: Path, suffixes: frozenset[str] | None) -> list[tuple[str, Path]]:
+    """``(relative posix path, path)`` of every regular file under ``root``, sorted, following the links
+    a checkout's ``kiln/_shipped`` folders are; ``__pycache__`` skipped."""
+    found = []
+    for folder, dirs, files in os.walk(root, followlinks=True):
+        dirs[:] = [d for d in dirs if d != "__pycache__"]
+        for name in files:
+            path = Path(folder) / name
+            if suffixes is not None and path.suffix not in suffixes:
+                continue
+            found.append((path.relative_to(root).as_posix(), path))
+    return sorted(found)
+
+
+def _digest_files(entries: list[tuple[str, Path]]) -> str:
+    """sha256 over each file's relative path and bytes, in order, each length-prefixed (so no two
+    different trees share a byte stream)."""
+    digest = hashlib.sha256()
+    for rel, path in entries:
+        name = rel.encode("utf-8")
+        data = path.read_bytes()
+        digest.update(len(name).to_bytes(8, "big") + name + len(data).to_bytes(8, "big"))
+        digest.update(data)
+    return digest.hexdigest()
+
+
+def code_sha256() -> str:
+    """The digest of the installed ``kiln`` and ``kiln_trainer`` source: every ``.py`` file and package data
+    file (``CODE_SUFFIXES``) of each package, as ``<package>/<relative path>``, sorted; no ``__pycache__``."""
+    import kiln
+    import kiln_trainer
+
+    entries: list[tuple[str, Path]] = []
+    for package in (kiln, kiln_trainer):
+        root = Path(package.__file__ or "").resolve().parent
+        entries += [(f"{package.__name__}/{rel}", path) for rel, path in _tree_files(root, CODE_SUFFIXES)]
+    return _digest_files(sorted(entries))
+
+
+def distribution_sha256(distribution: str) -> str:
+    """sha256 of an installed distribution's Python files as its RECORD lists them (sorted, bytecode
+    left out); "" when the distribution is not installed or lists no files (an editable install)."""
+    try:
+        files = importlib.metadata.distribution(distribution).files or []
+    except importlib.metadata.PackageNotFoundError:
+        return ""
+    entries = [(f.as_posix(), Path(str(f.locate()))) for f in files
+               if f.suffix == ".py" and "__pycache__" not in f.parts]
+    entries = [(rel, path) for rel, path in entries if path.is_file()]
+    return _digest_files(sorted(entries)) if entries else ""
+
+
+def environment() -> dict[str, str]:
+    """torch, Python and the platform of this process: ``{"torch_version", "python_version", "platform"}``."""
+    return {"torch_version": importlib.metadata.version("torch"), "python_version": platform.python_version(),
+            "platform": f"{sys.platform}-{platform.machine()} ({platform.platform()})"}
+
+
+# ------------------------------------------------------------------------------ the artifact's files
+
+
+def artifact_files(artifact_dir: str | Path) -> dict[str, str]:
+    """``relative path -> sha256`` of every file of the artifact directory but ``SIGNATURE_FILES`` at its top.
+
+    ``ProvenanceError`` for a directory that is missing, or that holds a symbolic link or anything but
+    regular files and folders (a signature over a link would say nothing about what it points to)."""
+    root = Path(artifact_dir)
+    if not root.is_dir():
+        raise ProvenanceError(f"{root}: not a directory")
+    files: dict[str, str] = {}
+    for folder, dirs, names in os.walk(root):
+        for name in sorted(dirs + names):
+            path = Path(folder) / name
+            mode = os.lstat(path).st_mode
+            rel = path.relative_to(root).as_posix()
+            if stat.S_ISLNK(mode):
+                raise ProvenanceError(f"{root}: {rel} is a symbolic link; a signed artifact holds regular files only")
+            if stat.S_ISDIR(mode):
+                continue
+            if not stat.S_ISREG(mode):
+                raise ProvenanceError(f"{root}: {rel} is not a regular file")
+            if rel in SIGNATURE_FILES:
+                continue
+            with open(path, "rb") as fh:
+                files[rel] = hashlib.file_digest(fh, "sha256").hexdigest()
+    return dict(sorted(files.items()))
+
+
+# ------------------------------------------------------------------------------ the statement
+
+
+def _descriptor(name: str, digest: Mapping[str, str], uri: str = "", **annotations: Any) -> dict[str, Any]:
+    """An in-toto ResourceDescriptor (empty ``uri`` and ``annotations`` left out)."""
+    out: dict[str, Any] = {"name": name, "digest": dict(digest)}
+    if uri:
+        out["uri"] = uri
+    if annotations:
+        out["annotations"] = annotations
+    return out
+
+
+def _json_digest(value: Mapping[str, Any]) -> dict[str, str]:
+    return {"sha256": hashlib.sha256(canonical_json(value)).hexdigest()}
+
+
+def build_statement(artifact_dir: str | Path, inputs: ProvenanceInputs) -> dict[str, Any]:
+    """The in-toto statement (a JSON-safe dict) of ``artifact_dir``'s files made from ``inputs``."""
+    files = artifact_files(artifact_dir)
+    if not files:
+        raise ProvenanceError(f"{artifact_dir}: holds no file to sign")
+    i = inputs
+    dependencies = [
+        _descriptor(f"snapshot:{i.corpus}", {"md5": i.snapshot_id.removesuffix(".dir")}, i.snapshot_remote,
+                    dvc_id=i.snapshot_id),
+        _descriptor(f"contract:{i.contract}", {"sha256": i.contract_suite_sha256}),
+        _descriptor("quarantine-report", {"sha256": i.quarantine_report_sha256}, i.quarantine_report_uri),
+        _descriptor("training-manifest", {"sha256": i.training_manifest_sha256}, i.training_manifest_uri),
+        _descriptor(f"tokenizer:{i.tokenizer_kind}", {"sha256": i.tokenizer_sha256}),
+    ]
+    if i.token_manifest_sha256:
+        dependencies.append(_descriptor("token-manifest", {"sha256": i.token_manifest_sha256}, i.token_manifest_uri))
+    code_digest = {"sha256": i.code_sha256}
+    if i.git_commit and i.git_commit != "unknown":
+        code_digest["gitCommit"] = i.git_commit
+    dependencies += [
+        _descriptor("code:kiln", code_digest, packages=["kiln", "kiln_trainer"]),
+        _descriptor(f"trainer:{i.trainer.spec}", {"sha256": i.trainer.sha256} if i.trainer.sha256 else {},
+                    distribution=i.trainer.distribution, version=i.trainer.version),
+        _descriptor("torch", {}, version=i.torch_version),
+        _descriptor("python", {}, version=i.python_version),
+        _descriptor("platform", {}, description=i.platform),
+    ]
+    byproducts = [
+        _descriptor("checkpoint-manifest", {"sha256": i.checkpoint_manifest_sha256}),
+        _descriptor("evaluation-report", _json_digest(i.eval_report), content=dict(i.eval_report)),
+        _descriptor("gate-decision", _json_digest(i.decision), content=dict(i.decision)),
+    ]
+    if i.approval is not None:
+        byproducts.append(_descriptor("approval", _json_digest(i.approval), content=dict(i.approval)))
+    return {
+        "_type": STATEMENT_TYPE,
+        "subject": [{"name": rel, "digest": {"sha256": sha}} for rel, sha in files.items()],
+        "predicateType": PREDICATE_TYPE,
+        "predicate": {
+            "buildDefinition": {
+                "buildType": BUILD_TYPE,
+                "externalParameters": {"recipe": dict(i.recipe), "seed": i.seed, "world_size": i.world_size,
+                                       "strategy": i.strategy, "steps": i.steps},
+                "internalParameters": {"policy": i.policy, "dag_id": i.dag_id, "run_id": i.run_id,
+                                       "launcher": i.launcher, "nodes": list(i.nodes)},
+                "resolvedDependencies": dependencies,
+            },
+            "runDetails": {
+                "builder": {"id": f"urn:kiln:builder:{i.policy}", "version": {"kiln": i.kiln_version or _kiln_version()}},
+                "metadata": {"invocationId": i.run_key, "startedOn": i.started_on, "finishedOn": i.finished_on},
+                "byproducts": byproducts,
+            },
+        },
+    }
+
+
+def _kiln_version() -> str:
+    from kiln import __version__
+
+    return __version__
+
+
+def statement_bytes(statement: Mapping[str, Any]) -> bytes:
+    """The canonical bytes of a statement: what the DSSE envelope carries and signs."""
+    try:
+        return canonical_json(statement)
+    except ValueError as exc:  # NaN or infinity have no JSON spelling that every reader takes
+        raise ProvenanceError(f"provenance statement is not canonical JSON: {exc}") from exc
+
+
+def subjects(statement: Mapping[str, Any]) -> dict[str, str]:
+    """``name -> sha256`` of a statement's subjects (``ProvenanceError`` when the shape is not kiln's)."""
+    try:
+        return {s["name"]: s["digest"]["sha256"] for s in statement["subject"]}
+    except (KeyError, TypeError) as exc:
+        raise ProvenanceError(f"provenance statement: malformed subject list ({exc!r})") from exc
+
+
+def from_registration(
+    *, policy: str, run_key: str, train: Any, eval_report: Any, snapshot: Any, manifest: Any,
+    verified: Mapping[str, Any], decision: Any, contract_suite_sha256: str, quarantine_report: str | Path,
+    launcher: str, nodes: tuple[str, ...], started_on: str, finished_on: str, git_commit: str = "",
+    training_manifest_uri: str = "", approval: Mapping[str, Any] | None = None,
+) -> ProvenanceInputs:
+    """``ProvenanceInputs`` from what the register stage holds: its refs (``TrainResult``, ``EvalReport``,
+    ``SnapshotRef``, ``TrainingManifest``, ``Decision``), the checkpoint manifest ``verify_checkpoint``
+    returned (``verified``: the resolved recipe, tokenizer, token manifest and trainer records), and what
+    the stages before it know (the contract suite's sha256, the quarantine report's path, the launcher and
+    nodes, the run's start and end). This process's code, torch, Python and platform are filled in here."""
+    from kiln.refs import sha256_file
+    from kiln.runs import split_run_key
+
+    dag_id, run_id = split_run_key(run_key)
+    recipe = verified.get("recipe") or {}
+    record = verified.get("trainer") or {}
+    distribution = str(record.get("distribution") or "kiln")
+    tokenizer = verified.get("tokenizer") or {}
+    tokens = manifest.tokens or {}
+    return ProvenanceInputs(
+        policy=policy, dag_id=dag_id, run_id=run_id, launcher=launcher, nodes=tuple(nodes),
+        recipe=recipe, seed=int(recipe.get("train", {}).get("seed", 0)),
+        world_size=int(verified.get("world_size") or train.world_size),
+        strategy=str(verified.get("strategy") or recipe.get("parallel", {}).get("strategy", "ddp")),
+        steps=int(train.step),
+        snapshot_id=snapshot.id, corpus=snapshot.corpus, snapshot_remote=snapshot.remote,
+        contract=manifest.contract, contract_suite_sha256=contract_suite_sha256,
+        quarantine_report_sha256=sha256_file(Path(quarantine_report)), quarantine_report_uri=str(quarantine_report),
+        training_manifest_sha256=manifest.sha256, training_manifest_uri=training_manifest_uri,
+        tokenizer_kind=str(tokenizer.get("kind") or "byte"), tokenizer_sha256=str(verified.get("tokenizer_sha256", "")),
+        token_manifest_sha256=str(verified.get("token_manifest_sha256") or tokens.get("sha256") or ""),
+        token_manifest_uri=str(tokens.get("manifest") or ""),
+        git_commit=git_commit, code_sha256=code_sha256(),
+        trainer=TrainerIdentity(spec=str(record.get("spec") or "kiln"), distribution=distribution,
+                                version=str(record.get("version") or ""),
+                                sha256=distribution_sha256(distribution)),
+        **environment(),
+        run_key=run_key, started_on=started_on, finished_on=finished_on,
+        checkpoint_manifest_sha256=train.checkpoint_manifest_sha256,
+        eval_report=eval_report.to_json(), decision=decision.to_json(), approval=approval,
+    )
+
+
+def describe(statement: Mapping[str, Any]) -> list[str]:
+    """The lineage a statement records, in words, one line each (what ``kiln verify`` prints)."""
+    try:
+        predicate = statement["predicate"]
+        build, run = predicate["buildDefinition"], predicate["runDetails"]
+        ext, internal = build["externalParameters"], build["internalParameters"]
+        deps = {d["name"].split(":", 1)[0]: d for d in build["resolvedDependencies"]}
+        meta = run["metadata"]
+    except (KeyError, TypeError) as exc:
+        raise ProvenanceError(f"provenance statement: malformed predicate ({exc!r})") from exc
+
+    def dep(kind: str) -> str:
+        d = deps.get(kind)
+        if d is None:
+            return "none"
+        digest = ", ".join(f"{k} {v}" for k, v in sorted(d["digest"].items()))
+        return f"{d['name']} ({digest})" if digest else d["name"]
+
+    lines = [
+        f"{len(statement['subject'])} files, each matching its signed sha256",
+        f"built by {run['builder']['id']} (kiln {run['builder'].get('version', {}).get('kiln', '?')}) "
+        f"for policy {internal['policy']}: DAG {internal['dag_id']}, run {internal['run_id']}",
+        f"ran {meta['startedOn']} .. {meta['finishedOn']} on launcher {internal['launcher']}, "
+        f"nodes {', '.join(internal['nodes']) or 'not recorded'}",
+        f"trained {ext['steps']} steps, seed {ext['seed']}, world size {ext['world_size']}, strategy {ext['strategy']}",
+        f"from snapshot {dep('snapshot')}",
+        f"checked by {dep('contract')}; quarantine report sha256 {deps['quarantine-report']['digest']['sha256']}",
+        f"training manifest sha256 {deps['training-manifest']['digest']['sha256']}; "
+        f"tokenizer {dep('tokenizer')}; token manifest {dep('token-manifest')}",
+        f"code {dep('code')}; trainer {dep('trainer')} {deps['trainer']['annotations'].get('distribution', '')} "
+        f"{deps['trainer']['annotations'].get('version', '')}".rstrip(),
+        f"torch {deps['torch']['annotations']['version']}, Python {deps['python']['annotations']['version']}, "
+        f"{deps['platform']['annotations']['description']}",
+    ]
+    for byproduct in run.get("byproducts", []):
+        content = byproduct.get("annotations", {}).get("content")
+        if byproduct["name"] == "gate-decision" and isinstance(content, dict):
+            lines.append(f"gate decision: {content.get('action')} ({'; '.join(content.get('reasons', []))})")
+        elif byproduct["name"] == "evaluation-report" and isinstance(content, dict):
+            lines.append(f"evaluation: {content.get('bits_per_byte')} bits per byte on split {content.get('split')}")
+        elif byproduct["name"] == "approval" and isinstance(content, dict):
+            lines.append(f"approved: {content}")
+    if not any(b["name"] == "approval" for b in run.get("byproducts", [])):
+        lines.append("approval: none recorded in the statement")
+    return lines
