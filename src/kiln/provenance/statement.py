@@ -23,6 +23,7 @@ manifests with), so the same inputs and the same files give the same bytes.
 
 from __future__ import annotations
 
+import datetime as dt
 import hashlib
 import importlib.metadata
 import os
@@ -149,6 +150,13 @@ class ProvenanceInputs:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < (1 if name != "seed" else 0):
                 raise ConfigError(f"provenance: {name} must be an integer >= {1 if name != 'seed' else 0}, got {value!r}")
+        for name in ("started_on", "finished_on"):
+            try:
+                when = dt.datetime.fromisoformat(getattr(self, name).replace("Z", "+00:00"))
+            except ValueError:
+                when = None
+            if when is None or when.tzinfo is None:
+                raise ConfigError(f"provenance: {name} must be an RFC 3339 time with its offset, got {getattr(self, name)!r}")
         if not self.snapshot_id.endswith(".dir"):
             raise ConfigError(f"provenance: snapshot_id must be DVC's '<md5>.dir', got {self.snapshot_id!r}")
         if not isinstance(self.nodes, tuple) or not all(isinstance(n, str) and n for n in self.nodes):

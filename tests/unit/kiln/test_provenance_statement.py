@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -79,7 +80,8 @@ def test_shape_is_in_toto_v1_with_slsa_provenance_v1(tmp_path):
 @pytest.mark.parametrize(("change", "named"), [
     ({"policy": "staging"}, "policy"), ({"code_sha256": "XYZ"}, "code_sha256"), ({"world_size": 0}, "world_size"),
     ({"snapshot_id": "abc"}, "snapshot_id"), ({"dag_id": ""}, "dag_id"), ({"nodes": ["a"]}, "nodes"),
-    ({"token_manifest_sha256": "1" * 63}, "token_manifest_sha256"),
+    ({"token_manifest_sha256": "1" * 63}, "token_manifest_sha256"), ({"started_on": "yesterday"}, "started_on"),
+    ({"finished_on": "2026-01-01T00:00:00"}, "finished_on"),
 ])
 def test_bad_inputs_are_refused_by_name(change, named):
     with pytest.raises(ConfigError, match=named):
@@ -110,3 +112,35 @@ def test_code_digest_covers_sources_and_package_data_never_bytecode(tmp_path):
     assert _digest_files(_tree_files(root, frozenset({".py", ".toml"}))) != before
     installed = code_sha256()
     assert len(installed) == 64 and code_sha256() == installed
+
+
+def test_from_registration_fills_the_inputs_from_the_register_stage_refs(tmp_path):
+    from kiln.provenance.statement import environment, from_registration
+    from kiln.refs import Decision, EvalReport, SnapshotRef, TrainingManifest, TrainResult
+
+    report = tmp_path / "quarantine.json"
+    report.write_text('{"quarantined": []}')
+    snapshot = SnapshotRef(id="0123456789abcdef0123456789abcdef.dir", corpus="stdlib-py", files=8, bytes=100,
+                           dvc="outs: []", remote="/srv/remote", path="/srv/ws/stdlib-py")
+    manifest = TrainingManifest.build(snapshot_id=snapshot.id, corpus="stdlib-py", contract="stdlib-py@1", shards=[],
+                                      eval_shards=[]).with_tokens("/runs/r/tokens/token_manifest.json", "c" * 64)
+    train = TrainResult(run_dir="/runs/r", checkpoint="/runs/r/checkpoints/step-00000012", checkpoint_manifest_sha256="d" * 64,
+                        weights_sha256="e" * 64, step=12, metrics={"loss": 2.0}, world_size=2, total_steps=12)
+    evaluation = EvalReport(checkpoint=train.checkpoint, weights_sha256="e" * 64, split="eval", bits_per_byte=2.5,
+                            loss=1.7, tokens=4096)
+    decision = Decision(action="promote", reasons=["no champion yet"], candidate_bits_per_byte=2.5)
+    verified = {"world_size": 2, "recipe": {"train": {"seed": 1337, "steps": 12}, "parallel": {"strategy": "fsdp"}},
+                "tokenizer": {"kind": "byte"}, "tokenizer_sha256": "f" * 64, "token_manifest_sha256": "c" * 64,
+                "trainer": {"spec": "kiln", "distribution": "kiln", "version": "0.1.0"}}
+    got = from_registration(
+        policy="production", run_key="kiln_production/manual__1", train=train, eval_report=evaluation, snapshot=snapshot,
+        manifest=manifest, verified=verified, decision=decision, contract_suite_sha256="a" * 64, quarantine_report=report,
+        launcher="local", nodes=("h1", "h2"), started_on="2026-01-01T00:00:00Z", finished_on="2026-01-01T00:05:00Z")
+    assert (got.dag_id, got.run_id, got.seed, got.world_size, got.strategy, got.steps) == (
+        "kiln_production", "manual__1", 1337, 2, "fsdp", 12)
+    assert got.training_manifest_sha256 == manifest.sha256 and got.token_manifest_uri == "/runs/r/tokens/token_manifest.json"
+    assert got.quarantine_report_sha256 == hashlib.sha256(report.read_bytes()).hexdigest()
+    assert got.code_sha256 == code_sha256() and got.torch_version == environment()["torch_version"]
+    assert got.decision == decision.to_json() and got.eval_report == evaluation.to_json()
+    statement = build_statement(make_artifact(tmp_path / "a"), got)
+    assert statement["predicate"]["runDetails"]["metadata"]["invocationId"] == "kiln_production/manual__1"
