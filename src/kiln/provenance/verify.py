@@ -142,12 +142,22 @@ def _verify_model_sig(directory: Path, policy: str, trusted: dict[str, ec.Ellipt
     except InvalidSignature:
         raise ProvenanceError(f"{MODEL_SIGNATURE_FILE}: the signature by key {kid} (policy {policy}) does not "
                               "verify: the bundle was changed after signing") from None
-    except (ValueError, KeyError, OSError) as exc:
+    except ValueError as exc:
         differences = _model_sig_differences(directory, path) if str(exc).startswith("Signature mismatch") else []
-        detail = "; ".join(differences) if differences else str(exc)
+        if not differences:
+            raise ProvenanceError(f"{MODEL_SIGNATURE_FILE}: model-signing refused it with key {kid} (policy {policy}): "
+                                  f"{_one_line(exc)}") from exc
         raise ProvenanceError(f"{MODEL_SIGNATURE_FILE} (key {kid}, policy {policy}) does not match the files of "
-                              f"{directory}: {detail}") from exc
+                              f"{directory}: {'; '.join(differences)}") from exc
+    except Exception as exc:  # fail closed: whatever else a malformed bundle makes the library raise
+        raise ProvenanceError(f"{MODEL_SIGNATURE_FILE}: not a valid model-signing bundle "
+                              f"({type(exc).__name__}: {_one_line(exc)})") from exc
     return kid
+
+
+def _one_line(exc: BaseException) -> str:
+    """A library's message on one line (pydantic's span several)."""
+    return " ".join(str(exc).split())
 
 
 def _model_sig_differences(directory: Path, path: Path) -> list[str]:

@@ -155,3 +155,35 @@ def test_cli_prints_the_lineage_and_fails_closed_with_one_error_line(signed, hom
     assert captured.out == ""
     lines = captured.err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("kiln verify: error: ") and "MLmodel changed" in lines[0]
+
+
+def _edit_bundle(art, edit):
+    bundle = json.loads((art / MODEL_SIGNATURE_FILE).read_bytes())
+    edit(bundle)
+    (art / MODEL_SIGNATURE_FILE).write_text(json.dumps(bundle))
+
+
+def test_an_edited_model_sig_fails_closed(signed, home):
+    original = (signed / MODEL_SIGNATURE_FILE).read_bytes()
+
+    def drop_a_file(bundle):
+        envelope = bundle["dsseEnvelope"]
+        payload = json.loads(base64.b64decode(envelope["payload"]))
+        payload["predicate"]["resources"] = payload["predicate"]["resources"][1:]
+        envelope["payload"] = base64.b64encode(json.dumps(payload).encode()).decode()
+
+    _edit_bundle(signed, drop_a_file)
+    with pytest.raises(ProvenanceError, match="model.sig: the signature by key .* does not verify"):
+        verify_artifact(signed, "production", home=home)
+    (signed / MODEL_SIGNATURE_FILE).write_bytes(original)
+    _edit_bundle(signed, lambda bundle: bundle["dsseEnvelope"].update(signatures=[]))
+    with pytest.raises(ProvenanceError, match=r"model.sig: not a valid model-signing bundle \(IndexError"):
+        verify_artifact(signed, "production", home=home)
+    (signed / MODEL_SIGNATURE_FILE).write_bytes(original)
+    _edit_bundle(signed, lambda bundle: bundle.pop("dsseEnvelope"))
+    with pytest.raises(ProvenanceError, match="model.sig: model-signing refused it") as refused:
+        verify_artifact(signed, "production", home=home)
+    assert "\n" not in str(refused.value)
+    (signed / PROVENANCE_FILE).write_text("not json")
+    with pytest.raises(ProvenanceError, match="provenance.dsse.json: not a DSSE envelope"):
+        verify_artifact(signed, "production", home=home)
