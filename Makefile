@@ -23,7 +23,8 @@ help:
 
 # uv installs the pinned set into the venv (the same constraints, the same torch wheel from
 # /opt/wheels): about 25 s where pip took 2.5-3.7 min on 2 cores (docs/testing.md). uv itself comes
-# from pip, at the version constraints.txt pins.
+# from pip, at the version constraints.txt pins. Both of kiln's distributions install editable: the
+# trainer side, kiln-trainer (training/), and kiln (the root), which depends on it.
 #
 # Bytecode is compiled once, here: site-packages by uv (--compile-bytecode), kiln's own modules by
 # compileall on every make (about 2 s; a module edited since is compiled again in memory, as
@@ -31,11 +32,11 @@ help:
 # Python never writes a .pyc: every process (each Airflow task, torchrun worker and CLI call)
 # compiled every module it imported from source again, about two thirds of importing airflow,
 # mlflow or torch (docs/testing.md).
-$(STAMP): pyproject.toml requirements.in constraints.txt
+$(STAMP): pyproject.toml training/pyproject.toml requirements.in constraints.txt
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --disable-pip-version-check -qq -c constraints.txt uv
 	$(BIN)/uv pip install -q --python $(BIN)/python $(FIND_LINKS) -c constraints.txt --compile-bytecode -r requirements.in
-	$(BIN)/uv pip install -q --python $(BIN)/python --no-deps --no-build-isolation -e .
+	$(BIN)/uv pip install -q --python $(BIN)/python --no-deps --no-build-isolation -e training -e .
 	@touch $@
 
 venv: $(STAMP)

@@ -206,7 +206,7 @@ class TrainingManifest(Ref):
          "contract": "name@version", "shards": [{"path", "sha256", "rows"}, ...],
          "eval_shards": [{"path", "sha256", "rows"}, ...], "quarantined": ["path", ...],
          "tokens": {"manifest": "<token_manifest.json path or s3:// URL>", "sha256": "<hex>"},
-         "trainer": {"spec": "kiln", "distribution": "kiln", "version": "0.1.0"},
+         "trainer": {"spec": "kiln", "distribution": "kiln-trainer", "version": "0.1.0"},
          "sha256": "<hex>"}
 
     ``tokens`` is absent until the shards are packed (the trainer then packs them itself).

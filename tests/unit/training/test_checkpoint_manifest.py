@@ -232,7 +232,8 @@ def test_a_checkpoint_records_the_trainer_and_one_sealed_before_the_record_still
     from kiln_trainer.contract import canonical_json
 
     manifest = verify_checkpoint(committed)
-    assert manifest["trainer"] == {"spec": "kiln", "distribution": "kiln", "version": importlib.metadata.version("kiln")}
+    assert manifest["trainer"] == {"spec": "kiln", "distribution": "kiln-trainer",
+                                   "version": importlib.metadata.version("kiln-trainer")}
     path = committed / "manifest.json"
     older = {k: v for k, v in manifest.items() if k not in ("trainer", "seal_sha256")}  # as sealed before the record
     path.write_text(json.dumps({**older, "seal_sha256": hashlib.sha256(canonical_json(older)).hexdigest()}))

@@ -208,7 +208,7 @@ def test_the_record_names_the_distribution_and_its_version(user_path: Path):
     import importlib.metadata
 
     kiln = trainer_record(TrainerSpec())
-    assert kiln == {"spec": KILN_TRAINER, "distribution": "kiln", "version": importlib.metadata.version("kiln")}
+    assert kiln == {"spec": KILN_TRAINER, "distribution": "kiln-trainer", "version": importlib.metadata.version("kiln-trainer")}
 
 
 # -- the arguments ----------------------------------------------------------------------------------

@@ -32,7 +32,7 @@ either strategy (``kiln_trainer.sharded_checkpoint``).
      "tokenizer": {"kind": "byte", "sha256": "<hex>", "vocab_size": 257, "eos_id": 256},
      "files": {"model.pt": "<sha256>", ..., "tokenizer.json": "<sha256>"}, "weights_sha256": "<hex>",
      "created_at": "2026-11-29T17:00:00+00:00",
-     "trainer": {"spec": "kiln", "distribution": "kiln", "version": "0.1.0"}, "seal_sha256": "<hex>"}
+     "trainer": {"spec": "kiln", "distribution": "kiln-trainer", "version": "0.1.0"}, "seal_sha256": "<hex>"}
 
 ``trainer`` says which trainer made the weights, and which version of its distribution
 (``kiln_trainer.contract.entrypoint.trainer_record``): ``seal`` adds it when the manifest has none,
