@@ -1,16 +1,15 @@
-"""kiln as an image build or a private index installs it: a wheel, not an editable checkout.
+"""kiln as an image build or a private index installs it: wheels, not an editable checkout.
 
-The wheel is built from this checkout and installed (``--no-deps``) into a fresh venv whose only
-other packages are the project venv's dependencies (a ``.pth`` line; the checkout's editable kiln
-is not on that path). Everything then runs from a folder outside the checkout: ``kiln --help``, a
-shard validated against the shipped ``stdlib-py@1`` contract, and the shipped DAG files parsed by
-Airflow's DagBag — all from the installed copy."""
+kiln's wheel and the trainer's (kiln-trainer, a dependency of kiln's) are built from this checkout
+and installed (``--no-deps``) into a fresh venv whose only other packages are the project venv's
+dependencies (a ``.pth`` line; the checkout's editable kiln and kiln-trainer are not on that path).
+Everything then runs from a folder outside the checkout: ``kiln --help``, a shard validated against
+the shipped ``stdlib-py@1`` contract, and the shipped DAG files parsed by Airflow's DagBag — all
+from the installed copy."""
 
 from __future__ import annotations
 
 import json
-import os
-import shutil
 import subprocess
 import sys
 import sysconfig
@@ -20,37 +19,24 @@ from pathlib import Path
 
 import pytest
 
+from wheel_builds import build_wheel, clean_copy, isolated_env
+
 ROOT = Path(__file__).resolve().parents[2]
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 
-def _clean_copy(dest: Path) -> Path:
-    """The files git would commit (tracked, or new and not ignored), links kept as links."""
-    listed = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=ROOT,
-                            capture_output=True, check=True).stdout.decode().split("\0")
-    for name in filter(None, listed):
-        src, dst = ROOT / name, dest / name
-        if not src.is_symlink() and not src.is_file():
-            continue  # deleted in the working tree
-        dst.parent.mkdir(parents=True, exist_ok=True)
-        shutil.copy2(src, dst, follow_symlinks=False)
-    return dest
-
-
 @pytest.fixture(scope="module")
 def installed(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     work = tmp_path_factory.mktemp("wheel")
-    source = _clean_copy(work / "source")  # the build writes build/ and *.egg-info into its source tree
+    source = clean_copy(work / "source")
     dist = work / "dist"
-    build = subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "--no-build-isolation", "--wheel-dir", str(dist),
-         str(source)], cwd=work, capture_output=True, text=True, timeout=600,
-    )
-    assert build.returncode == 0, build.stderr
-    (wheel,) = dist.glob("kiln-*.whl")
+    wheel = build_wheel(source, dist, "kiln")
+    trainer_wheel = build_wheel(source / "training", dist, "kiln-trainer")  # a dependency of kiln's
     with zipfile.ZipFile(wheel) as archive:
         shipped = archive.namelist()
+        requires = [line for line in archive.read(f"kiln-{wheel.name.split('-')[1]}.dist-info/METADATA").decode().splitlines()
+                    if line.startswith("Requires-Dist: kiln-trainer")]
     venv = work / "venv"
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120)
     python = venv / "bin" / "python"
@@ -58,20 +44,19 @@ def installed(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
                                   capture_output=True, text=True, check=True).stdout.strip())
     (purelib / "kiln-deps.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
     install = subprocess.run(
-        [sys.executable, "-m", "pip", "--python", str(python), "install", "--quiet", "--no-deps", "--no-index", str(wheel)],
+        [sys.executable, "-m", "pip", "--python", str(python), "install", "--quiet", "--no-deps", "--no-index", str(wheel),
+         str(trainer_wheel)],
         capture_output=True, text=True, timeout=600,
     )
     assert install.returncode == 0, install.stderr
     outside = work / "elsewhere"
     outside.mkdir()
     return {"venv": venv, "python": python, "purelib": purelib, "cwd": outside, "home": work / "kiln-home",
-            "shipped": shipped}
+            "shipped": shipped, "requires": requires}
 
 
 def _run(installed: dict[str, Path], *argv: str, timeout: int = 600) -> subprocess.CompletedProcess[str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTHON", "KILN_", "AIRFLOW", "MLFLOW"))}
-    env.update(KILN_HOME=str(installed["home"]), AIRFLOW_HOME=str(installed["home"] / "airflow"),
-               PATH=f"{installed['venv'] / 'bin'}:{env.get('PATH', '')}")
+    env = isolated_env(installed["venv"], KILN_HOME=str(installed["home"]), AIRFLOW_HOME=str(installed["home"] / "airflow"))
     return subprocess.run(list(argv), cwd=installed["cwd"], env=env, capture_output=True, text=True, timeout=timeout)
 
 
@@ -97,9 +82,11 @@ def test_the_installed_copy_is_what_runs_and_it_ships_its_files(installed):
 
 
 def test_test_and_dev_tooling_is_not_in_the_wheel(installed):
-    """The chaos suite and the Slurm test cluster live in devtools/, outside the installed package."""
+    """The chaos suite and the Slurm test cluster live in devtools/, outside the installed package; the
+    trainer is its own distribution, which kiln requires at its exact version."""
     packages = sorted({name.split("/")[0] for name in installed["shipped"] if not name.startswith("kiln-")})
-    assert packages == ["kiln", "kiln_trainer"], packages
+    assert packages == ["kiln"], packages
+    assert installed["requires"] == ["Requires-Dist: kiln-trainer[export,mlflow,s3]==0.1.0"], installed["requires"]
     assert not [n for n in installed["shipped"] if "chaos" in n or "slurm_cluster" in n]
 
 
