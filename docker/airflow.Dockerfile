@@ -73,10 +73,11 @@ RUN grep -v '^torch==' /opt/kiln/constraints.txt > /tmp/constraints.txt \
         "kubeflow-trainer-api==2.3.0" \
     && rm /tmp/constraints.txt
 
-# kiln itself. `kiln` is ONE distribution today (packages `kiln` and `kiln_trainer`), and its
-# pyproject lists torch as a dependency, so a plain install would pull torch (a multi-GB CUDA build).
-# Install it with --no-deps: its orchestration dependencies are the explicit list above. That is
-# safe because kiln never imports torch at module level (a rule of its layout), and tests/unit/test_docker_files.py imports the DAG files and plugins with torch blocked.
+# kiln itself: its two distributions, `kiln-trainer` (training/, package `kiln_trainer`, of which the
+# orchestration side runs the contract, the tokenizer and packer, and the model export) and `kiln`
+# (src/, which depends on it). Both list torch as a dependency, so a plain install would pull torch
+# (a multi-GB CUDA build). Install them with --no-deps: their orchestration dependencies are the
+# explicit list above (tests/unit/test_docker_files.py holds that it covers both). That is safe because kiln never imports torch at module level (a rule of its layout), and tests/unit/test_docker_files.py imports the DAG files and plugins with torch blocked.
 # Editable (-e), like `make`: kiln finds data_contracts/, training/recipes/, dags/ relative to the
 # repository root (kiln.policy.REPO_ROOT), so the source tree lives at /opt/kiln.
 # Stages that need torch (train with the `local` launcher, evaluate, export/register the model)
@@ -87,10 +88,11 @@ COPY training /opt/kiln/training
 COPY data_contracts /opt/kiln/data_contracts
 COPY dags /opt/kiln/dags
 COPY plugins /opt/kiln/plugins
-RUN python -m pip install --constraint /opt/kiln/constraints.txt --no-deps -e /opt/kiln \
+RUN python -m pip install --constraint /opt/kiln/constraints.txt --no-deps -e /opt/kiln/training -e /opt/kiln \
     && if python -c "import torch" 2>/dev/null; then echo "torch must not be in the Airflow image" >&2; exit 1; fi \
     && { python -m pip check || true; } \
-        | grep -v -e '^kiln .* requires torch, which is not installed' -e '^No broken requirements found' \
+        | grep -v -e '^kiln .* requires torch, which is not installed' -e '^kiln-trainer .* requires torch, which is not installed' \
+            -e '^No broken requirements found' \
         | { if grep .; then echo "pip check found broken requirements (above)" >&2; exit 1; fi; } \
     && python -c "import kiln.stages, kiln.registry, kiln.signals, kiln.data.snapshot, kiln.data.validation"
 

