@@ -26,6 +26,7 @@ from __future__ import annotations
 import datetime as dt
 import hashlib
 import importlib.metadata
+import importlib.util
 import os
 import platform
 import re
@@ -64,7 +65,8 @@ _HEX64 = re.compile(r"[0-9a-f]{64}")
 class TrainerIdentity:
     """The trainer that made the weights, as the checkpoint records it (``kiln_trainer.contract.entrypoint
     .trainer_record``): its entry point, the distribution that provides it and that distribution's version,
-    and the sha256 of the distribution's installed files (``distribution_sha256``; "" when unknown)."""
+    and the sha256 of the source of the package the entry point lives in, in this process
+    (``package_sha256(trainer_package(spec))``; "" when unknown)."""
 
     spec: str
     distribution: str
@@ -210,17 +212,30 @@ def code_sha256() -> str:
     return _digest_files(sorted(entries))
 
 
-def distribution_sha256(distribution: str) -> str:
-    """sha256 of an installed distribution's Python files as its RECORD lists them (sorted, bytecode
-    left out); "" when the distribution is not installed or lists no files (an editable install)."""
+def package_sha256(top_level: str) -> str:
+    """sha256 of an importable top-level package's source (``.py`` and package data files, as
+    ``code_sha256`` takes them), found without importing it; "" when it is not importable. Works alike for
+    an installed and an editable distribution (whose RECORD lists a finder, not the source)."""
     try:
-        files = importlib.metadata.distribution(distribution).files or []
-    except importlib.metadata.PackageNotFoundError:
+        spec = importlib.util.find_spec(top_level)
+    except (ImportError, ValueError):
         return ""
-    entries = [(f.as_posix(), Path(str(f.locate()))) for f in files
-               if f.suffix == ".py" and "__pycache__" not in f.parts]
-    entries = [(rel, path) for rel, path in entries if path.is_file()]
+    if spec is None:
+        return ""
+    if spec.submodule_search_locations:
+        entries = [(f"{top_level}/{rel}", path) for location in spec.submodule_search_locations
+                   for rel, path in _tree_files(Path(location), CODE_SUFFIXES)]
+    elif spec.origin and spec.origin.endswith(".py"):
+        entries = [(f"{top_level}.py", Path(spec.origin))]
+    else:
+        return ""
     return _digest_files(sorted(entries)) if entries else ""
+
+
+def trainer_package(spec: str) -> str:
+    """The top-level package a trainer's entry point lives in: ``kiln_trainer`` for kiln's own (``kiln``),
+    ``my_lm`` for ``my_lm.train:main``."""
+    return "kiln_trainer" if spec in ("", "kiln") else spec.split(":", 1)[0].split(".", 1)[0]
 
 
 def environment() -> dict[str, str]:
@@ -371,7 +386,7 @@ def from_registration(
     dag_id, run_id = split_run_key(run_key)
     recipe = verified.get("recipe") or {}
     record = verified.get("trainer") or {}
-    distribution = str(record.get("distribution") or "kiln")
+    trainer_spec = str(record.get("spec") or "kiln")
     tokenizer = verified.get("tokenizer") or {}
     tokens = manifest.tokens or {}
     return ProvenanceInputs(
@@ -388,9 +403,9 @@ def from_registration(
         token_manifest_sha256=str(verified.get("token_manifest_sha256") or tokens.get("sha256") or ""),
         token_manifest_uri=str(tokens.get("manifest") or ""),
         git_commit=git_commit, code_sha256=code_sha256(),
-        trainer=TrainerIdentity(spec=str(record.get("spec") or "kiln"), distribution=distribution,
+        trainer=TrainerIdentity(spec=trainer_spec, distribution=str(record.get("distribution") or ""),
                                 version=str(record.get("version") or ""),
-                                sha256=distribution_sha256(distribution)),
+                                sha256=package_sha256(trainer_package(trainer_spec))),
         **environment(),
         run_key=run_key, started_on=started_on, finished_on=finished_on,
         checkpoint_manifest_sha256=train.checkpoint_manifest_sha256,

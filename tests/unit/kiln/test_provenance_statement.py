@@ -6,6 +6,7 @@ import hashlib
 import json
 import os
 import shutil
+import sys
 
 import pytest
 from provenance_fixtures import H, inputs, make_artifact
@@ -15,13 +16,16 @@ from kiln.provenance.statement import (
     BUILD_TYPE,
     PREDICATE_TYPE,
     STATEMENT_TYPE,
+    TrainerIdentity,
     _digest_files,
     _tree_files,
     artifact_files,
     build_statement,
     code_sha256,
     describe,
+    package_sha256,
     statement_bytes,
+    trainer_package,
 )
 
 
@@ -114,6 +118,23 @@ def test_code_digest_covers_sources_and_package_data_never_bytecode(tmp_path):
     assert len(installed) == 64 and code_sha256() == installed
 
 
+def test_trainer_package_digest_is_of_the_entry_points_package_source(tmp_path, monkeypatch):
+    assert trainer_package("kiln") == "kiln_trainer" and trainer_package("my_lm.train:main") == "my_lm"
+    pkg = tmp_path / "my_lm"
+    (pkg / "__pycache__").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "train.py").write_text("def main():\n    pass\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    first = package_sha256("my_lm")
+    assert len(first) == 64 and "my_lm" not in sys.modules  # found, not imported
+    (pkg / "__pycache__" / "train.cpython-311.pyc").write_bytes(b"\0")
+    assert package_sha256("my_lm") == first
+    (pkg / "train.py").write_text("def main():\n    return 1\n")
+    assert package_sha256("my_lm") != first
+    assert package_sha256("no_such_trainer_package") == ""
+    assert len(package_sha256("kiln_trainer")) == 64
+
+
 def test_from_registration_fills_the_inputs_from_the_register_stage_refs(tmp_path):
     from kiln.provenance.statement import environment, from_registration
     from kiln.refs import Decision, EvalReport, SnapshotRef, TrainingManifest, TrainResult
@@ -142,5 +163,7 @@ def test_from_registration_fills_the_inputs_from_the_register_stage_refs(tmp_pat
     assert got.quarantine_report_sha256 == hashlib.sha256(report.read_bytes()).hexdigest()
     assert got.code_sha256 == code_sha256() and got.torch_version == environment()["torch_version"]
     assert got.decision == decision.to_json() and got.eval_report == evaluation.to_json()
+    assert got.trainer == TrainerIdentity(spec="kiln", distribution="kiln", version="0.1.0",
+                                          sha256=package_sha256("kiln_trainer"))
     statement = build_statement(make_artifact(tmp_path / "a"), got)
     assert statement["predicate"]["runDetails"]["metadata"]["invocationId"] == "kiln_production/manual__1"
