@@ -147,7 +147,7 @@ def add_trusted_key(policy: str, pem: bytes, home: str | Path | None = None) -> 
     for other, ids in _all_trusted_ids(home).items():
         if other != policy and kid in ids:
             raise ProvenanceError(f"key {kid} is trusted by policy {other}; it cannot also be trusted by {policy}")
-    folder = _private_folder(_policy_dir(policy, home) / TRUSTED_DIR)
+    folder = _private_folder(trusted_dir(policy, home))
     target = folder / f"{kid}.pem"
     if not target.exists():
         atomic_write_bytes(target, public_pem(key))
@@ -164,7 +164,7 @@ def _all_trusted_ids(home: str | Path | None) -> dict[str, set[str]]:
 def trusted_keys(policy: str, home: str | Path | None = None) -> dict[str, ec.EllipticCurvePublicKey]:
     """``key id -> public key`` the policy trusts. ``ProvenanceError`` for a file whose key does not hash
     to its name, or a key another policy trusts too."""
-    folder = _policy_dir(policy, home) / TRUSTED_DIR
+    folder = trusted_dir(policy, home)
     keys: dict[str, ec.EllipticCurvePublicKey] = {}
     for path in sorted(folder.glob("*.pem")):
         key = _load_public(path.read_bytes(), str(path))
@@ -178,9 +178,14 @@ def trusted_keys(policy: str, home: str | Path | None = None) -> dict[str, ec.El
     return keys
 
 
+def trusted_dir(policy: str, home: str | Path | None = None) -> Path:
+    """The folder of the public keys the policy trusts (``KILN_HOME/keys/<policy>/trusted``)."""
+    return _policy_dir(policy, home) / TRUSTED_DIR
+
+
 def trusted_key_file(policy: str, kid: str, home: str | Path | None = None) -> Path:
     """The PEM file of a key the policy trusts (``trusted/<key id>.pem``)."""
-    return _policy_dir(policy, home) / TRUSTED_DIR / f"{kid}.pem"
+    return trusted_dir(policy, home) / f"{kid}.pem"
 
 
 def trusting_policy(kid: str, home: str | Path | None = None) -> str | None:

@@ -30,7 +30,7 @@ from cryptography.hazmat.primitives import hashes
 from cryptography.hazmat.primitives.asymmetric import ec
 
 from kiln.errors import ProvenanceError
-from kiln.provenance.keys import public_pem, trusted_key_file, trusted_keys, trusting_policy
+from kiln.provenance.keys import public_pem, trusted_dir, trusted_key_file, trusted_keys, trusting_policy
 from kiln.provenance.sign import PAYLOAD_TYPE, model_signing_hashing, pae
 from kiln.provenance.statement import (
     MODEL_SIGNATURE_FILE,
@@ -184,7 +184,7 @@ def verify_artifact(artifact_dir: str | Path, policy: str, *, home: str | Path |
         raise ProvenanceError(f"{directory}: unsigned: {' and '.join(missing)} missing")
     trusted = trusted_keys(policy, home)
     if not trusted:
-        raise ProvenanceError(f"policy {policy} trusts no key (its trusted set is empty)")
+        raise ProvenanceError(f"policy {policy} trusts no key: {trusted_dir(policy, home)} holds no public key")
     statement, statement_kid = _open_envelope(directory / PROVENANCE_FILE, policy, trusted, home)
     _check_statement(statement, policy)
     differences = compare_files(subjects(statement), artifact_files(directory))

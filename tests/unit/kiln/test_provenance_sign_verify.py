@@ -109,9 +109,11 @@ def test_an_edited_statement_fails_its_signature(signed, home):
 
 
 def test_sandbox_signed_is_not_production(tmp_path, home):
-    keys.signing_key("production", home)  # production has keys, just not this one
     art = make_artifact(tmp_path / "sandbox-art")
     sign_artifact(art, inputs(policy="sandbox", dag_id="kiln_sandbox"), home=home)
+    with pytest.raises(ProvenanceError, match="policy production trusts no key: .*/keys/production/trusted holds no"):
+        verify_artifact(art, "production", home=home)
+    keys.signing_key("production", home)  # production has keys, just not this one
     assert verify_artifact(art, "sandbox", home=home).policy == "sandbox"
     sandbox_kid = keys.signing_key("sandbox", home).key_id
     with pytest.raises(ProvenanceError, match=f"provenance.dsse.json is signed by key {sandbox_kid} "
