@@ -1,5 +1,9 @@
 """kiln_trainer: the trainer that runs on every node under torchrun.
 
+Its own distribution, ``kiln-trainer`` (``training/pyproject.toml``): torch, numpy, pyarrow and
+tokenizers, no Airflow; extras ``mlflow``, ``s3`` and ``export`` (docs/trainer-contract.md,
+"Installing the trainer side alone"). It never imports ``kiln``, the orchestration side.
+
 Modules (one concern each)::
 
     contract             what kiln and a trainer share, written once (standard library only): run dir names,
