@@ -94,6 +94,7 @@ class ProvenanceInputs:
     world_size: int
     strategy: str
     steps: int
+    """The step the weights are at (what a re-derivation trains to)."""
     # resolvedDependencies: what it read, each by digest
     snapshot_id: str
     """DVC's directory hash of the corpus snapshot, ``<md5>.dir``."""
@@ -159,6 +160,11 @@ class ProvenanceInputs:
                 when = None
             if when is None or when.tzinfo is None:
                 raise ConfigError(f"provenance: {name} must be an RFC 3339 time with its offset, got {getattr(self, name)!r}")
+        from kiln.runs import split_run_key
+
+        if split_run_key(self.run_key) != (self.dag_id, self.run_id):
+            raise ConfigError(f"provenance: run_key {self.run_key!r} is not dag_id/run_id "
+                              f"({self.dag_id!r}/{self.run_id!r})")
         if not self.snapshot_id.endswith(".dir"):
             raise ConfigError(f"provenance: snapshot_id must be DVC's '<md5>.dir', got {self.snapshot_id!r}")
         if not isinstance(self.nodes, tuple) or not all(isinstance(n, str) and n for n in self.nodes):

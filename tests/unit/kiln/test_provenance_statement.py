@@ -85,7 +85,7 @@ def test_shape_is_in_toto_v1_with_slsa_provenance_v1(tmp_path):
     ({"policy": "staging"}, "policy"), ({"code_sha256": "XYZ"}, "code_sha256"), ({"world_size": 0}, "world_size"),
     ({"snapshot_id": "abc"}, "snapshot_id"), ({"dag_id": ""}, "dag_id"), ({"nodes": ["a"]}, "nodes"),
     ({"token_manifest_sha256": "1" * 63}, "token_manifest_sha256"), ({"started_on": "yesterday"}, "started_on"),
-    ({"finished_on": "2026-01-01T00:00:00"}, "finished_on"),
+    ({"finished_on": "2026-01-01T00:00:00"}, "finished_on"), ({"run_key": "kiln_sandbox/manual__2026-01-01"}, "run_key"),
 ])
 def test_bad_inputs_are_refused_by_name(change, named):
     with pytest.raises(ConfigError, match=named):
