@@ -104,12 +104,12 @@ def _check_statement(statement: Any, policy: str) -> None:
         raise ProvenanceError(f"{PROVENANCE_FILE}: the statement is of a {stated} build, verified as {policy}")
 
 
-def compare_files(signed: dict[str, str], on_disk: dict[str, str]) -> list[str]:
-    """What differs between a statement's subjects and a directory's files, in words (empty: nothing)."""
+def compare_files(signed: dict[str, str], on_disk: dict[str, str], signer: str = "the signed statement") -> list[str]:
+    """What differs between the files ``signer`` lists and a directory's, in words (empty: nothing)."""
     changed = [f"{name} changed (signed sha256 {signed[name]}, now {on_disk[name]})"
                for name in sorted(signed.keys() & on_disk.keys()) if signed[name] != on_disk[name]]
     missing = [f"{name} missing" for name in sorted(signed.keys() - on_disk.keys())]
-    added = [f"{name} added (not in the signed statement)" for name in sorted(on_disk.keys() - signed.keys())]
+    added = [f"{name} added (not in {signer})" for name in sorted(on_disk.keys() - signed.keys())]
     return changed + missing + added
 
 
@@ -171,7 +171,7 @@ def _model_sig_differences(directory: Path, path: Path) -> list[str]:
     on_disk = artifact_files(directory)
     envelope = directory / PROVENANCE_FILE
     on_disk[PROVENANCE_FILE] = hashlib.sha256(envelope.read_bytes()).hexdigest()
-    return compare_files(signed, on_disk)
+    return compare_files(signed, on_disk, MODEL_SIGNATURE_FILE)
 
 
 def verify_artifact(artifact_dir: str | Path, policy: str, *, home: str | Path | None = None) -> VerifiedArtifact:
