@@ -205,36 +205,34 @@ def _digest_files(entries: list[tuple[str, Path]]) -> str:
     return digest.hexdigest()
 
 
-def code_sha256() -> str:
-    """The digest of the installed ``kiln`` and ``kiln_trainer`` source: every ``.py`` file and package data
-    file (``CODE_SUFFIXES``) of each package, as ``<package>/<relative path>``, sorted; no ``__pycache__``."""
-    import kiln
-    import kiln_trainer
-
-    entries: list[tuple[str, Path]] = []
-    for package in (kiln, kiln_trainer):
-        root = Path(package.__file__ or "").resolve().parent
-        entries += [(f"{package.__name__}/{rel}", path) for rel, path in _tree_files(root, CODE_SUFFIXES)]
-    return _digest_files(sorted(entries))
-
-
-def package_sha256(top_level: str) -> str:
-    """sha256 of an importable top-level package's source (``.py`` and package data files, as
-    ``code_sha256`` takes them), found without importing it; "" when it is not importable. Works alike for
-    an installed and an editable distribution (whose RECORD lists a finder, not the source)."""
+def _package_files(top_level: str) -> list[tuple[str, Path]]:
+    """``("<package>/<relative path>", path)`` of an importable top-level package's ``.py`` and package data
+    files (``CODE_SUFFIXES``), found without importing it (an editable install included: its RECORD lists
+    a finder, not the source); empty when it is not importable."""
     try:
         spec = importlib.util.find_spec(top_level)
     except (ImportError, ValueError):
-        return ""
+        return []
     if spec is None:
-        return ""
+        return []
     if spec.submodule_search_locations:
-        entries = [(f"{top_level}/{rel}", path) for location in spec.submodule_search_locations
-                   for rel, path in _tree_files(Path(location), CODE_SUFFIXES)]
-    elif spec.origin and spec.origin.endswith(".py"):
-        entries = [(f"{top_level}.py", Path(spec.origin))]
-    else:
-        return ""
+        return [(f"{top_level}/{rel}", path) for location in spec.submodule_search_locations
+                for rel, path in _tree_files(Path(location), CODE_SUFFIXES)]
+    if spec.origin and spec.origin.endswith(".py"):
+        return [(f"{top_level}.py", Path(spec.origin))]
+    return []
+
+
+def code_sha256() -> str:
+    """The digest of the installed ``kiln`` and ``kiln_trainer`` source: every ``.py`` file and package data
+    file (``CODE_SUFFIXES``) of each package, as ``<package>/<relative path>``, sorted; no ``__pycache__``."""
+    return _digest_files(sorted(_package_files("kiln") + _package_files("kiln_trainer")))
+
+
+def package_sha256(top_level: str) -> str:
+    """sha256 of an importable top-level package's source, as ``code_sha256`` takes it; "" when it is not
+    importable."""
+    entries = _package_files(top_level)
     return _digest_files(sorted(entries)) if entries else ""
 
 

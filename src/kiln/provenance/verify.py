@@ -20,7 +20,6 @@ from __future__ import annotations
 import base64
 import binascii
 import hashlib
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -40,6 +39,10 @@ from kiln.provenance.statement import (
     artifact_files,
     subjects,
 )
+from kiln.util.fs import load_json, parse_json
+
+SIGNATURE_MAX_BYTES = 64 << 20
+"""The largest signature file read (a statement of a few hundred thousand files)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,8 +64,8 @@ def _untrusted(what: str, kid: str, policy: str, home: str | Path | None) -> Pro
 
 def _open_envelope(path: Path, policy: str, trusted: dict[str, ec.EllipticCurvePublicKey],
                    home: str | Path | None) -> tuple[dict[str, Any], str]:
+    envelope = load_json(path, "a DSSE envelope", ProvenanceError, max_bytes=SIGNATURE_MAX_BYTES, follow_link=False)
     try:
-        envelope = json.loads(path.read_bytes())
         payload = base64.b64decode(envelope["payload"], validate=True)
         payload_type = envelope["payloadType"]
         signatures = list(envelope["signatures"])
@@ -83,11 +86,7 @@ def _open_envelope(path: Path, policy: str, trusted: dict[str, ec.EllipticCurveP
         raise ProvenanceError(
             f"{PROVENANCE_FILE}: the signature by key {kid} (policy {policy}) does not verify: the statement "
             "or the signature was changed after signing") from None
-    try:
-        statement = json.loads(payload)
-    except ValueError as exc:
-        raise ProvenanceError(f"{PROVENANCE_FILE}: the signed payload is not JSON ({exc})") from exc
-    return statement, kid
+    return parse_json(payload, f"{PROVENANCE_FILE}'s signed payload", ProvenanceError), kid
 
 
 def _check_statement(statement: Any, policy: str) -> None:
@@ -118,9 +117,10 @@ def _verify_model_sig(directory: Path, policy: str, trusted: dict[str, ec.Ellipt
     from model_signing import verifying
 
     path = directory / MODEL_SIGNATURE_FILE
+    bundle = load_json(path, "a model-signing bundle", ProvenanceError, max_bytes=SIGNATURE_MAX_BYTES, follow_link=False)
     try:
-        hint = json.loads(path.read_bytes())["verificationMaterial"]["publicKey"]["hint"]
-    except (ValueError, KeyError, TypeError) as exc:
+        hint = bundle["verificationMaterial"]["publicKey"]["hint"]
+    except (KeyError, TypeError) as exc:
         raise ProvenanceError(f"{MODEL_SIGNATURE_FILE}: not a model-signing bundle with a public key hint ({exc!r})") from exc
     # model-signing names its key by the sha256 of the public key's PEM; kiln's key id is of its DER
     by_hint = {hashlib.sha256(public_pem(key)).hexdigest(): kid for kid, key in trusted.items()}
@@ -164,9 +164,11 @@ def _model_sig_differences(directory: Path, path: Path) -> list[str]:
     """What differs between the files a model.sig signs and the directory, in words. Only called once
     model-signing has verified the bundle's signature and found the digests differ."""
     try:
-        payload = json.loads(base64.b64decode(json.loads(path.read_bytes())["dsseEnvelope"]["payload"]))
+        bundle = load_json(path, "a model-signing bundle", ProvenanceError, max_bytes=SIGNATURE_MAX_BYTES,
+                           follow_link=False)
+        payload = parse_json(base64.b64decode(bundle["dsseEnvelope"]["payload"]), "model.sig's payload", ProvenanceError)
         signed = {r["name"]: r["digest"] for r in payload["predicate"]["resources"]}
-    except (ValueError, KeyError, TypeError, binascii.Error):
+    except (ProvenanceError, KeyError, TypeError, binascii.Error):
         return []
     on_disk = artifact_files(directory)
     envelope = directory / PROVENANCE_FILE

@@ -187,5 +187,8 @@ def test_an_edited_model_sig_fails_closed(signed, home):
         verify_artifact(signed, "production", home=home)
     assert "\n" not in str(refused.value)
     (signed / PROVENANCE_FILE).write_text("not json")
+    with pytest.raises(ProvenanceError, match="provenance.dsse.json: not JSON"):
+        verify_artifact(signed, "production", home=home)
+    (signed / PROVENANCE_FILE).write_text('{"payload": 1, "payloadType": "application/vnd.in-toto+json"}')
     with pytest.raises(ProvenanceError, match="provenance.dsse.json: not a DSSE envelope"):
         verify_artifact(signed, "production", home=home)
