@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import fcntl
 import hashlib
+import os
+import stat
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -81,6 +83,10 @@ def public_pem(public_key: ec.EllipticCurvePublicKey) -> bytes:
 
 def _load_private(path: Path) -> ec.EllipticCurvePrivateKey:
     try:
+        mode = stat.S_IMODE(os.stat(path).st_mode)
+        if mode & 0o077:  # as ssh refuses a private key others can read: it may have been read already
+            raise ProvenanceError(f"signing key {path}: mode {mode:04o} lets others read it; it must be 0600 "
+                                  "(and, if it was exposed, rotated)")
         key = serialization.load_pem_private_key(path.read_bytes(), password=None)
     except OSError as exc:
         raise ProvenanceError(f"signing key {path}: cannot read it ({exc.strerror or exc})") from exc

@@ -82,3 +82,22 @@ def test_unknown_policy_and_unusable_key_are_named(tmp_path):
     key.path.write_text("not a key")
     with pytest.raises(ProvenanceError, match="signing-key.pem: not an unencrypted PEM private key"):
         keys.signing_key("sandbox", tmp_path)
+
+
+def test_a_private_key_others_can_read_is_refused(tmp_path):
+    key = keys.signing_key("production", tmp_path)
+    key.path.chmod(0o640)
+    with pytest.raises(ProvenanceError, match="mode 0640 lets others read it; it must be 0600"):
+        keys.signing_key("production", tmp_path)
+
+
+def _first_key(home):
+    return keys.signing_key("production", home).key_id
+
+
+def test_concurrent_first_signers_make_one_key(tmp_path):
+    import multiprocessing
+
+    with multiprocessing.get_context("fork").Pool(4) as pool:
+        ids = pool.map(_first_key, [tmp_path] * 8)
+    assert len(set(ids)) == 1 and list(keys.trusted_keys("production", tmp_path)) == ids[:1]

@@ -192,3 +192,15 @@ def test_an_edited_model_sig_fails_closed(signed, home):
     (signed / PROVENANCE_FILE).write_text('{"payload": 1, "payloadType": "application/vnd.in-toto+json"}')
     with pytest.raises(ProvenanceError, match="provenance.dsse.json: not a DSSE envelope"):
         verify_artifact(signed, "production", home=home)
+
+
+def test_a_statement_of_another_policy_signed_with_this_policys_key_is_refused(signed, home):
+    from kiln.provenance.sign import dsse_envelope
+    from kiln.provenance.statement import statement_bytes
+    from kiln_trainer.contract import canonical_json
+
+    statement = build_statement(signed, inputs(policy="sandbox", dag_id="kiln_sandbox"))
+    envelope = dsse_envelope(statement_bytes(statement), keys.signing_key("production", home))
+    (signed / PROVENANCE_FILE).write_bytes(canonical_json(envelope))
+    with pytest.raises(ProvenanceError, match="the statement is of a sandbox build, verified as production"):
+        verify_artifact(signed, "production", home=home)
