@@ -69,6 +69,8 @@ RUN grep -v '^torch==' /opt/kiln/constraints.txt > /tmp/constraints.txt \
         "safetensors==0.8.0" \
         "datatrove==0.10.1" \
         "datasketch==2.0.0" \
+        "model-signing==1.1.1" \
+        pyopenssl \
         kubernetes \
         "kubeflow-trainer-api==2.3.0" \
     && rm /tmp/constraints.txt
