@@ -172,7 +172,10 @@ def airflow_env(s: kiln_settings.Settings | None = None) -> dict[str, str]:
             "AIRFLOW__API_AUTH__JWT_SECRET": sec["jwt_secret"],
             "AIRFLOW__CORE__EXECUTION_API_SERVER_URL": f"{s.airflow_url}/execution/",
             "AIRFLOW__DAG_PROCESSOR__REFRESH_INTERVAL": "5",
-            "AIRFLOW__DAG_PROCESSOR__MIN_FILE_PROCESS_INTERVAL": "10",
+            # Airflow's default. A file is parsed as soon as it is found (the folder is listed every 5 s);
+            # after that, each re-parse of kiln's three DAG files is a new process importing kiln: every
+            # 10 s that was about 15 % of a core per stack, for a change nobody made.
+            "AIRFLOW__DAG_PROCESSOR__MIN_FILE_PROCESS_INTERVAL": "30",
             "AIRFLOW__SCHEDULER__ENABLE_HEALTH_CHECK": "False",
             # A scheduler that died with running tasks: its successor resets them at its next orphan
             # check (Airflow's default: every 300 s); 60 s bounds what a scheduler loss costs a run.

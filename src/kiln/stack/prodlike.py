@@ -254,7 +254,10 @@ def airflow_env(s: kiln_settings.Settings, st: dict[str, Any]) -> dict[str, str]
             "AIRFLOW__FAB__SESSION_BACKEND": "securecookie",
             "AIRFLOW__CORE__EXECUTION_API_SERVER_URL": f"{s.airflow_url}/execution/",
             "AIRFLOW__DAG_PROCESSOR__REFRESH_INTERVAL": "5",
-            "AIRFLOW__DAG_PROCESSOR__MIN_FILE_PROCESS_INTERVAL": "10",
+            # Airflow's default. A file is parsed as soon as it is found (the folder is listed every 5 s);
+            # after that, each re-parse of kiln's three DAG files is a new process importing kiln: every
+            # 10 s that was about 15 % of a core per stack, for a change nobody made.
+            "AIRFLOW__DAG_PROCESSOR__MIN_FILE_PROCESS_INTERVAL": "30",
             # A loaded 2-core machine parses a DAG file in well over the default 50 s/30 s limits.
             "AIRFLOW__DAG_PROCESSOR__DAG_FILE_PROCESSOR_TIMEOUT": "300",
             "AIRFLOW__CORE__DAGBAG_IMPORT_TIMEOUT": "240",
