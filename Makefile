@@ -2,6 +2,12 @@
 # Everything is idempotent: a second `make` with nothing changed takes seconds.
 
 PYTHON ?= python3
+# Python writes the bytecode of what it imports (__pycache__, ignored by git), for every command make
+# runs. Where PYTHONDONTWRITEBYTECODE is set, as on this kind of machine, it never does: each
+# process (every Airflow task, torchrun worker and CLI call of the tests) compiled every module it
+# imported from source again, about two thirds of importing airflow, mlflow or torch (measured:
+# airflow.sdk 9 s of CPU, 3 s from bytecode; docs/testing.md).
+unexport PYTHONDONTWRITEBYTECODE
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.kiln-installed
@@ -25,22 +31,14 @@ help:
 # /opt/wheels): about 25 s where pip took 2.5-3.7 min on 2 cores (docs/testing.md). uv itself comes
 # from pip, at the version constraints.txt pins. Both of kiln's distributions install editable: the
 # trainer side, kiln-trainer (training/), and kiln (the root), which depends on it.
-#
-# Bytecode is compiled once, here: site-packages by uv (--compile-bytecode), kiln's own modules by
-# compileall on every make (about 2 s; a module edited since is compiled again in memory, as
-# Python does for a stale .pyc). Where PYTHONDONTWRITEBYTECODE is set, as on this kind of machine,
-# Python never writes a .pyc: every process (each Airflow task, torchrun worker and CLI call)
-# compiled every module it imported from source again, about two thirds of importing airflow,
-# mlflow or torch (docs/testing.md).
 $(STAMP): pyproject.toml training/pyproject.toml requirements.in constraints.txt
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --disable-pip-version-check -qq -c constraints.txt uv
-	$(BIN)/uv pip install -q --python $(BIN)/python $(FIND_LINKS) -c constraints.txt --compile-bytecode -r requirements.in
+	$(BIN)/uv pip install -q --python $(BIN)/python $(FIND_LINKS) -c constraints.txt -r requirements.in
 	$(BIN)/uv pip install -q --python $(BIN)/python --no-deps --no-build-isolation -e training -e .
 	@touch $@
 
 venv: $(STAMP)
-	@$(BIN)/python -m compileall -q -j 0 src training dags plugins > /dev/null
 
 # Debian packages that some tests run for real (Slurm daemons, Prometheus); idempotent.
 system-deps:
