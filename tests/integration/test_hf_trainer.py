@@ -1,0 +1,235 @@
+"""The worked example of a trainer of your own (``examples/trainers/hf_causal_lm``: a Hugging Face
+``LlamaForCausalLM`` on kiln's trainer SDK) through kiln: ``kiln train --trainer`` with 2 ranks under
+torchrun and FSDP2 (the recipe's strategy), committed checkpoints that record the trainer and its
+distribution's version, a SIGKILL mid-save resumed to bitwise the same weights, and the exported
+Hugging Face folder loading with ``transformers`` to the trained model's logits.
+
+The example is installed as a user's package would be: its distribution built from a copy of its
+folder into a site directory (``pip install --target``: the package and its ``.dist-info``), which
+reaches kiln's command, its launcher and every rank on ``PYTHONPATH`` (as
+``test_user_trainer.py``'s package does). One reference training is shared by the checks.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import os
+import shutil
+import subprocess
+import sys
+import time
+import tomllib
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from kiln_trainer.checkpoint import load_model_weights, weights_sha256
+from kiln_trainer.contract.checkpoint_manifest import latest_committed, verify_checkpoint
+from kiln_trainer.contract.entrypoint import _packages_distributions
+from kiln_trainer.errors import RecipeError
+
+from training_manifests import stdlib_manifest
+
+pytestmark = pytest.mark.slow
+
+REPO = Path(__file__).resolve().parents[2]
+EXAMPLE = REPO / "examples" / "trainers" / "hf_causal_lm"
+RECIPE = EXAMPLE / "recipes" / "tiny_llama.toml"
+TRAIN_SPEC = "kiln_hf_trainer.train:main"
+SHORT = ("train.steps=6", "checkpoint.every_steps=2", "checkpoint.keep_last=3", "optim.warmup_steps=2",
+         "train.log_every=2", "tokenizer.max_train_chars=200000")
+"""The recipe shrunk to a few seconds of training: a checkpoint every 2 of 6 steps."""
+
+
+def _fixtures():
+    spec = importlib.util.spec_from_file_location("trainer_fixtures", REPO / "tests/unit/training/trainer_fixtures.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@dataclass(frozen=True, kw_only=True)
+class Example:
+    site: Path
+    """The example's distribution installed (package and .dist-info)."""
+    manifest: Path
+    reference: Path
+    """The run dir of one uninterrupted training."""
+
+
+def _install(site: Path, scratch: Path) -> None:
+    """Build and install the example's distribution into ``site``, from a copy of its folder (a build
+    writes build/ and *.egg-info into its source tree)."""
+    source = shutil.copytree(EXAMPLE, scratch / "source", ignore=shutil.ignore_patterns("__pycache__", "build",
+                                                                                         "*.egg-info"))
+    done = subprocess.run(
+        [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-build-isolation", "--no-index",
+         "--target", str(site), str(source)], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+
+
+def _env(site: Path, **extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("MLFLOW_", "RANK", "WORLD_SIZE", "LOCAL_"))}
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(site), os.environ.get("PYTHONPATH", "")) if p)
+    return env | extra
+
+
+def _kiln_train(manifest: Path, run_dir: Path) -> list[str]:
+    """``kiln train`` of the example's recipe with 2 ranks, naming the trainer on the command line."""
+    cmd = [sys.executable, "-m", "kiln.cli", "train", "--recipe", str(RECIPE), "--manifest", str(manifest),
+           "--run-dir", str(run_dir), "--nproc-per-node", "2", "--trainer", TRAIN_SPEC]
+    for override in SHORT:
+        cmd += ["--set", override]
+    return cmd
+
+
+def _train_ok(cmd: list[str], env: dict[str, str]) -> str:
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, cwd=REPO)
+    assert done.returncode == 0, f"exit {done.returncode}\n{done.stderr[-6000:]}"
+    return done.stderr
+
+
+def _result(run_dir: Path) -> dict:
+    return json.loads((run_dir / "result.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def example(tmp_path_factory: pytest.TempPathFactory) -> Example:
+    root = tmp_path_factory.mktemp("hf-trainer")
+    site = root / "site"
+    _install(site, root)
+    corpus = root / "corpus"  # kiln train refuses a run dir inside the corpus it reads
+    corpus.mkdir()
+    manifest = stdlib_manifest(corpus, 40_000)
+    reference = root / "reference"
+    _train_ok(_kiln_train(manifest, reference), _env(site))
+    return Example(site=site, manifest=manifest, reference=reference)
+
+
+@pytest.fixture
+def installed(example: Example, monkeypatch: pytest.MonkeyPatch) -> Iterator[Example]:
+    """The example's package importable in this process too."""
+    monkeypatch.syspath_prepend(str(example.site))
+    _packages_distributions.cache_clear()
+    yield example
+    _packages_distributions.cache_clear()
+
+
+def test_trains_under_torchrun_with_fsdp_and_every_checkpoint_records_the_trainer(example: Example) -> None:
+    result = _result(example.reference)
+    assert result["completed"] and result["step"] == 6 and result["world_size"] == 2
+    version = tomllib.loads((EXAMPLE / "pyproject.toml").read_text())["project"]["version"]
+    steps = sorted((example.reference / "checkpoints").iterdir())
+    assert [p.name for p in steps] == ["step-00000002", "step-00000004", "step-00000006"]
+    for step_dir in steps:
+        manifest = verify_checkpoint(step_dir)
+        assert manifest["strategy"] == "fsdp" and manifest["world_size"] == 2
+        assert manifest["trainer"] == {"spec": TRAIN_SPEC, "distribution": "kiln-example-hf-trainer",
+                                       "version": version, "export": "kiln_hf_trainer.export:main"}
+        assert manifest["tokenizer"]["kind"] == "bpe"
+        assert manifest["recipe"]["model"]["num_key_value_heads"] == 2  # the user's table, as given
+    assert result["weights_sha256"] == verify_checkpoint(steps[-1])["weights_sha256"]
+    records = [json.loads(line) for line in (example.reference / "metrics.jsonl").read_text().splitlines()]
+    losses = [r["loss"] for r in records if "loss" in r]
+    assert len(losses) == 3 and losses[-1] < math.log(512)  # below a uniform guess over the BPE's ids
+    windows = [r for r in records if "rank_step_times" in r]  # the SDK's straggler watch saw both ranks
+    assert windows and all(len(w["rank_step_times"]) == 2 for w in windows)
+
+
+def test_sigkill_mid_save_then_resume_gives_bitwise_the_same_weights(example: Example, tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    cmd = _kiln_train(example.manifest, run_dir)
+    # A slowed commit widens the window between a checkpoint's files and its manifest.
+    killed_log = tmp_path / "killed.log"  # a file, not a pipe: nobody reads it while the run goes
+    with open(killed_log, "wb") as log_file:
+        proc = subprocess.Popen(cmd, cwd=REPO, env=_env(example.site, KILN_CKPT_WRITE_DELAY_S="1.5"),
+                                stdout=subprocess.DEVNULL, stderr=log_file)
+    target = run_dir / "checkpoints" / "step-00000004"
+    deadline = time.monotonic() + 240
+    try:
+        while not target.exists():
+            assert proc.poll() is None, killed_log.read_text()[-3000:]
+            assert time.monotonic() < deadline, "the save of step 4 never started"
+            time.sleep(0.02)
+        time.sleep(0.3)
+    finally:
+        _fixtures().sigkill_tree(proc)
+    assert not (target / "manifest.json").exists(), "killed too late: the save had committed"
+    assert latest_committed(run_dir) == run_dir / "checkpoints" / "step-00000002"
+    log = _train_ok(cmd, _env(example.site))
+    assert "resumed from" in log and "(step 2)" in log
+    assert _result(run_dir)["weights_sha256"] == _result(example.reference)["weights_sha256"]
+
+
+def test_the_exported_folder_loads_with_transformers_and_gives_the_trained_logits(
+    installed: Example, tmp_path: Path
+) -> None:
+    import torch
+    from kiln_hf_trainer import export
+    from kiln_hf_trainer.model import llama_config
+    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
+
+    from kiln_trainer.config import Recipe
+    from kiln_trainer.export import checkpoint_tokenizer
+
+    step_dir = Path(_result(installed.reference)["checkpoint"])
+    out = tmp_path / "hf"
+    assert export.main(["--checkpoint", str(step_dir), "--out", str(out)]) == 0
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "generation_config.json", "model.safetensors",
+                                                     "tokenizer.json", "tokenizer_config.json"]  # no pickle
+
+    loaded = AutoModelForCausalLM.from_pretrained(out).eval()
+    manifest, state = load_model_weights(step_dir)
+    assert isinstance(loaded, LlamaForCausalLM)
+    assert weights_sha256(loaded.state_dict()) == manifest["weights_sha256"]  # the checkpoint's weights, exactly
+
+    tokenizer = checkpoint_tokenizer(step_dir, manifest)
+    text = "def main(argv):\n    return 0\n"
+    ids = tokenizer.encode_batch([text])[0]
+    assert AutoTokenizer.from_pretrained(out)(text)["input_ids"] == ids  # the ids it trained on
+
+    # The trained model, as the trainer builds it, with the checkpoint's weights.
+    trained = LlamaForCausalLM(llama_config(Recipe.from_dict(manifest["recipe"]), tokenizer)).eval()
+    trained.load_state_dict(state, strict=True)
+    with torch.no_grad():
+        x = torch.tensor([ids])
+        logits = trained(input_ids=x).logits
+        torch.testing.assert_close(loaded(input_ids=x).logits, logits, rtol=0, atol=1e-5)
+        generated = loaded.generate(x, max_new_tokens=1)  # greedy (generation_config.json)
+    assert generated[0, -1].item() == int(logits[0, -1].argmax())
+
+
+def test_export_refuses_a_damaged_checkpoint_and_one_of_another_trainer(installed: Example, tmp_path: Path) -> None:
+    from kiln_hf_trainer.export import export_folder
+
+    from kiln_trainer.errors import CheckpointError, TrainerError
+
+    step_dir = Path(_result(installed.reference)["checkpoint"])
+    damaged = shutil.copytree(step_dir, tmp_path / "damaged" / step_dir.name)
+    (damaged / "scheduler.pt").write_bytes(b"edited")
+    with pytest.raises(CheckpointError, match="scheduler.pt"):
+        export_folder(damaged, tmp_path / "out")
+    _fixtures().write_checkpoints(tmp_path / "kiln-run", [2])  # kiln's own GPT
+    with pytest.raises(TrainerError, match="made by trainer 'kiln', not by kiln_hf_trainer"):
+        export_folder(latest_committed(tmp_path / "kiln-run"), tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+def test_the_model_table_is_checked_naming_the_key(installed: Example) -> None:
+    from kiln_hf_trainer.model import llama_config
+
+    from kiln_trainer.config import load_recipe
+    from kiln_trainer.tokenizer import ByteTokenizer
+
+    config = llama_config(load_recipe(RECIPE), ByteTokenizer())
+    assert (config.vocab_size, config.max_position_embeddings, config.num_key_value_heads) == (512, 64, 2)
+    assert config.rope_parameters["rope_theta"] == 10000.0 and config.eos_token_id == 256
+    with pytest.raises(RecipeError, match="hidden_sise"):
+        llama_config(load_recipe(RECIPE, ["model.hidden_sise=32"]), ByteTokenizer())
+    with pytest.raises(RecipeError, match="not a multiple"):
+        llama_config(load_recipe(RECIPE, ["model.hidden_size=66"]), ByteTokenizer())
