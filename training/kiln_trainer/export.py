@@ -26,6 +26,7 @@ from __future__ import annotations
 import importlib.metadata
 import json
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -66,23 +67,31 @@ def model_metadata(manifest: dict[str, Any], step_dir: Path, tokenizer: Tokenize
     }
 
 
-class _PyfuncSavingWithoutServingCheck:
-    """The pyfunc flavor for ``Model.log``, taking the ``validate_serving_input`` keyword that
-    ``Model.log`` passes on to ``save_model`` and ``mlflow.pyfunc.save_model`` does not accept."""
+class _SavedThenSigned:
+    """The flavor ``log_model`` hands ``Model.log``: its ``save_model`` writes the model's files
+    (``save_model`` below, with the ``MLmodel`` that ``Model.log`` made for the logged model, so its
+    model id and run are final), then calls ``before_upload`` on the finished directory (registration
+    signs it there), all before ``Model.log`` uploads the directory. It also takes the
+    ``validate_serving_input`` keyword that ``Model.log`` passes on and ``mlflow.pyfunc.save_model``
+    does not accept."""
 
-    @staticmethod
-    def save_model(*, validate_serving_input: bool = True, **kwargs: Any) -> None:
-        import mlflow.pyfunc
+    def __init__(self, step_dir: Path, before_upload: Callable[[Path], None] | None) -> None:
+        self.step_dir, self.before_upload = step_dir, before_upload
 
-        mlflow.pyfunc.save_model(**kwargs)
+    def save_model(self, *, path: str, mlflow_model: Any, validate_serving_input: bool = True, **kwargs: Any) -> None:
+        save_model(self.step_dir, path, mlflow_model=mlflow_model, **kwargs)
+        if self.before_upload is not None:
+            self.before_upload(Path(path))
 
 
-def log_model(step_dir: str | Path, name: str = "model", **log_model_kwargs: Any) -> str:
-    """Verify the checkpoint, write the served model's files and log it to the active run; return
-    the model URI. Extra keyword arguments go to ``mlflow.models.Model.log`` (e.g.
-    ``registered_model_name``)."""
-    import mlflow
-    import mlflow.models
+def save_model(step_dir: str | Path, path: str | Path, *, mlflow_model: Any = None, **save_kwargs: Any) -> Path:
+    """Verify the checkpoint and write the served model's MLflow model directory at ``path`` (which must
+    not exist): what ``mlflow.pyfunc.save_model`` writes for it, the model as code, the Hugging Face
+    folder and the other artifacts, the signature and the input example; never a pickle. Nothing is
+    loaded back or predicted. ``__pycache__`` folders that saving may leave are removed, so the
+    directory is final (what is signed is what is uploaded). Returns ``path``."""
+    import shutil
+
     import mlflow.pyfunc
     import safetensors
     import tokenizers
@@ -90,9 +99,7 @@ def log_model(step_dir: str | Path, name: str = "model", **log_model_kwargs: Any
 
     from kiln_trainer import hf, serving
 
-    if mlflow.active_run() is None:
-        raise TrainerError("log_model needs an active MLflow run (mlflow.start_run(run_id=...))")
-    step_dir = Path(step_dir).resolve()
+    step_dir, path = Path(step_dir).resolve(), Path(path)
     with tempfile.TemporaryDirectory(prefix="kiln-export-") as tmp:
         files = Path(tmp)
         # verifies every file and the weights' hash, then writes the Hugging Face folder
@@ -105,19 +112,9 @@ def log_model(step_dir: str | Path, name: str = "model", **log_model_kwargs: Any
             (serving.HF_ARTIFACT, serving.HF_ARTIFACT), ("tokenizer", TOKENIZER_FILE), ("recipe", "recipe.json"),
             ("checkpoint_manifest", "checkpoint_manifest.json"))}
         code = str(Path(__file__).resolve().parent / "mlflow_model.py")
-        # What mlflow.pyfunc.log_model does (it calls Model.log with the pyfunc flavor), less one step:
-        # with an input example, Model.log loads the model it has just written (transformers' GPT-2
-        # and the weights) and predicts the example, only to log a warning if that fails. That was
-        # about a third of a registration. Model.log skips it for validate_serving_input=False, which
-        # it also hands to the flavor's save_model, and pyfunc's save_model refuses unknown keywords:
-        # _PyfuncSavingWithoutServingCheck drops it there. The example and the signature are saved as
-        # before; test_export loads a logged model and predicts, and holds that this step stays off.
-        info = mlflow.models.Model.log(
-            artifact_path=None,
-            name=name,
-            flavor=_PyfuncSavingWithoutServingCheck,
-            flavor_name=mlflow.pyfunc._get_pyfunc_model_flavor_name(code),
-            validate_serving_input=False,
+        mlflow.pyfunc.save_model(
+            path=str(path),
+            mlflow_model=mlflow_model,
             # models from code: MLflow stores this file, not a pickled TextGenerator
             python_model=code,
             artifacts=artifacts,
@@ -129,6 +126,41 @@ def log_model(step_dir: str | Path, name: str = "model", **log_model_kwargs: Any
             pip_requirements=[f"torch=={torch.__version__.split('+')[0]}", f"tokenizers=={tokenizers.__version__}",
                               f"transformers=={importlib.metadata.version('transformers')}",
                               f"safetensors=={safetensors.__version__}", "numpy"],
-            **log_model_kwargs,
+            **save_kwargs,
         )
+    for pycache in sorted(path.rglob("__pycache__")):
+        shutil.rmtree(pycache, ignore_errors=True)
+    return path
+
+
+def log_model(step_dir: str | Path, name: str = "model", *, before_upload: Callable[[Path], None] | None = None,
+              **log_model_kwargs: Any) -> str:
+    """Verify the checkpoint, write the served model's directory (``save_model``), hand it to
+    ``before_upload`` (registration signs it: ``model.sig`` and ``provenance.dsse.json`` are written
+    into it) and log it to the active run as a logged model; return the model URI. Extra keyword
+    arguments go to ``mlflow.models.Model.log`` (e.g. ``registered_model_name``)."""
+    import mlflow
+    import mlflow.models
+    import mlflow.pyfunc
+
+    if mlflow.active_run() is None:
+        raise TrainerError("log_model needs an active MLflow run (mlflow.start_run(run_id=...))")
+    code = str(Path(__file__).resolve().parent / "mlflow_model.py")
+    # What mlflow.pyfunc.log_model does (it calls Model.log with the pyfunc flavor), less one step:
+    # with an input example, Model.log loads the model it has just written (transformers' GPT-2
+    # and the weights) and predicts the example, only to log a warning if that fails. That was
+    # about a third of a registration. Model.log skips it for validate_serving_input=False, which
+    # it also hands to the flavor's save_model, and pyfunc's save_model refuses unknown keywords:
+    # _SavedThenSigned drops it there. The example and the signature are saved as before;
+    # test_export loads a logged model and predicts, and holds that this step stays off. Model.log
+    # writes nothing into the directory after save_model returns (it would rewrite MLmodel only for
+    # environment variables found by that skipped check), so what before_upload signed is uploaded.
+    info = mlflow.models.Model.log(
+        artifact_path=None,
+        name=name,
+        flavor=_SavedThenSigned(Path(step_dir).resolve(), before_upload),
+        flavor_name=mlflow.pyfunc._get_pyfunc_model_flavor_name(code),
+        validate_serving_input=False,
+        **log_model_kwargs,
+    )
     return info.model_uri
