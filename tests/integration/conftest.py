@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -62,6 +63,14 @@ def mlflow_uri(mlflow_server: MlflowServer, monkeypatch: pytest.MonkeyPatch) -> 
 
 
 @pytest.fixture
+def client(mlflow_uri: str) -> Any:
+    """An MlflowClient of the test server (the registry tests' view of what was written)."""
+    from mlflow import MlflowClient
+
+    return MlflowClient(tracking_uri=mlflow_uri)
+
+
+@pytest.fixture
 def unique_name() -> str:
     """A short suffix that keeps one test's registered models apart from another's."""
     return uuid.uuid4().hex[:8]
@@ -69,7 +78,8 @@ def unique_name() -> str:
 
 @pytest.fixture
 def logged_models(monkeypatch) -> list[str]:
-    """Stand-in for kiln_trainer.export.log_model: a tiny real pyfunc model in the active run."""
+    """Stand-in for kiln_trainer.export.log_model: a tiny real pyfunc model in the active run, signed by
+    registration's signer before upload like the real one."""
     import mlflow
 
     class ByteEcho(mlflow.pyfunc.PythonModel):
@@ -78,10 +88,21 @@ def logged_models(monkeypatch) -> list[str]:
 
     calls: list[str] = []
 
-    def log_tiny_model(step_dir: str) -> str:
+    class SavedThenSigned:
+        """Saves the pyfunc, then signs the directory before Model.log uploads it, as the trainer's export does."""
+
+        def __init__(self, sign: Callable[[Path], None]) -> None:
+            self.sign = sign
+
+        def save_model(self, *, path: str, mlflow_model: Any, **kwargs: Any) -> None:
+            mlflow.pyfunc.save_model(path=path, mlflow_model=mlflow_model, **kwargs)
+            self.sign(Path(path))
+
+    def log_tiny_model(step_dir: str, sign: Callable[[Path], None]) -> str:
         calls.append(step_dir)
-        info = mlflow.pyfunc.log_model(name=registry.MODEL_ARTIFACT_NAME, python_model=ByteEcho(),
-                                       pip_requirements=[])
+        info = mlflow.models.Model.log(artifact_path=None, name=registry.MODEL_ARTIFACT_NAME,
+                                       flavor=SavedThenSigned(sign), flavor_name="python_function",
+                                       python_model=ByteEcho(), pip_requirements=[])
         return info.model_uri
 
     monkeypatch.setattr(registry.register, "_log_checkpoint_model", log_tiny_model)

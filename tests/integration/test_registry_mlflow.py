@@ -141,13 +141,6 @@ def approve(policy: Policy, ref: dict[str, Any], run_key: str, reviewer: str, at
 # ------------------------------------------------------------------------------------------ fixtures
 
 
-@pytest.fixture
-def client(mlflow_uri):
-    from mlflow import MlflowClient
-
-    return MlflowClient(tracking_uri=mlflow_uri)
-
-
 def versions(client, model: str) -> list:
     return list(client.search_model_versions(f"name = '{model}'"))
 
@@ -552,6 +545,13 @@ def test_real_checkpoint_is_registered_as_a_text_model_that_generates_and_serves
     tags = client.get_model_version(policy.candidate_model, ref["version"]).tags
     assert tags["kiln.weights_sha256"] == verified["weights_sha256"]
     assert tags["kiln.recipe_sha256"] == verified["recipe_sha256"]
+    # the real export was signed before upload: the version verifies (files, signatures, tags, logged model)
+    from kiln.registry.verify import verify_version
+
+    checked = verify_version(client, client.get_model_version(policy.candidate_model, ref["version"]), "sandbox")
+    names = {s["name"] for s in checked.statement["subject"]}
+    assert {"MLmodel", "mlflow_model.py", "artifacts/hf_model/model.safetensors"} <= names
+    assert not [n for n in names if n.endswith((".pkl", ".pt", ".bin", ".pth"))]
 
     port = free_port()
     serve_log = open(tmp_path / "serve.log", "w")  # noqa: SIM115  (closed below; a pipe could fill and stall it)

@@ -103,12 +103,15 @@ class ProvenanceInputs:
     contract: str
     """``name@version`` of the data contract."""
     contract_suite_sha256: str
+    """"" when the data gate did not record it (the statement then says it is not recorded)."""
     quarantine_report_sha256: str
+    """"" when there is no quarantine report (likewise)."""
     quarantine_report_uri: str
     training_manifest_sha256: str
     training_manifest_uri: str
     tokenizer_kind: str
     tokenizer_sha256: str
+    """"" for a checkpoint of the byte stream before tokenizers, which records none."""
     token_manifest_sha256: str = ""
     """"" for a run trained on the byte stream before tokenize stages (then no dependency is listed)."""
     token_manifest_uri: str = ""
@@ -124,7 +127,7 @@ class ProvenanceInputs:
     run_key: str
     started_on: str
     finished_on: str
-    """RFC 3339 times in UTC."""
+    """RFC 3339 times in UTC; "" when not recorded (the statement leaves them out and lists them as unrecorded)."""
     checkpoint_manifest_sha256: str
     eval_report: Mapping[str, Any]
     decision: Mapping[str, Any]
@@ -138,13 +141,15 @@ class ProvenanceInputs:
         if self.policy not in POLICIES:
             raise ConfigError(f"provenance: policy must be one of {', '.join(POLICIES)}, got {self.policy!r}")
         for name in ("dag_id", "run_id", "launcher", "strategy", "snapshot_id", "corpus", "contract",
-                     "tokenizer_kind", "torch_version", "python_version", "platform", "run_key",
-                     "started_on", "finished_on"):
+                     "tokenizer_kind", "torch_version", "python_version", "platform", "run_key"):
             if not isinstance(getattr(self, name), str) or not getattr(self, name):
                 raise ConfigError(f"provenance: {name} must be a non-empty string, got {getattr(self, name)!r}")
-        for name in ("contract_suite_sha256", "quarantine_report_sha256", "training_manifest_sha256",
-                     "tokenizer_sha256", "code_sha256", "checkpoint_manifest_sha256"):
+        for name in ("training_manifest_sha256", "code_sha256", "checkpoint_manifest_sha256"):
             _check_hex(name, getattr(self, name))
+        # "": not recorded (by the data gate; by a checkpoint of the byte stream before tokenizers)
+        for name in ("contract_suite_sha256", "quarantine_report_sha256", "tokenizer_sha256"):
+            if getattr(self, name) != "":
+                _check_hex(name, getattr(self, name))
         if self.token_manifest_sha256:
             _check_hex("token_manifest_sha256", self.token_manifest_sha256)
         if self.trainer.sha256:
@@ -154,6 +159,8 @@ class ProvenanceInputs:
             if not isinstance(value, int) or isinstance(value, bool) or value < (1 if name != "seed" else 0):
                 raise ConfigError(f"provenance: {name} must be an integer >= {1 if name != 'seed' else 0}, got {value!r}")
         for name in ("started_on", "finished_on"):
+            if getattr(self, name) == "":  # not recorded: the statement says so
+                continue
             try:
                 when = dt.datetime.fromisoformat(getattr(self, name).replace("Z", "+00:00"))
             except ValueError:
@@ -281,7 +288,7 @@ def artifact_files(artifact_dir: str | Path) -> dict[str, str]:
 # ------------------------------------------------------------------------------ the statement
 
 
-def _descriptor(name: str, digest: Mapping[str, str], uri: str = "", **annotations: Any) -> dict[str, Any]:
+def _descriptor(name: str, digest: Mapping[str, str], uri: str = "", /, **annotations: Any) -> dict[str, Any]:
     """An in-toto ResourceDescriptor (empty ``uri`` and ``annotations`` left out)."""
     out: dict[str, Any] = {"name": name, "digest": dict(digest)}
     if uri:
@@ -304,10 +311,13 @@ def build_statement(artifact_dir: str | Path, inputs: ProvenanceInputs) -> dict[
     dependencies = [
         _descriptor(f"snapshot:{i.corpus}", {"md5": i.snapshot_id.removesuffix(".dir")}, i.snapshot_remote,
                     dvc_id=i.snapshot_id),
-        _descriptor(f"contract:{i.contract}", {"sha256": i.contract_suite_sha256}),
-        _descriptor("quarantine-report", {"sha256": i.quarantine_report_sha256}, i.quarantine_report_uri),
+        _descriptor(f"contract:{i.contract}", _known_digest(i.contract_suite_sha256),
+                    **({} if i.contract_suite_sha256 else {"recorded": False})),
+        _descriptor("quarantine-report", _known_digest(i.quarantine_report_sha256), i.quarantine_report_uri,
+                    **({} if i.quarantine_report_sha256 else {"recorded": False})),
         _descriptor("training-manifest", {"sha256": i.training_manifest_sha256}, i.training_manifest_uri),
-        _descriptor(f"tokenizer:{i.tokenizer_kind}", {"sha256": i.tokenizer_sha256}),
+        _descriptor(f"tokenizer:{i.tokenizer_kind}", _known_digest(i.tokenizer_sha256),
+                    **({} if i.tokenizer_sha256 else {"recorded": False})),
     ]
     if i.token_manifest_sha256:
         dependencies.append(_descriptor("token-manifest", {"sha256": i.token_manifest_sha256}, i.token_manifest_uri))
@@ -322,6 +332,7 @@ def build_statement(artifact_dir: str | Path, inputs: ProvenanceInputs) -> dict[
         _descriptor("python", {}, version=i.python_version),
         _descriptor("platform", {}, description=i.platform),
     ]
+    unrecorded = _unrecorded(i)
     byproducts = [
         _descriptor("checkpoint-manifest", {"sha256": i.checkpoint_manifest_sha256}),
         _descriptor("evaluation-report", _json_digest(i.eval_report), content=dict(i.eval_report)),
@@ -339,16 +350,30 @@ def build_statement(artifact_dir: str | Path, inputs: ProvenanceInputs) -> dict[
                 "externalParameters": {"recipe": dict(i.recipe), "seed": i.seed, "world_size": i.world_size,
                                        "strategy": i.strategy, "steps": i.steps},
                 "internalParameters": {"policy": i.policy, "dag_id": i.dag_id, "run_id": i.run_id,
-                                       "launcher": i.launcher, "nodes": list(i.nodes)},
+                                       "launcher": i.launcher, "nodes": list(i.nodes),
+                                       **({"unrecorded": unrecorded} if unrecorded else {})},
                 "resolvedDependencies": dependencies,
             },
             "runDetails": {
                 "builder": {"id": f"urn:kiln:builder:{i.policy}", "version": {"kiln": i.kiln_version or _kiln_version()}},
-                "metadata": {"invocationId": i.run_key, "startedOn": i.started_on, "finishedOn": i.finished_on},
+                "metadata": {"invocationId": i.run_key, **({"startedOn": i.started_on} if i.started_on else {}),
+                             **({"finishedOn": i.finished_on} if i.finished_on else {})},
                 "byproducts": byproducts,
             },
         },
     }
+
+
+def _known_digest(sha256: str) -> dict[str, str]:
+    return {"sha256": sha256} if sha256 else {}
+
+
+def _unrecorded(i: ProvenanceInputs) -> list[str]:
+    """What the stages did not record, by name: said so rather than guessed."""
+    return [name for name, missing in (
+        ("contract_suite_sha256", not i.contract_suite_sha256), ("quarantine_report", not i.quarantine_report_sha256),
+        ("tokenizer_sha256", not i.tokenizer_sha256),
+        ("nodes", not i.nodes), ("startedOn", not i.started_on), ("finishedOn", not i.finished_on)) if missing]
 
 
 def _kiln_version() -> str:
@@ -375,7 +400,7 @@ def subjects(statement: Mapping[str, Any]) -> dict[str, str]:
 
 def from_registration(
     *, policy: str, run_key: str, train: Any, eval_report: Any, snapshot: Any, manifest: Any,
-    verified: Mapping[str, Any], decision: Any, contract_suite_sha256: str, quarantine_report: str | Path,
+    verified: Mapping[str, Any], decision: Any, contract_suite_sha256: str, quarantine_report: str | Path | None,
     launcher: str, nodes: tuple[str, ...], started_on: str, finished_on: str, git_commit: str = "",
     training_manifest_uri: str = "", approval: Mapping[str, Any] | None = None,
 ) -> ProvenanceInputs:
@@ -401,7 +426,8 @@ def from_registration(
         steps=int(train.step),
         snapshot_id=snapshot.id, corpus=snapshot.corpus, snapshot_remote=snapshot.remote,
         contract=manifest.contract, contract_suite_sha256=contract_suite_sha256,
-        quarantine_report_sha256=sha256_file(Path(quarantine_report)), quarantine_report_uri=str(quarantine_report),
+        quarantine_report_sha256=sha256_file(Path(quarantine_report)) if quarantine_report else "",
+        quarantine_report_uri=str(quarantine_report or ""),
         training_manifest_sha256=manifest.sha256, training_manifest_uri=training_manifest_uri,
         tokenizer_kind=str(tokenizer.get("kind") or "byte"), tokenizer_sha256=str(verified.get("tokenizer_sha256", "")),
         token_manifest_sha256=str(verified.get("token_manifest_sha256") or tokens.get("sha256") or ""),
@@ -439,11 +465,13 @@ def describe(statement: Mapping[str, Any]) -> list[str]:
         f"{len(statement['subject'])} files, each matching its signed sha256",
         f"built by {run['builder']['id']} (kiln {run['builder'].get('version', {}).get('kiln', '?')}) "
         f"for policy {internal['policy']}: DAG {internal['dag_id']}, run {internal['run_id']}",
-        f"ran {meta['startedOn']} .. {meta['finishedOn']} on launcher {internal['launcher']}, "
+        f"ran {meta.get('startedOn', 'start not recorded')} .. {meta.get('finishedOn', 'end not recorded')} "
+        f"on launcher {internal['launcher']}, "
         f"nodes {', '.join(internal['nodes']) or 'not recorded'}",
         f"trained {ext['steps']} steps, seed {ext['seed']}, world size {ext['world_size']}, strategy {ext['strategy']}",
         f"from snapshot {dep('snapshot')}",
-        f"checked by {dep('contract')}; quarantine report sha256 {deps['quarantine-report']['digest']['sha256']}",
+        f"checked by {dep('contract')}; quarantine report "
+        f"{deps['quarantine-report']['digest'].get('sha256', 'not recorded')}",
         f"training manifest sha256 {deps['training-manifest']['digest']['sha256']}; "
         f"tokenizer {dep('tokenizer')}; token manifest {dep('token-manifest')}",
         f"code {dep('code')}; trainer {dep('trainer')} {deps['trainer']['annotations'].get('distribution', '')} "
@@ -451,6 +479,8 @@ def describe(statement: Mapping[str, Any]) -> list[str]:
         f"torch {deps['torch']['annotations']['version']}, Python {deps['python']['annotations']['version']}, "
         f"{deps['platform']['annotations']['description']}",
     ]
+    if internal.get("unrecorded"):
+        lines.append(f"not recorded by the stages before registration: {', '.join(internal['unrecorded'])}")
     for byproduct in run.get("byproducts", []):
         content = byproduct.get("annotations", {}).get("content")
         if byproduct["name"] == "gate-decision" and isinstance(content, dict):

@@ -58,7 +58,7 @@ from kiln.registry.audit import AUDIT_EVENTS, AUDIT_PREFIX, AUDIT_TEXT_MAX, audi
 from kiln.registry.gate import decide
 from kiln.registry.mlflow_io import RetryPolicy, is_transient
 from kiln.registry.promote import promote, rollback
-from kiln.registry.register import champion_report, lineage_tags, register_candidate, version_report
+from kiln.registry.register import RunRecords, champion_report, lineage_tags, register_candidate, version_report
 from kiln.registry.report import (
     LossCurve,
     loss_curve,
@@ -124,6 +124,7 @@ __all__ = [
     "record_rollback_review",
     "recorded_review",
     "register_candidate",
+    "RunRecords",
     "report_html",
     "report_markdown",
     "rollback",

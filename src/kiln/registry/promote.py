@@ -34,6 +34,7 @@ from kiln.registry.tags import (
     _parse_time,
     utc_now,
 )
+from kiln.registry.verify import verify_version
 
 log = logging.getLogger("kiln.registry")
 
@@ -177,7 +178,12 @@ def promote(
 
     A version that was rolled back is promoted again only on an approval given after the rollback:
     an Airflow re-run of an old promote task (its run's old review) is refused (``PolicyError``),
-    never a silent undo of the rollback. Transient MLflow failures are retried with backoff; a
+    never a silent undo of the rollback. Nor is a candidate promoted that does not verify
+    (``kiln.registry.verify.verify_version``): its whole model directory is downloaded and checked
+    against its two signatures with the keys ``policy`` trusts (a sandbox-signed candidate never
+    verifies as production), every file's bytes against the signed statement, and the statement
+    against the version's tags and logged model; any difference is a ``ProvenanceError`` naming it,
+    before anything is written. Transient MLflow failures are retried with backoff; a
     retry (or a re-run) completes a half-done promotion without a second copy.
     """
     if decision.action != "promote":
@@ -208,6 +214,9 @@ def promote(
             recorded = _recorded_decision(candidate)
             _refuse_unless_recorded(decision, recorded, candidate)
             approver, approval_time, how = _approval_of_run(candidate, policy, run_key)
+        # Fail closed, before anything moves: the candidate's files, both signatures (with the keys
+        # this policy trusts) and its records must agree (ProvenanceError names what differs).
+        verify_version(client, candidate, policy.name)
 
         holder = _version_by_alias(client, target, policy.alias)
         if holder is not None and holder.tags.get(RUN_KEY_TAG) == candidate.tags[RUN_KEY_TAG]:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import math
 import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -58,13 +60,53 @@ def _verify_checkpoint(step_dir: str) -> dict[str, Any]:
         raise ManifestError(f"checkpoint {step_dir} refused: {exc}") from exc
 
 
-def _log_checkpoint_model(step_dir: str) -> str:
+def _log_checkpoint_model(step_dir: str, sign: Callable[[Path], None]) -> str:
     """Log the checkpoint as a text model (``kiln_trainer.serving``) into the active run; returns its URI.
     The model carries the checkpoint as a Hugging Face folder (``kiln.registry.export.HF_FOLDER``:
-    safetensors weights, tokenizer files) that the text model generates from and ``kiln export`` writes out."""
+    safetensors weights, tokenizer files) that the text model generates from and ``kiln export`` writes out.
+    ``sign`` is called on the finished model directory before it is uploaded."""
     from kiln_trainer.export import log_model
 
-    return log_model(step_dir, name=MODEL_ARTIFACT_NAME)
+    return log_model(step_dir, name=MODEL_ARTIFACT_NAME, before_upload=sign)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class RunRecords:
+    """What the stages before registration recorded that the refs do not carry, for the provenance
+    statement. Each is "" / empty when not recorded; the statement then lists it as unrecorded rather
+    than guessing (docs/provenance.md)."""
+
+    quarantine_report: str = ""
+    """Path of the run's quarantine report (its sha256 goes into the statement)."""
+    contract_suite_sha256: str = ""
+    """The contract suite's sha256 as the data gate recorded it in the quarantine report."""
+    launcher: str = ""
+    """The launcher backend; "" means the policy's."""
+    nodes: tuple[str, ...] = ()
+    started_on: str = ""
+    finished_on: str = ""
+
+
+def _signer(
+    *, policy: Policy, run_key: str, train: TrainResult, eval_report: EvalReport, snapshot: SnapshotRef,
+    manifest: TrainingManifest, verified: dict[str, Any], decision: Decision, records: RunRecords, git_commit: str,
+) -> Callable[[Path], None]:
+    """The call that signs the model directory for ``policy`` (``kiln.provenance.sign_artifact``) with the
+    statement of this registration."""
+    from kiln.provenance import from_registration, sign_artifact
+
+    inputs = from_registration(
+        policy=policy.name, run_key=run_key, train=train, eval_report=eval_report, snapshot=snapshot,
+        manifest=manifest, verified=verified, decision=decision,
+        contract_suite_sha256=records.contract_suite_sha256, quarantine_report=records.quarantine_report or None,
+        launcher=records.launcher or policy.launcher, nodes=records.nodes, started_on=records.started_on,
+        finished_on=records.finished_on, git_commit=git_commit,
+    )
+
+    def sign(model_dir: Path) -> None:
+        sign_artifact(model_dir, inputs)
+
+    return sign
 
 
 def _check_consistency(
@@ -177,6 +219,7 @@ def register_candidate(
     run_key: str,
     lineage: dict[str, str] | None = None,
     decision: Decision | None = None,
+    records: RunRecords | None = None,
 ) -> dict[str, Any]:
     """Create (once per ``run_key``) a version of ``policy.candidate_model`` for this checkpoint.
 
@@ -190,7 +233,9 @@ def register_candidate(
        experiment ``kiln-<policy>`` keyed by ``run_key`` when empty) with the eval metrics, the
        evaluation report (HTML + Markdown with the loss curve and the metrics against the
        champion, JSON) and the decision as artifacts, and the version is created with all lineage
-       tags in the same request, then described.
+       tags in the same request, then described. The model directory is signed for the policy
+       before it is uploaded (``provenance.dsse.json``: the provenance statement made from the refs,
+       ``verified`` and ``records``; ``model.sig``: every file), so every version carries both.
 
     ``decision`` defaults to ``decide(eval_report, champion_report(policy), policy.gate)``.
     Transient MLflow failures are retried (see the module docstring). Returns ``{"model_name",
@@ -222,7 +267,10 @@ def register_candidate(
         version_tags = {**tags, **_decision_tags(chosen),
                         TAGS["decision_champion_version"]: "" if champion_mv is None else str(champion_mv.version)}
         run_id, own_run = _find_or_start_run(client, policy, train, run_key)
-        model_uri = _log_into_run(client, run_id, run_key, train, eval_report, champion, chosen, version_tags)
+        sign = _signer(policy=policy, run_key=run_key, train=train, eval_report=eval_report, snapshot=snapshot,
+                       manifest=manifest, verified=verified, decision=chosen, records=records or RunRecords(),
+                       git_commit=tags[TAGS["git_sha"]])
+        model_uri = _log_into_run(client, run_id, run_key, train, eval_report, champion, chosen, version_tags, sign)
 
         import mlflow
 
@@ -271,7 +319,7 @@ def _settle_run(client: MlflowClient, run_id: str | None, *, own_run: bool) -> N
 
 def _log_into_run(
     client: MlflowClient, run_id: str, run_key: str, train: TrainResult, eval_report: EvalReport,
-    champion: EvalReport | None, decision: Decision, tags: dict[str, str],
+    champion: EvalReport | None, decision: Decision, tags: dict[str, str], sign: Callable[[Path], None],
 ) -> str:
 
     run = client.get_run(run_id)
@@ -295,7 +343,7 @@ def _log_into_run(
     # log_model writes into the *active* run: resume the run just for that call (_settle_run puts
     # the status back afterwards).
     with tracking.resumed(run_id):
-        model_uri = _log_checkpoint_model(train.checkpoint)
+        model_uri = _log_checkpoint_model(train.checkpoint, sign)
     client.set_tag(run_id, RUN_MODEL_URI_TAG, model_uri)
     return model_uri
 

@@ -44,7 +44,7 @@ def register_stage(
     evaluation, and kiln's pinned snapshot. ``snapshot``, ``data``, ``train`` and ``evaluation`` (the
     upstream XComs) that disagree with those records are refused before any request to MLflow.
     ``lineage``: more tags for the version."""
-    from kiln.registry import register_candidate
+    from kiln.registry import RunRecords, register_candidate
 
     manifest_path, manifest = own_training_manifest(key, data)
     refuse_a_disagreeing_xcom("snapshot", key, manifest_path, {"id": manifest.snapshot_id}, snapshot, ("id",))
@@ -66,6 +66,11 @@ def register_stage(
             "quarantine_rate": str(round(float(quarantine["quarantined_share"]), 4)),
             **lineage,
         },
+        # For the signed provenance statement: the quarantine report and the contract suite's sha256
+        # the data gate recorded in it. Nodes and the run's start and end are not recorded by the
+        # stages yet; the statement says so.
+        records=RunRecords(quarantine_report=str(report_path), launcher=policy.launcher,
+                           contract_suite_sha256=str(quarantine.get("contract_sha256") or "")),
     )
     ui = kiln_settings.load().mlflow_uri
     return RegisteredCandidate.from_json(

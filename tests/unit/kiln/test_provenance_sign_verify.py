@@ -204,3 +204,21 @@ def test_a_statement_of_another_policy_signed_with_this_policys_key_is_refused(s
     (signed / PROVENANCE_FILE).write_bytes(canonical_json(envelope))
     with pytest.raises(ProvenanceError, match="the statement is of a sandbox build, verified as production"):
         verify_artifact(signed, "production", home=home)
+
+
+@pytest.mark.parametrize(("ref", "parsed"), [
+    ("kiln-stdlib-lm@champion", ("kiln-stdlib-lm", "alias", "champion")),
+    ("kiln-stdlib-lm.candidates/12", ("kiln-stdlib-lm.candidates", "version", "12")),
+    ("team/model@prod", ("team/model", "alias", "prod")),
+])
+def test_cli_reads_both_registry_reference_forms(ref, parsed):
+    from kiln.cli.verify import parse_version_ref
+
+    assert parse_version_ref(ref) == parsed
+
+
+@pytest.mark.parametrize("argv", [["verify", "model"], ["verify", "model/v1"], ["verify", "@champion"],
+                                  ["verify"], ["verify", "--dir", "."], ["verify", "m/1", "--dir", "."]])
+def test_cli_refuses_a_bad_reference_or_both_forms_before_any_request(argv, capsys):
+    assert main(argv) == 2
+    assert capsys.readouterr().err.startswith("kiln verify: error: ")

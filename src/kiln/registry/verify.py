@@ -1,0 +1,199 @@
+"""Verifying a registered version before use: its model directory against its signatures, and its
+signed statement against the version's own records (docs/provenance.md).
+
+    verify_version(client, mv, "production")   # a VerifiedVersion, or ProvenanceError naming what differs
+
+Order, stopping at the first failure with a ``ProvenanceError``:
+
+1. download the version's whole MLflow model directory (every file is hashed: a signature over
+   files says nothing about files not read), less ``registered_model_meta``, which MLflow writes
+   after upload when it registers the version;
+2. ``kiln.provenance.verify_artifact`` with the policy's trusted keys: both signature files there,
+   signed by a key the policy trusts, every file's bytes the signed ones;
+3. the statement and the signed files against the version's records: the run key, policy, DAG and
+   run, snapshot, training manifest, tokenizer, token manifest, checkpoint manifest, weights sha256,
+   recipe, world size, evaluation and gate decision tags, and the MLflow run and logged model the
+   signed ``MLmodel`` names (a statement and files of another version name another). Each
+   disagreement is named with both values.
+
+Tags are a view of the statement: when they disagree, the statement (signed) is what was made, and
+the version is refused until someone finds out who edited what.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import tempfile
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from kiln.errors import ProvenanceError
+from kiln.registry.tags import TAGS
+from kiln.runs import RUN_KEY_TAG
+
+if TYPE_CHECKING:
+    from mlflow import MlflowClient
+    from mlflow.entities.model_registry import ModelVersion
+
+REGISTRY_RECORD = "registered_model_meta"
+"""The one file MLflow writes into the model directory after upload (``register_model`` records the
+model name and version there): it cannot be signed, holds no model bytes, and is set aside before
+verifying."""
+SIGNED_CHECKPOINT_MANIFEST = "artifacts/checkpoint_manifest.json"
+"""The checkpoint manifest inside the model directory (a signed subject): weights, recipe, snapshot."""
+
+
+@dataclass(frozen=True, slots=True)
+class VerifiedVersion:
+    """A registered version whose files, signatures and records agree, for ``policy``."""
+
+    model: str
+    version: str
+    policy: str
+    statement: dict[str, Any]
+    statement_key_id: str
+    model_sig_key_id: str
+
+
+def download_model_dir(mv: ModelVersion, into: Path) -> Path:
+    """The version's whole MLflow model directory under ``into`` (``RegistryError`` when it cannot be read)."""
+    import mlflow
+
+    from kiln.registry.mlflow_io import _translated
+
+    with _translated(f"downloading models:/{mv.name}/{mv.version}"):
+        return Path(mlflow.artifacts.download_artifacts(f"models:/{mv.name}/{mv.version}", dst_path=str(into)))
+
+
+def verify_version(client: MlflowClient, mv: ModelVersion, policy: str, *,
+                   home: str | Path | None = None) -> VerifiedVersion:
+    """Download ``mv``, verify it for ``policy`` and compare its records with its statement (module docstring)."""
+    from kiln.provenance import verify_artifact
+
+    with tempfile.TemporaryDirectory(prefix="kiln-verify-") as tmp:
+        local = download_model_dir(mv, Path(tmp))
+        record = local / REGISTRY_RECORD
+        if record.is_file() and not record.is_symlink():
+            record.unlink()
+        try:
+            verified = verify_artifact(local, policy, home=home)
+        except ProvenanceError as exc:
+            raise ProvenanceError(f"{mv.name} version {mv.version} does not verify for policy {policy}: {exc}") from exc
+        differences = record_mismatches(mv, verified.statement, local)
+    if differences:
+        raise ProvenanceError(f"{mv.name} version {mv.version}: its records disagree with its signed statement: "
+                              + "; ".join(differences))
+    return VerifiedVersion(model=mv.name, version=str(mv.version), policy=policy, statement=verified.statement,
+                           statement_key_id=verified.statement_key_id, model_sig_key_id=verified.model_sig_key_id)
+
+
+def _deps(statement: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
+    build = statement["predicate"]["buildDefinition"]
+    return {d["name"].split(":", 1)[0]: d for d in build["resolvedDependencies"]}
+
+
+def _byproduct(statement: Mapping[str, Any], name: str) -> dict[str, Any]:
+    for b in statement["predicate"]["runDetails"].get("byproducts", []):
+        if b.get("name") == name:
+            return dict(b)
+    return {}
+
+
+def stated_records(statement: Mapping[str, Any], model_dir: Path, *, promoted: bool = False) -> dict[str, str]:
+    """What the signed statement and the signed files say, keyed by the tag that should say the same
+    (``promoted``: a version promotion wrote its own decision tags on)."""
+    try:
+        internal = statement["predicate"]["buildDefinition"]["internalParameters"]
+        external = statement["predicate"]["buildDefinition"]["externalParameters"]
+        deps = _deps(statement)
+        eval_report = _byproduct(statement, "evaluation-report").get("annotations", {}).get("content") or {}
+        decision = _byproduct(statement, "gate-decision").get("annotations", {}).get("content") or {}
+        stated = {
+            RUN_KEY_TAG: statement["predicate"]["runDetails"]["metadata"]["invocationId"],
+            TAGS["policy"]: internal["policy"],
+            TAGS["dag_id"]: internal["dag_id"],
+            TAGS["run_id"]: internal["run_id"],
+            TAGS["snapshot_id"]: deps["snapshot"]["annotations"]["dvc_id"],
+            TAGS["training_manifest_sha256"]: deps["training-manifest"]["digest"]["sha256"],
+            TAGS["tokenizer_sha256"]: deps["tokenizer"]["digest"].get("sha256", ""),
+            TAGS["checkpoint_manifest_sha256"]: _byproduct(statement, "checkpoint-manifest")["digest"]["sha256"],
+            TAGS["world_size"]: str(external["world_size"]),
+            TAGS["weights_sha256"]: str(eval_report["weights_sha256"]),
+        }
+        if not promoted:  # promotion records the decision it promoted on (a manual one: the gate run then)
+            stated[TAGS["decision"]] = str(decision["action"])
+        if "token-manifest" in deps:
+            stated[TAGS["token_manifest_sha256"]] = deps["token-manifest"]["digest"]["sha256"]
+        if "gitCommit" in deps["code"]["digest"]:
+            stated[TAGS["git_sha"]] = deps["code"]["digest"]["gitCommit"]
+        stated[TAGS["eval_bits_per_byte"]] = repr(float(eval_report["bits_per_byte"]))
+    except (KeyError, TypeError, ValueError) as exc:
+        raise ProvenanceError(f"the signed statement lacks a record kiln compares with the tags ({exc!r})") from exc
+    manifest_file = model_dir / SIGNED_CHECKPOINT_MANIFEST
+    if manifest_file.is_file():  # signed (a subject): verify_artifact has checked its bytes
+        try:
+            manifest = json.loads(manifest_file.read_text())
+            stated[TAGS["recipe_sha256"]] = str(manifest["recipe_sha256"])
+            weights = str(manifest["weights_sha256"])
+            snapshot = str(manifest["snapshot_id"])
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise ProvenanceError(f"{SIGNED_CHECKPOINT_MANIFEST}: unreadable ({exc!r})") from exc
+        if weights != stated[TAGS["weights_sha256"]]:
+            raise ProvenanceError(f"the signed statement's weights sha256 {stated[TAGS['weights_sha256']]} is not "
+                                  f"the signed {SIGNED_CHECKPOINT_MANIFEST}'s {weights}")
+        if snapshot != stated[TAGS["snapshot_id"]]:
+            raise ProvenanceError(f"the signed statement's snapshot {stated[TAGS['snapshot_id']]} is not "
+                                  f"the signed {SIGNED_CHECKPOINT_MANIFEST}'s {snapshot}")
+    return stated
+
+
+def _mlmodel_ids(model_dir: Path) -> dict[str, str]:
+    """The MLflow run and logged model the signed ``MLmodel`` was written for."""
+    path = model_dir / "MLmodel"
+    if not path.is_file():
+        return {}
+    import yaml
+
+    try:
+        data = yaml.safe_load(path.read_text())
+    except (OSError, yaml.YAMLError) as exc:
+        raise ProvenanceError(f"MLmodel: unreadable ({exc})") from exc
+    if not isinstance(data, dict):
+        raise ProvenanceError("MLmodel: not a mapping")
+    return {k: str(data[k]) for k in ("run_id", "model_id") if data.get(k)}
+
+
+def logged_model_id(mv: ModelVersion) -> str:
+    """The logged model a version was registered from: its ``model_id``, else the one its source names
+    (``models:/m-...``); "" when neither says."""
+    model_id = getattr(mv, "model_id", None) or ""
+    if not model_id and (mv.source or "").startswith("models:/m-") and "/" not in mv.source[len("models:/"):]:
+        model_id = mv.source[len("models:/"):]
+    return str(model_id)
+
+
+def record_mismatches(mv: ModelVersion, statement: Mapping[str, Any], model_dir: Path) -> list[str]:
+    """Each record of ``mv`` that disagrees with its signed statement or files, in words (empty: none)."""
+    tags = mv.tags or {}
+    out = []
+    promoted = TAGS["promotion_run_key"] in tags
+    for tag, stated in stated_records(statement, model_dir, promoted=promoted).items():
+        have = tags.get(tag)
+        if tag == TAGS["eval_bits_per_byte"] and have is not None:
+            try:
+                if math.isclose(float(have), float(stated), rel_tol=1e-9, abs_tol=1e-12):
+                    continue
+            except ValueError:
+                pass
+        if have != stated:
+            out.append(f"tag {tag} is {have!r}, the signed statement says {stated!r}")
+    ids = _mlmodel_ids(model_dir)
+    model_id = logged_model_id(mv)
+    if ids.get("model_id") and model_id and ids["model_id"] != model_id:
+        out.append(f"the signed MLmodel is of logged model {ids['model_id']}, the version's is {model_id}")
+    if ids.get("run_id") and mv.run_id and ids["run_id"] != mv.run_id:
+        out.append(f"the signed MLmodel is of run {ids['run_id']}, the version's is {mv.run_id}")
+    return out

@@ -1,0 +1,204 @@
+"""Signed provenance wired into the registry, against a real ``mlflow server``: registration signs
+every version before upload, ``promote`` refuses a candidate that does not verify (nothing moves),
+and ``kiln verify MODEL@ALIAS|MODEL/VERSION`` names each mismatch. The tampering is done where an
+attacker with write access would: in the server's artifact store and on the version's tags."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kiln import registry
+from kiln.cli import main as kiln_main
+from kiln.errors import ProvenanceError
+from kiln.provenance import from_registration, sign_artifact, verify_artifact
+from kiln.provenance.keys import signing_key
+from kiln.provenance.statement import MODEL_SIGNATURE_FILE, PROVENANCE_FILE
+from kiln.refs import sha256_file
+from kiln.registry.verify import logged_model_id, verify_version
+from kiln_trainer import checkpoint_manifest
+
+from test_registry_mlflow import approve, make_candidate, production_policy  # tests/integration is on sys.path
+
+
+def _register(tmp_path: Path, policy: Any, name: str, bpb: float, unique: str, **kw: Any) -> tuple[Any, dict, str]:
+    cand = make_candidate(tmp_path, name, bpb)
+    key = f"kiln_production/{name}-{unique}"
+    ref = registry.register_candidate(policy=policy, run_key=key, **cand.kwargs(), **kw)
+    return cand, ref, key
+
+
+def _stored_dir(mlflow_server: Any, client: Any, model: str, version: str) -> Path:
+    """The version's model directory in the server's artifact store (what an attacker with write access edits)."""
+    model_id = logged_model_id(client.get_model_version(model, version))
+    assert model_id.startswith("m-"), model_id
+    found = [p for p in Path(mlflow_server.artifacts).rglob(model_id) if p.is_dir()]
+    assert len(found) == 1, found
+    stored = found[0] / "artifacts"
+    assert (stored / "MLmodel").is_file(), sorted(p.name for p in found[0].iterdir())
+    return stored
+
+
+def _promote(policy: Any, cand: Any, ref: dict, key: str) -> Any:
+    decision = registry.decide(cand.eval_report, registry.champion_report(policy), policy.gate)
+    return registry.promote(policy=policy, candidate_version=ref["version"], decision=decision, run_key=key)
+
+
+def _download(client: Any, model: str, version: str, into: Path) -> Path:
+    import mlflow
+
+    return Path(mlflow.artifacts.download_artifacts(f"models:/{model}/{version}", dst_path=str(into)))
+
+
+def test_registration_signs_the_model_directory_before_upload(tmp_path, client, unique_name, logged_models):
+    policy = production_policy(unique_name)
+    report = tmp_path / "quarantine-report.json"
+    report.write_text(json.dumps({"kind": "kiln.QuarantineReport", "contract_sha256": "c" * 64}))
+    cand, ref, key = _register(tmp_path, policy, "a", 3.0, unique_name, records=registry.RunRecords(
+        quarantine_report=str(report), contract_suite_sha256="c" * 64, launcher="local"))
+    local = _download(client, policy.candidate_model, ref["version"], tmp_path / "dl")
+    assert (local / PROVENANCE_FILE).is_file() and (local / MODEL_SIGNATURE_FILE).is_file()
+    (local / "registered_model_meta").unlink()  # written by MLflow's registration, after upload
+    verified = verify_artifact(local, "production")  # the uploaded bytes are the signed ones
+    statement = verified.statement
+    assert {"MLmodel", "python_model.pkl"} <= {s["name"] for s in statement["subject"]}
+    build = statement["predicate"]["buildDefinition"]
+    assert build["internalParameters"]["policy"] == "production"
+    # what the stages do not record yet; this checkpoint (format 1) records no tokenizer digest
+    assert build["internalParameters"]["unrecorded"] == ["tokenizer_sha256", "nodes", "startedOn", "finishedOn"]
+    deps = {d["name"]: d for d in build["resolvedDependencies"]}
+    assert deps["quarantine-report"]["digest"] == {"sha256": sha256_file(report)}
+    assert deps["contract:stdlib-py@1"]["digest"] == {"sha256": "c" * 64}
+    assert statement["predicate"]["runDetails"]["metadata"]["invocationId"] == key
+    mv = client.get_model_version(policy.candidate_model, ref["version"])
+    # the signed MLmodel is this version's logged model, and the tags agree with the statement
+    checked = verify_version(client, mv, "production")
+    assert checked.statement == statement
+    assert mv.tags["kiln.weights_sha256"] == cand.train.weights_sha256
+
+
+def test_a_version_registered_without_the_stage_records_says_what_is_unrecorded(
+        tmp_path, client, unique_name, logged_models):
+    policy = production_policy(unique_name)
+    _cand, ref, _key = _register(tmp_path, policy, "a", 3.0, unique_name)
+    local = _download(client, policy.candidate_model, ref["version"], tmp_path / "dl")
+    (local / "registered_model_meta").unlink()
+    statement = verify_artifact(local, "production").statement
+    unrecorded = statement["predicate"]["buildDefinition"]["internalParameters"]["unrecorded"]
+    # this checkpoint (format 1, the byte stream before tokenizers) records no tokenizer digest either
+    assert unrecorded == ["contract_suite_sha256", "quarantine_report", "tokenizer_sha256", "nodes", "startedOn",
+                          "finishedOn"]
+    deps = {d["name"]: d for d in statement["predicate"]["buildDefinition"]["resolvedDependencies"]}
+    assert deps["quarantine-report"]["digest"] == {} and deps["quarantine-report"]["annotations"] == {"recorded": False}
+
+
+def _edit_a_stored_file(stored: Path, **_: Any) -> None:
+    with open(stored / "MLmodel", "a") as fh:
+        fh.write("# edited\n")
+
+
+def _swap_model_sig(stored: Path, other: Path, **_: Any) -> None:
+    shutil.copyfile(other / MODEL_SIGNATURE_FILE, stored / MODEL_SIGNATURE_FILE)
+
+
+def _sign_as_sandbox(stored: Path, cand: Any, key: str, **_: Any) -> None:
+    """Re-sign the stored directory with sandbox's key and a sandbox statement of the same inputs."""
+    for name in (MODEL_SIGNATURE_FILE, PROVENANCE_FILE):
+        (stored / name).unlink()
+    step_dir = cand.train.checkpoint
+    decision = registry.decide(cand.eval_report, None, production_policy("x").gate)
+    inputs = from_registration(
+        policy="sandbox", run_key=key, train=cand.train, eval_report=cand.eval_report, snapshot=cand.snapshot,
+        manifest=cand.manifest, verified=checkpoint_manifest.verify_checkpoint(step_dir), decision=decision,
+        contract_suite_sha256="", quarantine_report=None, launcher="local", nodes=(), started_on="", finished_on="")
+    sign_artifact(stored, inputs)
+
+
+@pytest.mark.parametrize(("tamper", "names"), [
+    (_edit_a_stored_file, r"MLmodel changed \(signed sha256 [0-9a-f]{64}, now [0-9a-f]{64}\)"),
+    (_swap_model_sig, r"model\.sig .*does not match the files"),
+    (_sign_as_sandbox, r"signed by key [0-9a-f]{64} \(a key of policy sandbox\), which policy production does not trust"),
+    ("tag", r"tag kiln\.snapshot_id is '0{32}\.dir', the signed statement says '[0-9a-f]{32}\.dir'"),
+])
+def test_promote_refuses_a_candidate_that_does_not_verify_and_moves_nothing(
+        tmp_path, client, unique_name, logged_models, mlflow_server, writes, tamper, names):
+    policy = production_policy(unique_name)
+    other_cand, other_ref, _ = _register(tmp_path / "o", policy, "other", 3.1, unique_name)
+    cand, ref, key = _register(tmp_path, policy, "a", 3.0, unique_name)
+    stored = _stored_dir(mlflow_server, client, policy.candidate_model, ref["version"])
+    if tamper == "tag":
+        client.set_model_version_tag(policy.candidate_model, ref["version"], "kiln.snapshot_id", "0" * 32 + ".dir")
+    else:
+        tamper(stored, other=_stored_dir(mlflow_server, client, policy.candidate_model, other_ref["version"]),
+               cand=cand, key=key)
+    approve(policy, ref, key, "alice")
+    writes.clear()
+    with pytest.raises(ProvenanceError, match=names):
+        _promote(policy, cand, ref, key)
+    assert writes == [], "nothing moves"
+    assert registry.champion_report(policy) is None
+    assert not list(client.search_model_versions(f"name = '{policy.target_model}'"))
+
+
+def test_an_untouched_candidate_promotes_and_the_champion_verifies(
+        tmp_path, client, unique_name, logged_models, capsys):
+    policy = production_policy(unique_name)
+    cand, ref, key = _register(tmp_path, policy, "a", 3.0, unique_name)
+    approve(policy, ref, key, "alice")
+    record = _promote(policy, cand, ref, key)
+    capsys.readouterr()
+    for reference in (f"{policy.target_model}@champion", f"{policy.target_model}/{record.version}",
+                      f"{policy.candidate_model}/{ref['version']}"):
+        assert kiln_main(["verify", reference]) == 0, capsys.readouterr().err
+        out = capsys.readouterr().out
+        assert "verified for policy production" in out and "its tags and logged model agree" in out
+        assert f"run {key.split('/', 1)[1]}" in out and "gate decision: promote" in out
+    signing_key("sandbox")  # as on a stack where sandbox has registered: a key of its own, trusted by it only
+    assert kiln_main(["verify", f"{policy.target_model}@champion", "--policy", "sandbox"]) == 1
+    assert "a key of policy production" in capsys.readouterr().err
+
+
+def _cli_error(capsys: pytest.CaptureFixture[str], argv: list[str]) -> str:
+    assert kiln_main(argv) == 1
+    return capsys.readouterr().err
+
+
+def test_kiln_verify_names_each_mismatch(tmp_path, client, unique_name, logged_models, mlflow_server, capsys):
+    policy = production_policy(unique_name)
+    model = policy.candidate_model
+    _a, ref_a, _ = _register(tmp_path / "a", policy, "a", 3.0, unique_name)
+    _b, ref_b, _ = _register(tmp_path / "b", policy, "b", 3.1, unique_name)
+    _c, ref_c, key_c = _register(tmp_path / "c", policy, "c", 3.2, unique_name)
+    _d, ref_d, _ = _register(tmp_path / "d", policy, "d", 3.3, unique_name)
+    a, b, c, d = (ref["version"] for ref in (ref_a, ref_b, ref_c, ref_d))
+    capsys.readouterr()
+
+    # an edited tag
+    client.set_model_version_tag(model, a, "kiln.weights_sha256", "f" * 64)
+    assert f"tag kiln.weights_sha256 is '{'f' * 64}', the signed statement says" in _cli_error(
+        capsys, ["verify", f"{model}/{a}"])
+    # a changed byte in the artifact store
+    stored_b = _stored_dir(mlflow_server, client, model, b)
+    pkl = stored_b / "python_model.pkl"
+    data = bytearray(pkl.read_bytes())
+    data[len(data) // 2] ^= 1
+    pkl.write_bytes(bytes(data))
+    assert "python_model.pkl changed (signed sha256" in _cli_error(capsys, ["verify", f"{model}/{b}"])
+    # a statement (and all files) of another version: everything verifies but the records
+    stored_c, stored_d = (_stored_dir(mlflow_server, client, model, v) for v in (c, d))
+    shutil.rmtree(stored_c)
+    shutil.copytree(stored_d, stored_c)
+    err = _cli_error(capsys, ["verify", f"{model}/{c}"])
+    assert f"tag kiln.run_key is '{key_c}', the signed statement says" in err and "the signed MLmodel is of logged model" in err
+    # a model.sig of another version
+    shutil.copyfile(_stored_dir(mlflow_server, client, model, a) / MODEL_SIGNATURE_FILE, stored_d / MODEL_SIGNATURE_FILE)
+    assert "model.sig (key" in _cli_error(capsys, ["verify", f"{model}/{d}"])
+    # references that are not one
+    assert kiln_main(["verify", f"{model}@nobody"]) == 1
+    assert "has no version with alias 'nobody'" in capsys.readouterr().err
+    assert kiln_main(["verify", "no-ref-here"]) == 2
+    assert kiln_main(["verify", f"{model}/{a}", "--dir", str(tmp_path)]) == 2
