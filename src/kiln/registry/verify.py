@@ -170,8 +170,9 @@ def logged_model_id(mv: ModelVersion) -> str:
     """The logged model a version was registered from: its ``model_id``, else the one its source names
     (``models:/m-...``); "" when neither says."""
     model_id = getattr(mv, "model_id", None) or ""
-    if not model_id and (mv.source or "").startswith("models:/m-") and "/" not in mv.source[len("models:/"):]:
-        model_id = mv.source[len("models:/"):]
+    source = mv.source or ""
+    if not model_id and source.startswith("models:/m-") and "/" not in source[len("models:/"):]:
+        model_id = source[len("models:/"):]
     return str(model_id)
 
 
