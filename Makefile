@@ -56,15 +56,13 @@ status: venv
 demo: venv
 	$(BIN)/kiln demo $(if $(CORPUS),--corpus $(CORPUS))
 
-# pytest-xdist workers. make test: four. The end-to-end tests, which mostly wait on Airflow, are
-# three units (two halves of tests/e2e and tests/e2e_prodlike), each run by one worker against the
-# stack it starts; the CPU-bound rest runs in the fourth meanwhile, and in all four once the stacks
-# are done (units: STACK_UNITS in tests/conftest.py; figures: docs/testing.md). make test-fast: two,
-# one per core. PYTEST_WORKERS=N chooses; PYTEST_WORKERS=0 runs everything in one process.
-PYTEST_WORKERS ?=
-test: XDIST_WORKERS = $(or $(PYTEST_WORKERS),4)
-test-fast: XDIST_WORKERS = $(or $(PYTEST_WORKERS),2)
-XDIST = $(if $(filter 0,$(XDIST_WORKERS)),,-n $(XDIST_WORKERS) --dist loadgroup)
+# Two pytest processes (pytest-xdist): the end-to-end tests, which mostly wait on Airflow, run in
+# one of them, one stack at a time; the CPU-bound rest runs in the other meanwhile (groups:
+# tests/conftest.py; figures: docs/testing.md). PYTEST_WORKERS=0 runs everything in one process.
+# (Four workers with three stacks at once were tried: each idle stack costs about a third of a core,
+# and the run went no faster.)
+PYTEST_WORKERS ?= 2
+XDIST = $(if $(filter 0,$(PYTEST_WORKERS)),,-n $(PYTEST_WORKERS) --dist loadgroup)
 
 # The 25 slowest tests are listed before pytest's summary line (which stays last).
 test: venv system-deps lint

@@ -24,41 +24,20 @@ os.environ.pop("MLFLOW_TRACKING_URI", None)
 os.environ.pop("MLFLOW_RUN_ID", None)
 
 
-STACK_UNITS: dict[str, tuple[str, ...]] = {
-    # tests/e2e in two halves of about equal length, each in its own worker with its own embedded
-    # stack (the package fixture starts once per worker): the production approvals, the browser...
-    # (seconds in a clean run of make test with two workers: 950 and 955, the stack's start included)
-    "stack:e2e-a": ("test_production_dag.py", "test_browser.py", "test_sandbox_dag.py", "test_announce.py",
-                    "test_priority.py", "test_stack_status.py"),
-    # ...the approval forgeries, the run ids, the champion watch, Slurm, the links; and a file not named here.
-    "stack:e2e-b": ("test_approval_bypass.py", "test_run_identity.py", "test_champion_watch.py",
-                    "test_slurm_dag.py", "test_links.py", "test_secrets_scan.py"),
-    # the production-like stack (PostgreSQL, Celery, S3): a third worker
-    "stack:e2e_prodlike": (),
-}
-"""The units of work that start a stack (Airflow + MLflow on free ports, their own ``KILN_HOME``), in
-the order the workers take them (longest first; each unit is run by one worker, test after test).
-``make test`` runs one worker per unit and one for the rest of the suite (``PYTEST_WORKERS``)."""
+_ONE_STACK_AT_A_TIME = ("e2e", "e2e_prodlike")
+"""Packages whose tests run against a stack their package fixture starts (Airflow + MLflow on free
+ports): under pytest-xdist all of them run in one worker, one after the other, as without it."""
 
 
 def xdist_group_of(nodeid: str) -> str:
-    """The unit of work pytest-xdist hands one worker (``-n N --dist loadgroup``): a stack unit of
-    ``STACK_UNITS`` (its tests one after the other, against the stack their package fixture started
-    once in that worker), or any other test with its file, so a module fixture (a Slurm cluster, an
-    MLflow server) starts once, not once per worker."""
+    """The unit of work pytest-xdist hands one worker (``-n N --dist loadgroup``): the stack packages
+    as one ("stack": one stack at a time, started once, as in a serial run), any other test with its
+    file, so a module fixture (a Slurm cluster, an MLflow server) starts once, not once per worker."""
     path = nodeid.split("::", 1)[0]
     parts = path.split("/")
-    if len(parts) > 2 and parts[0] == "tests" and parts[1] == "e2e":
-        return "stack:e2e-a" if parts[2] in STACK_UNITS["stack:e2e-a"] else "stack:e2e-b"
-    if len(parts) > 2 and parts[0] == "tests" and parts[1] == "e2e_prodlike":
-        return "stack:e2e_prodlike"
+    if len(parts) > 2 and parts[0] == "tests" and parts[1] in _ONE_STACK_AT_A_TIME:
+        return "stack"
     return path
-
-
-def _unit_order(nodeid: str) -> int:
-    """Stack units first, in ``STACK_UNITS``'s order; everything else after them, as collected."""
-    group = xdist_group_of(nodeid)
-    return list(STACK_UNITS).index(group) if group in STACK_UNITS else len(STACK_UNITS)
 
 
 @pytest.hookimpl(optionalhook=True)
@@ -81,9 +60,9 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log):
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     if getattr(config.option, "loadgroup", False):  # an xdist worker under --dist loadgroup
-        # The stacks' tests wait on Airflow most of the time: they start first, each unit in the
-        # worker that gets it, and the rest of the suite (CPU-bound) runs in the other workers meanwhile.
-        items.sort(key=lambda item: _unit_order(item.nodeid))
+        # The stack's tests wait on Airflow most of the time: they start first, in the one worker
+        # that gets them, and the rest of the suite (CPU-bound) runs in the other workers meanwhile.
+        items.sort(key=lambda item: xdist_group_of(item.nodeid) != "stack")
 
 
 @pytest.fixture(autouse=True)
