@@ -22,7 +22,6 @@ the version is refused until someone finds out who edited what.
 
 from __future__ import annotations
 
-import json
 import math
 import tempfile
 from collections.abc import Mapping
@@ -33,6 +32,7 @@ from typing import TYPE_CHECKING, Any
 from kiln.errors import ProvenanceError
 from kiln.registry.tags import TAGS
 from kiln.runs import RUN_KEY_TAG
+from kiln.util.fs import load_json
 
 if TYPE_CHECKING:
     from mlflow import MlflowClient
@@ -134,8 +134,8 @@ def stated_records(statement: Mapping[str, Any], model_dir: Path, *, promoted: b
         raise ProvenanceError(f"the signed statement lacks a record kiln compares with the tags ({exc!r})") from exc
     manifest_file = model_dir / SIGNED_CHECKPOINT_MANIFEST
     if manifest_file.is_file():  # signed (a subject): verify_artifact has checked its bytes
+        manifest = load_json(manifest_file, "the signed checkpoint manifest", ProvenanceError, follow_link=False)
         try:
-            manifest = json.loads(manifest_file.read_text())
             stated[TAGS["recipe_sha256"]] = str(manifest["recipe_sha256"])
             weights = str(manifest["weights_sha256"])
             snapshot = str(manifest["snapshot_id"])
