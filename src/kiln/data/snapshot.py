@@ -33,7 +33,6 @@ Validation and training never read the workspace (a later ``corpus build`` may c
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import hashlib
 import json
 import logging
@@ -49,7 +48,7 @@ from pathlib import Path
 from kiln import settings as kiln_settings
 from kiln.errors import ManifestError, SnapshotError
 from kiln.refs import SnapshotRef
-from kiln.util.fs import atomic_write_text, load_json, os_error_text, parse_json, unusable_target_reason
+from kiln.util.fs import atomic_write_text, exclusive_lock, load_json, os_error_text, parse_json, unusable_target_reason
 
 SNAPSHOT_ID = re.compile(r"^[0-9a-f]{32}\.dir$")
 _REMOTE = "kiln"
@@ -69,20 +68,9 @@ def _env() -> None:
     logging.getLogger("dvc").setLevel(logging.WARNING)
 
 
-@contextlib.contextmanager
-def _flock(path: Path) -> Iterator[None]:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "a+") as fh:
-        fcntl.flock(fh, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(fh, fcntl.LOCK_UN)
-
-
 def workspace_lock(workspace: Path) -> contextlib.AbstractContextManager[None]:
     """Exclusive lock over the DVC workspace, waiting (not failing) for another writer."""
-    return _flock(workspace / ".kiln.lock")
+    return exclusive_lock(workspace / ".kiln.lock")
 
 
 def _remote_section(s: kiln_settings.Settings) -> dict[str, str]:
@@ -579,7 +567,7 @@ def checkout_snapshot(snapshot_id: str) -> SnapshotRef:
     if not marker.is_file():
         # Two runs pinning the same snapshot at once: the second waits, then finds the marker
         # (without the lock it would delete the first one's copy while that run reads it).
-        with _flock(dest.with_name(dest.name + ".lock")):
+        with exclusive_lock(dest.with_name(dest.name + ".lock")):
             if not marker.is_file():
                 if dest.exists():
                     shutil.rmtree(dest)

@@ -17,12 +17,9 @@ either set is read, so a sandbox key never verifies as production.
 
 from __future__ import annotations
 
-import fcntl
 import hashlib
 import os
 import stat
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -30,7 +27,7 @@ from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 
 from kiln.errors import ConfigError, ProvenanceError
-from kiln.util.fs import atomic_write_bytes, write_private
+from kiln.util.fs import atomic_write_bytes, exclusive_lock, write_private
 
 PRIVATE_KEY_FILE = "signing-key.pem"
 TRUSTED_DIR = "trusted"
@@ -97,16 +94,6 @@ def _load_private(path: Path) -> ec.EllipticCurvePrivateKey:
     return key
 
 
-@contextmanager
-def _locked(folder: Path) -> Iterator[None]:
-    with open(folder / ".lock", "a") as fh:
-        fcntl.flock(fh, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(fh, fcntl.LOCK_UN)
-
-
 def _new_private_key(path: Path) -> ec.EllipticCurvePrivateKey:
     key = ec.generate_private_key(ec.SECP256R1())
     pem = key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
@@ -119,7 +106,7 @@ def signing_key(policy: str, home: str | Path | None = None) -> SigningKey:
     the policy's trusted set)."""
     folder = _private_folder(_policy_dir(policy, home))
     path = folder / PRIVATE_KEY_FILE
-    with _locked(folder):
+    with exclusive_lock(folder / ".lock"):
         key = _load_private(path) if path.exists() else _new_private_key(path)
         kid = add_trusted_key(policy, public_pem(key.public_key()), home)
     return SigningKey(policy=policy, path=path, key_id=kid)
@@ -130,7 +117,7 @@ def rotate_signing_key(policy: str, home: str | Path | None = None) -> SigningKe
     old ones stay (versions signed with them still verify)."""
     folder = _private_folder(_policy_dir(policy, home))
     path = folder / PRIVATE_KEY_FILE
-    with _locked(folder):
+    with exclusive_lock(folder / ".lock"):
         key = _new_private_key(path)
         kid = add_trusted_key(policy, public_pem(key.public_key()), home)
     return SigningKey(policy=policy, path=path, key_id=kid)

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
+import fcntl
 import os
 import stat
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 from kiln_trainer.contract import atomic_write_bytes as _atomic_write_bytes
@@ -24,7 +27,7 @@ from kiln_trainer.contract import (  # one owner, the trainer contract (stdlib o
     read_own_json,
 )
 
-__all__ = ["BAD_PATH_ERRNOS", "atomic_write_bytes", "atomic_write_text", "check_file_target", "exchange_paths",
+__all__ = ["BAD_PATH_ERRNOS", "atomic_write_bytes", "atomic_write_text", "check_file_target", "exchange_paths", "exclusive_lock",
            "file_kind", "fsync_dir", "lies_inside", "load_json", "names_a_bad_path", "naming_path", "open_regular_file",
            "os_error_cause", "os_error_text", "parse_json", "parse_own_json", "read_bounded", "read_json", "read_own_json",
            "unusable_target_reason", "write_private"]
@@ -58,6 +61,19 @@ def write_private(path: str | Path, text: str) -> Path:
 
 
 # -- reading a file someone else put there ----------------------------------------------------------
+
+
+@contextlib.contextmanager
+def exclusive_lock(path: str | Path) -> Iterator[None]:
+    """Hold an exclusive ``flock`` on the file ``path`` (created, with its folder), waiting for another holder."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a+") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
 
 
 def lies_inside(path: str | Path, folder: str | Path) -> bool:
