@@ -281,13 +281,21 @@ def _report(bits_per_byte: float):
                       loss=bits_per_byte * 0.69, tokens=4096)
 
 
-def test_library_acting_as_each_policys_identity(provisioned: AuthServer, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Through kiln's own registry calls: with the code guard forged away, the sandbox identity is
+def test_library_acting_as_each_policys_identity(provisioned: AuthServer, monkeypatch: pytest.MonkeyPatch,
+                                                 tmp_path: Path, logged_models: list[str]) -> None:
+    """Through kiln's own registry calls: with the code guards forged away (the policy's names, and its
+    name too, so that the candidate verifies with the keys that signed it), the sandbox identity is
     still refused by the server (PolicyError, never retried) on production names — no version
-    created, no alias moved, no tag written — while the production identity does the same calls."""
+    created, no alias moved, no tag written — while the production identity does the same calls.
+
+    The candidate is registered by ``register_candidate`` (signed before upload, through the auth
+    server's artifact proxy), since ``promote`` verifies a candidate's files and signatures before
+    its first write."""
     from mlflow import MlflowClient
 
     from kiln.mlflow_auth import MlflowIdentity, use_identity
+
+    from test_registry_mlflow import make_candidate  # tests/integration is on sys.path
 
     pw = provisioned.passwords
     monkeypatch.setenv("MLFLOW_TRACKING_URI", provisioned.url)
@@ -306,13 +314,16 @@ def test_library_acting_as_each_policys_identity(provisioned: AuthServer, monkey
         current = _kiln_version(client, PRODUCTION_MODEL, 2.9, f"{key}-current")
         client.set_registered_model_alias(PRODUCTION_MODEL, registry.PREVIOUS_ALIAS, old.version)
         client.set_registered_model_alias(PRODUCTION_MODEL, PRODUCTION.alias, current.version)
-        decision = registry.decide(_report(2.8), _report(2.9), PRODUCTION.gate)
+        cand = make_candidate(tmp_path, "candidate", 2.8)
+        decision = registry.decide(cand.eval_report, _report(2.9), PRODUCTION.gate)
         assert decision.action == "promote"
-        candidate = _kiln_version(client, PRODUCTION.candidate_model, 2.8, key, decision)
+        ref = registry.register_candidate(policy=PRODUCTION, run_key=key, decision=decision, **cand.kwargs())
+        assert logged_models, "registered through kiln's registration (signed before upload)"
+        candidate = client.get_model_version(PRODUCTION.candidate_model, ref["version"])
         count_before = len(client.search_model_versions(f"name = '{PRODUCTION_MODEL}'"))
 
-    forged = copy.copy(SANDBOX)  # the code guard bypassed: only the server stands in the way
-    for name in ("writable_models", "candidate_model", "target_model", "alias"):
+    forged = copy.copy(SANDBOX)  # the code guards bypassed: only the server stands in the way
+    for name in ("name", "writable_models", "candidate_model", "target_model", "alias"):
         object.__setattr__(forged, name, getattr(PRODUCTION, name))
     with use_identity(sandbox):
         with pytest.raises(PolicyError, match=f"{SANDBOX_USER}.*403"):

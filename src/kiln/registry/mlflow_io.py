@@ -32,13 +32,14 @@ def _translated(action: str) -> Iterator[None]:
         yield
     except KilnError:
         raise
-    except Exception as exc:  # mlflow raises MlflowException, requests' errors, OSError, …
+    except Exception as exc:  # mlflow raises MlflowException, requests' errors, OSError, boto's, …
         from mlflow.exceptions import MlflowException
 
         refusal = _refusal(exc)
         if refusal is not None:
             raise refusal from exc
-        if isinstance(exc, MlflowException | OSError) or type(exc).__module__.startswith(("requests", "urllib3")):
+        if isinstance(exc, MlflowException | OSError) or type(exc).__module__.startswith(
+                ("requests", "urllib3", "botocore", "boto3")):  # an S3 artifact store unreadable
             raise RegistryError(f"{action}: {exc}") from exc
         raise
 

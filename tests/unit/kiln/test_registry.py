@@ -504,3 +504,14 @@ def test_dag_tasks_take_their_policys_identity_from_the_stacks_connections(tmp_p
     monkeypatch.setenv("KILN_MLFLOW_SANDBOX_USERNAME", "someone")
     monkeypatch.setenv("KILN_MLFLOW_SANDBOX_PASSWORD", "from-a-secret-store")
     assert dagfactory._mlflow_identity(SANDBOX).source == "environment"
+
+
+def test_an_unreadable_s3_artifact_store_is_a_registry_error_naming_the_action():
+    """A version whose source is in an S3 store this process cannot read (no credentials, no
+    endpoint) fails as ``RegistryError`` naming what was being done, not a raw botocore trace."""
+    from botocore.exceptions import EndpointConnectionError, NoCredentialsError
+
+    for exc in (NoCredentialsError(), EndpointConnectionError(endpoint_url="https://bucket.s3.amazonaws.com/")):
+        with (pytest.raises(RegistryError, match="downloading models:/m/1: .*(credentials|endpoint)"),
+              registry.mlflow_io._translated("downloading models:/m/1")):
+            raise exc
