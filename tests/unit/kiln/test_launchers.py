@@ -696,10 +696,14 @@ def test_an_elastic_agents_first_rendezvous_waits_for_every_node_later_ones_for_
         store = TCPStore("127.0.0.1", master.port, is_master=False, timeout=timedelta(seconds=30))
         params = RendezvousParameters(backend="c10d", endpoint=f"127.0.0.1:{master.port}", run_id="elastic",
                                       min_nodes=1, max_nodes=2, last_call_timeout=1, join_timeout=60,
-                                      # A node whose heartbeats are 6 s old is gone: a waiting thread
-                                      # starved of the CPU that long (a loaded machine, a niced xdist
-                                      # worker) still counts, and the lost node below is dropped in 6 s.
-                                      keep_alive_interval=1, keep_alive_max_attempt=6)
+                                      # A node whose heartbeats are 15 s old is gone, the tolerance of
+                                      # torch's defaults (5 s x 3) that real agents run with. Each node
+                                      # drops every node with stale heartbeats, itself included: a thread
+                                      # starved of the CPU longer than that (6 s was seen in make test,
+                                      # beside torchrun trainings) dropped itself from the completed round,
+                                      # waited for a next one and timed out. The lost node below is dropped
+                                      # after 15 s.
+                                      keep_alive_interval=1, keep_alive_max_attempt=15)
         return dr.create_handler(store, C10dRendezvousBackend(store, "elastic"), params)
 
     first, second = handler(), handler()
