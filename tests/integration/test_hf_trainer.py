@@ -2,12 +2,17 @@
 ``LlamaForCausalLM`` on kiln's trainer SDK) through kiln: ``kiln train --trainer`` with 2 ranks under
 torchrun and FSDP2 (the recipe's strategy), committed checkpoints that record the trainer and its
 distribution's version, a SIGKILL mid-save resumed to bitwise the same weights, and the exported
-Hugging Face folder loading with ``transformers`` to the trained model's logits.
+Hugging Face folder loading with ``transformers`` to the trained model's logits. Then the rest of the
+pipeline: kiln's evaluation (``python -m kiln_trainer.evaluate``, as the evaluate stage runs it) loads
+the checkpoint through the trainer's ``evaluate`` entry point and scores it as transformers' own loss
+does, and ``register_candidate`` registers the trainer's export, signed, against a real MLflow server:
+the version verifies and answers text with text.
 
 The example is installed as a user's package would be: its distribution built from a copy of its
 folder into a site directory (``pip install --target``: the package and its ``.dist-info``), which
 reaches kiln's command, its launcher and every rank on ``PYTHONPATH`` (as
-``test_user_trainer.py``'s package does). One reference training is shared by the checks.
+``test_user_trainer.py``'s package does). One reference training, and one evaluation of its last
+checkpoint, are shared by the checks.
 """
 
 from __future__ import annotations
@@ -40,6 +45,8 @@ REPO = Path(__file__).resolve().parents[2]
 EXAMPLE = REPO / "examples" / "trainers" / "hf_causal_lm"
 RECIPE = EXAMPLE / "recipes" / "tiny_llama.toml"
 TRAIN_SPEC = "kiln_hf_trainer.train:main"
+EVALUATE_SPEC = "kiln_hf_trainer.evaluate:load_for_evaluation"
+EXPORT_SPEC = "kiln_hf_trainer.export:main"
 SHORT = ("train.steps=6", "checkpoint.every_steps=2", "checkpoint.keep_last=3", "optim.warmup_steps=2",
          "train.log_every=2", "tokenizer.max_train_chars=200000")
 """The recipe shrunk to a few seconds of training: a checkpoint every 2 of 6 steps."""
@@ -130,7 +137,7 @@ def test_trains_under_torchrun_with_fsdp_and_every_checkpoint_records_the_traine
         manifest = verify_checkpoint(step_dir)
         assert manifest["strategy"] == "fsdp" and manifest["world_size"] == 2
         assert manifest["trainer"] == {"spec": TRAIN_SPEC, "distribution": "kiln-example-hf-trainer",
-                                       "version": version, "export": "kiln_hf_trainer.export:main"}
+                                       "version": version, "evaluate": EVALUATE_SPEC, "export": EXPORT_SPEC}
         assert manifest["tokenizer"]["kind"] == "bpe"
         assert manifest["recipe"]["model"]["num_key_value_heads"] == 2  # the user's table, as given
     assert result["weights_sha256"] == verify_checkpoint(steps[-1])["weights_sha256"]
@@ -233,3 +240,146 @@ def test_the_model_table_is_checked_naming_the_key(installed: Example) -> None:
         llama_config(load_recipe(RECIPE, ["model.hidden_sise=32"]), ByteTokenizer())
     with pytest.raises(RecipeError, match="not a multiple"):
         llama_config(load_recipe(RECIPE, ["model.hidden_size=66"]), ByteTokenizer())
+
+
+# -- evaluation and registration of the trainer's checkpoint ---------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def evaluated(example: Example, tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """The EvalReport of the reference's last checkpoint, by ``python -m kiln_trainer.evaluate`` (what
+    the evaluate stage runs) with the example's package on ``PYTHONPATH``."""
+    out = tmp_path_factory.mktemp("hf-eval") / "eval.json"
+    done = subprocess.run(
+        [sys.executable, "-m", "kiln_trainer.evaluate", "--checkpoint", _result(example.reference)["checkpoint"],
+         "--manifest", str(example.manifest), "--out", str(out)],
+        capture_output=True, text=True, timeout=300, env=_env(example.site), cwd=REPO)
+    assert done.returncode == 0, done.stderr[-4000:]
+    return json.loads(out.read_text())
+
+
+def test_kiln_evaluates_the_checkpoint_through_the_trainers_loader_as_transformers_scores_it(
+    installed: Example, evaluated: dict, tmp_path: Path
+) -> None:
+    import torch
+    from kiln_hf_trainer import export
+    from transformers import AutoModelForCausalLM
+
+    from kiln_trainer.contract.training_manifest import load_training_manifest
+    from kiln_trainer.evaluate import load_checkpoint_tokenizer, scored_text
+    from kiln_trainer.packed import iter_training_texts
+
+    result = _result(installed.reference)
+    step_dir = Path(result["checkpoint"])
+    assert evaluated["trainer"] == TRAIN_SPEC and evaluated["weights_sha256"] == result["weights_sha256"]
+    assert evaluated["step"] == 6 and evaluated["split"] == "eval" and evaluated["windows"] >= 2
+    # below a uniform guess over the BPE's ids, per token
+    assert 0 < evaluated["loss"] < math.log(512) and evaluated["bits_per_byte"] > 0
+
+    # The same text, scored by transformers' own loss (labels shifted inside the model) on the exported
+    # folder: what kiln computed through the trainer's loader is that model's NLL, in bits per byte.
+    assert export.main(["--checkpoint", str(step_dir), "--out", str(tmp_path / "hf")]) == 0
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    manifest = verify_checkpoint(step_dir)
+    block = manifest["recipe"]["model"]["block_size"]
+    windows = manifest["recipe"].get("eval", {}).get("max_windows", 64)
+    text = scored_text(iter_training_texts(load_training_manifest(installed.manifest).eval_shards),
+                       load_checkpoint_tokenizer(step_dir, manifest), windows * block)
+    stream, nats = torch.tensor(text.ids), 0.0
+    with torch.no_grad():
+        for start in range(0, len(stream) - 1, block):
+            window = stream[start : start + block + 1][None]
+            nats += float(model(input_ids=window, labels=window).loss) * (window.shape[1] - 1)
+    assert evaluated["tokens"] == len(stream) - 1 and evaluated["bytes"] == text.text_bytes
+    assert evaluated["bits_per_byte"] == pytest.approx(nats / math.log(2) / text.text_bytes, rel=1e-5)
+
+
+def _resealed(step_dir: Path, into: Path, **trainer: str) -> Path:
+    """A copy of ``step_dir`` whose sealed trainer record is ``trainer`` (entry points dropped or changed)."""
+    from kiln_trainer.contract.checkpoint_manifest import seal
+
+    copy = shutil.copytree(step_dir, into / step_dir.name)
+    manifest = json.loads((copy / "manifest.json").read_text())
+    body = {k: v for k, v in manifest.items() if k != "seal_sha256"} | {"trainer": trainer}
+    (copy / "manifest.json").write_text(json.dumps(seal(body)))
+    verify_checkpoint(copy)
+    return copy
+
+
+def test_a_user_trainers_checkpoint_without_its_loader_or_export_is_refused_naming_the_trainer(
+    installed: Example, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from kiln_trainer.errors import TrainerError
+    from kiln_trainer.evaluate import evaluate_checkpoint, load_checkpoint_model
+    from kiln_trainer.export import write_model_folder
+
+    step_dir = Path(_result(installed.reference)["checkpoint"])
+    record = {"spec": TRAIN_SPEC, "distribution": "kiln-example-hf-trainer", "version": "0.1.0"}
+    bare = _resealed(step_dir, tmp_path / "bare", **record)
+    with pytest.raises(TrainerError, match=rf"made by trainer '{TRAIN_SPEC}', whose recipe names no evaluate entry"):
+        evaluate_checkpoint(bare, installed.manifest)
+    with pytest.raises(TrainerError, match=rf"made by trainer '{TRAIN_SPEC}', whose recipe names no export entry"):
+        write_model_folder(bare, tmp_path / "out")
+    with pytest.raises(TrainerError, match=rf"made by trainer '{TRAIN_SPEC}', not by kiln's"):
+        load_checkpoint_model(step_dir)  # kiln's GPT loader never loads another trainer's weights
+    # An export that writes a pickle is refused, naming the file: what is registered loads no pickled code.
+    pickled = _resealed(step_dir, tmp_path / "pickled", **record, export="kiln_hf_trainer_pickles.export:main")
+    package = tmp_path / "site" / "kiln_hf_trainer_pickles"
+    package.mkdir(parents=True)
+    (package / "__init__.py").write_text("")
+    (package / "export.py").write_text(
+        "from kiln_hf_trainer.export import export_folder\n"
+        "def main(argv):\n    out = export_folder(argv[1], argv[3])\n"
+        "    (out / 'pytorch_model.bin').write_bytes(b'pickle')\n    return 0\n")
+    monkeypatch.syspath_prepend(str(tmp_path / "site"))
+    with pytest.raises(TrainerError, match=r"pytorch_model\.bin in the exported folder is a pickle format"):
+        write_model_folder(pickled, tmp_path / "out")
+
+
+def test_registration_registers_the_trainers_export_signed_and_the_version_verifies_and_answers_text(
+    installed: Example, evaluated: dict, client, unique_name: str, tmp_path: Path
+) -> None:
+    import mlflow.artifacts
+    import mlflow.pyfunc
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from kiln import registry
+    from kiln.refs import EvalReport, SnapshotRef, TrainingManifest, TrainResult
+    from kiln.registry.verify import verify_version
+    from kiln_trainer.export import PICKLE_SUFFIXES
+
+    from test_registry_mlflow import DVC_TEXT, production_policy  # tests/integration is on sys.path
+
+    result = _result(installed.reference)
+    manifest = TrainingManifest.read(installed.manifest)
+    policy = production_policy(unique_name)
+    ref = registry.register_candidate(
+        policy=policy, run_key=f"kiln_production/hf-{unique_name}", train=TrainResult.from_json(result),
+        eval_report=EvalReport.from_json(evaluated), manifest=manifest,
+        snapshot=SnapshotRef(id=manifest.snapshot_id, corpus=manifest.corpus, files=3, bytes=40_000, dvc=DVC_TEXT,
+                             remote="/tmp/dvc-remote", path="/tmp/dvc-repo/stdlib-py"))
+
+    mv = client.get_model_version(policy.candidate_model, ref["version"])
+    verify_version(client, mv, "production")  # signed before upload; the records agree with the statement
+    assert (mv.tags["kiln.trainer"], mv.tags["kiln.trainer.distribution"]) == (TRAIN_SPEC, "kiln-example-hf-trainer")
+    assert float(mv.tags["kiln.eval.bits_per_byte"]) == pytest.approx(evaluated["bits_per_byte"])
+
+    local = Path(mlflow.artifacts.download_artifacts(f"models:/{mv.name}/{mv.version}", dst_path=str(tmp_path)))
+    assert not [p.name for p in local.rglob("*") if p.suffix in PICKLE_SUFFIXES]  # models from code, safetensors
+    folder = local / "artifacts" / "hf_model"
+    assert json.loads((folder / "config.json").read_text())["architectures"] == ["LlamaForCausalLM"]
+    loaded = AutoModelForCausalLM.from_pretrained(folder).eval()
+    assert weights_sha256(loaded.state_dict()) == result["weights_sha256"]  # the trainer's export of the checkpoint
+
+    served = mlflow.pyfunc.load_model(f"models:/{mv.name}/{mv.version}")
+    answer = served.predict(["def main(", "import "], params={"max_new_tokens": 8})
+    assert isinstance(answer, list) and len(answer) == 2 and all(isinstance(a, str) for a in answer)
+    # what it answers is the registered model's greedy continuation
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    ids = tokenizer("def main(", add_special_tokens=False)["input_ids"]
+    with torch.no_grad():
+        generated = loaded.generate(torch.tensor([ids]), max_new_tokens=8)[0, len(ids):].tolist()
+    eos = loaded.generation_config.eos_token_id
+    generated = generated[: generated.index(eos)] if eos in generated else generated
+    assert answer[0] == tokenizer.decode(generated, skip_special_tokens=True)

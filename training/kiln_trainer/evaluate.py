@@ -6,9 +6,17 @@
 Without ``--manifest`` the run's own copy, ``RUN/training_manifest.json`` (written by the trainer),
 is used, and only if its content hash is the one the checkpoint was trained on.
 
-The checkpoint is verified first (``verify_checkpoint``) and scored with its own tokenizer (its
-``tokenizer.json``), whatever the tokenizer; the eval shards are hash-checked like the training
-shards. The scored text: the eval documents in manifest order, each encoded and followed by EOS,
+The checkpoint is verified first (``verify_checkpoint``, and its weights against the manifest's
+``weights_sha256``) and scored with its own tokenizer (its ``tokenizer.json``), whatever the
+tokenizer; the eval shards are hash-checked like the training shards.
+
+Which model scores it is the checkpoint's own record (its sealed ``trainer``): kiln's GPT for a
+checkpoint of kiln's trainer; for a trainer of the user's own, the ``evaluate`` entry point it
+names (``[trainer] evaluate = "my_lm.evaluate:load_for_evaluation"``), called as
+``load(EvalCheckpoint) -> logits function`` with the verified state, recipe and tokenizer. A user
+trainer's checkpoint without one is refused, naming the trainer. Either way the model only maps
+token ids to logits; the text scored, the windows and the arithmetic below are kiln's, the same for
+every trainer. The scored text: the eval documents in manifest order, each encoded and followed by EOS,
 as in training, after one leading EOS (so the first token is predicted from a document start),
 until ``eval.max_windows x block_size`` tokens are predicted; the last document is cut at a text
 (character) boundary so that its tokens fit. The token stream is cut into windows of
@@ -27,7 +35,7 @@ Report (``kind == "kiln.EvalReport"``)::
      "split": "eval", "bits_per_byte": 2.31, "loss": 1.60, "tokens": 8192, "bytes": 8133,
      "windows": 64, "step": 300, "checkpoint_manifest_sha256": "<hex>",
      "training_manifest_sha256": "<hex>", "snapshot_id": "<md5>.dir",
-     "tokenizer_sha256": "<hex>", "token_manifest_sha256": "<hex>"}
+     "tokenizer_sha256": "<hex>", "token_manifest_sha256": "<hex>", "trainer": "kiln"}
 """
 
 from __future__ import annotations
@@ -37,7 +45,7 @@ import json
 import logging
 import math
 import sys
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -54,6 +62,8 @@ from kiln_trainer.checkpoint_manifest import (
     manifest_sha256,
 )
 from kiln_trainer.config import Recipe
+from kiln_trainer.contract.checkpoint_manifest import TRAINER_KEY
+from kiln_trainer.contract.entrypoint import KILN_TRAINER, load_entrypoint
 from kiln_trainer.errors import CheckpointError, ShardIntegrityError, TrainerError, TrainingManifestError
 from kiln_trainer.model import GPT
 from kiln_trainer.packed import iter_training_texts
@@ -65,8 +75,38 @@ log = logging.getLogger("kiln_trainer.evaluate")
 EVAL_KIND = "kiln.EvalReport"
 
 
-def load_checkpoint_model(step_dir: str | Path, device: str = "cpu") -> tuple[GPT, dict[str, Any]]:
-    """The model of a verified checkpoint (eval mode) and its manifest."""
+Logits = Callable[[torch.Tensor], torch.Tensor]
+"""What a model is to evaluation: token ids ``(batch, T)`` (long, on the device) to logits
+``(batch, T, vocab)``, where ``vocab`` covers the tokenizer's ids. Called under ``torch.no_grad``."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class EvalCheckpoint:
+    """What kiln hands a trainer's ``evaluate`` entry point: a committed checkpoint, verified."""
+
+    step_dir: Path
+    manifest: dict[str, Any]
+    """The sealed manifest, every file of the checkpoint checked against it."""
+    recipe: Recipe
+    """The resolved recipe the weights were trained under (the manifest's)."""
+    state: dict[str, torch.Tensor]
+    """The whole model state dict (a sharded checkpoint's shards consolidated, any world size), on the
+    CPU; it hashes to the manifest's ``weights_sha256``. Load it strictly."""
+    tokenizer: Tokenizer
+    """The tokenizer the weights were trained with (hash-checked)."""
+    device: str
+    """Where the returned function gets its token ids (``cpu`` unless ``--device`` says otherwise)."""
+
+
+def trainer_spec(manifest: dict[str, Any]) -> str:
+    """The trainer that made a checkpoint, from its sealed record: ``kiln`` or the train entry point
+    (a checkpoint sealed before the record existed is kiln's)."""
+    record = manifest.get(TRAINER_KEY) or {}
+    return str(record.get("spec") or KILN_TRAINER)
+
+
+def _verified_state(step_dir: Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """(verified manifest, whole model state) of a checkpoint of a format evaluation reads."""
     manifest, state = load_model_weights(step_dir)
     if manifest.get("format") not in CURRENT_FORMATS:
         raise CheckpointError(
@@ -75,11 +115,59 @@ def load_checkpoint_model(step_dir: str | Path, device: str = "cpu") -> tuple[GP
         )
     if weights_sha256(state) != manifest["weights_sha256"]:
         raise CheckpointError(f"{step_dir}: the model state does not hash to the manifest's weights_sha256")
-    recipe = Recipe.from_dict(manifest["recipe"])
-    model = GPT(recipe.model)
+    return manifest, state
+
+
+def _kiln_gpt(manifest: dict[str, Any], state: dict[str, torch.Tensor], device: str) -> GPT:
+    model = GPT(Recipe.from_dict(manifest["recipe"]).model)
     model.load_state_dict(state)
     model.to(device).eval()
-    return model, manifest
+    return model
+
+
+def load_checkpoint_model(step_dir: str | Path, device: str = "cpu") -> tuple[GPT, dict[str, Any]]:
+    """kiln's GPT of a verified checkpoint of kiln's trainer (eval mode) and its manifest;
+    ``TrainerError`` for a checkpoint another trainer made (``load_checkpoint_logits`` loads either)."""
+    step_dir = Path(step_dir)
+    manifest, state = _verified_state(step_dir)
+    made_by = trainer_spec(manifest)
+    if made_by != KILN_TRAINER:
+        raise TrainerError(f"{step_dir}: made by trainer {made_by!r}, not by kiln's: its weights are not kiln's GPT")
+    return _kiln_gpt(manifest, state, device), manifest
+
+
+def load_checkpoint_logits(step_dir: str | Path, device: str = "cpu") -> tuple[Logits, EvalCheckpoint]:
+    """The model of a verified checkpoint as a logits function, and the checkpoint: kiln's GPT for
+    kiln's trainer, else what the trainer's ``evaluate`` entry point (named in the checkpoint's sealed
+    record) makes of the verified checkpoint. ``TrainerError`` naming the trainer when it names none,
+    or when its entry point does not load or returns no function."""
+    step_dir = Path(step_dir).resolve()
+    manifest, state = _verified_state(step_dir)
+    checkpoint = EvalCheckpoint(step_dir=step_dir, manifest=manifest, recipe=Recipe.from_dict(manifest["recipe"]),
+                                state=state, tokenizer=load_checkpoint_tokenizer(step_dir, manifest), device=device)
+    made_by = trainer_spec(manifest)
+    if made_by == KILN_TRAINER:
+        model = _kiln_gpt(manifest, state, device)
+        return (lambda ids: model(ids)[0]), checkpoint
+    loader = str((manifest.get(TRAINER_KEY) or {}).get("evaluate") or "")
+    if not loader:
+        raise TrainerError(
+            f"{step_dir}: made by trainer {made_by!r}, whose recipe names no evaluate entry point; kiln loads only "
+            "its own GPT, so name the function that loads this trainer's checkpoints "
+            "([trainer] evaluate = 'package.module:function', docs/trainer-contract.md)"
+        )
+    load = load_entrypoint(loader, "trainer.evaluate")
+    try:
+        logits = load(checkpoint)
+    except TrainerError:
+        raise
+    except Exception as exc:  # the user's loader failed: name it and what it raised
+        raise TrainerError(f"{step_dir}: trainer.evaluate = {loader!r} failed to load the checkpoint: "
+                           f"{type(exc).__name__}: {exc}") from exc
+    if not callable(logits):
+        raise TrainerError(f"{step_dir}: trainer.evaluate = {loader!r} returned a {type(logits).__name__}, "
+                           "not a function from token ids to logits")
+    return logits, checkpoint
 
 
 def load_checkpoint_tokenizer(step_dir: str | Path, manifest: dict[str, Any]) -> Tokenizer:
@@ -158,9 +246,9 @@ def evaluate_checkpoint(
 ) -> dict[str, Any]:
     """Compute the EvalReport dict for one committed checkpoint (see module docstring)."""
     step_dir = Path(step_dir).resolve()
-    model, ck_manifest = load_checkpoint_model(step_dir, device)
-    tokenizer = load_checkpoint_tokenizer(step_dir, ck_manifest)
-    recipe = Recipe.from_dict(ck_manifest["recipe"])
+    model, checkpoint = load_checkpoint_logits(step_dir, device)
+    ck_manifest, tokenizer, recipe = checkpoint.manifest, checkpoint.tokenizer, checkpoint.recipe
+    made_by = trainer_spec(ck_manifest)
     if manifest_path is None:
         manifest_path = run_training_manifest(step_dir, ck_manifest)
     training_manifest = load_training_manifest(manifest_path)
@@ -178,8 +266,14 @@ def evaluate_checkpoint(
     for i in range(0, len(starts), batch):
         for length, group in _same_length(stream, starts[i : i + batch], block):
             chunk = torch.stack([stream[a : a + length] for a in group]).to(device)
-            logits, _ = model(chunk[:, :-1])
-            targets = chunk[:, 1:]
+            inputs, targets = chunk[:, :-1], chunk[:, 1:]
+            logits = model(inputs)
+            if not (isinstance(logits, torch.Tensor) and logits.dim() == 3 and logits.shape[:2] == inputs.shape
+                    and logits.size(-1) >= tokenizer.vocab_size):
+                got = tuple(logits.shape) if isinstance(logits, torch.Tensor) else type(logits).__name__
+                raise TrainerError(f"{step_dir}: the model of trainer {made_by!r} gave {got} for token ids of shape "
+                                   f"{tuple(inputs.shape)}; expected logits (batch, T, vocab >= "
+                                   f"{tokenizer.vocab_size})")
             nats = F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), targets.reshape(-1), reduction="sum")
             total_nats += float(nats.item())
             total_tokens += targets.numel()
@@ -202,6 +296,7 @@ def evaluate_checkpoint(
         "snapshot_id": training_manifest.snapshot_id,
         "tokenizer_sha256": tokenizer.sha256,
         "token_manifest_sha256": ck_manifest["token_manifest_sha256"],
+        "trainer": made_by,
     }
 
 

@@ -16,6 +16,16 @@ tokenizer artifact the checkpoint was trained with, and the trainer package as c
 (``code_paths``), so it loads where kiln is not installed. Nothing in it is a pickle: the weights
 are safetensors and the model is logged as code (``mlflow_model.py``), not as a pickled instance.
 
+Which trainer made the checkpoint decides who writes the folder (its sealed ``trainer`` record): for
+kiln's trainer, ``kiln_trainer.hf`` (kiln's GPT as a ``GPT2LMHeadModel``); for a trainer of the
+user's own, its ``export`` entry point (``[trainer] export = "my_lm.export:main"``), called in this
+process as ``main(["--checkpoint", STEP_DIR, "--out", DIR])``. kiln then checks what it wrote
+(``check_user_folder``): a ``config.json`` of an architecture ``transformers`` ships (nothing that
+needs the folder's own code), safetensors weights, no file in a pickle format, no link, and a
+tokenizer that ``AutoTokenizer`` loads and that gives the ids the weights were trained on. A user
+trainer's checkpoint without an export entry point is refused, naming the trainer. The rest of the
+version (the served model, artifacts, metadata, signing) is the same for both.
+
 The model also carries, as MLmodel metadata (flat values the MLflow UI shows and lineage checks
 read) and as files (``artifacts/``): the resolved recipe and the checkpoint manifest (weights,
 recipe, training-manifest and tokenizer hashes, snapshot id, step).
@@ -30,9 +40,17 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from kiln_trainer.checkpoint_manifest import TOKENIZER_FILE, manifest_sha256
+from kiln_trainer.checkpoint_manifest import TOKENIZER_FILE, manifest_sha256, read_manifest, verify_checkpoint
+from kiln_trainer.contract.checkpoint_manifest import TRAINER_KEY
+from kiln_trainer.contract.entrypoint import KILN_TRAINER, load_entrypoint
 from kiln_trainer.errors import TrainerError
+from kiln_trainer.jsonfile import load_json
 from kiln_trainer.tokenizer import EOS_TOKEN, ByteTokenizer, Tokenizer, load_tokenizer
+
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".pickle", ".ckpt")
+"""Files a user's export may not write: formats ``torch.load`` or ``pickle`` read, which run code on load."""
+TOKENIZER_PROBE = "def main(argv):\n    return 0  # é, 中文\n\n"
+"""Text the exported tokenizer must encode to the checkpoint's ids (code, spaces, non-ASCII, a blank line)."""
 
 
 def checkpoint_tokenizer(step_dir: Path, manifest: dict[str, Any]) -> Tokenizer:
@@ -67,6 +85,92 @@ def model_metadata(manifest: dict[str, Any], step_dir: Path, tokenizer: Tokenize
     }
 
 
+def write_model_folder(step_dir: str | Path, out_dir: str | Path) -> tuple[dict[str, Any], Tokenizer]:
+    """Verify the committed checkpoint ``step_dir`` and write its Hugging Face model folder at ``out_dir``
+    (which must not exist): ``kiln_trainer.hf``'s for kiln's trainer, the trainer's ``export`` entry
+    point's (then checked, ``check_user_folder``) for a trainer of the user's own. Returns the verified
+    manifest and the checkpoint's tokenizer."""
+    from kiln_trainer import hf
+
+    step_dir, out = Path(step_dir).resolve(), Path(out_dir)
+    record = read_manifest(step_dir).get(TRAINER_KEY) or {}  # sealed; the files are hashed below
+    made_by = str(record.get("spec") or KILN_TRAINER)
+    if made_by == KILN_TRAINER:
+        written = hf.write_checkpoint_folder(step_dir, out)  # verifies every file and the weights' hash
+        return written.manifest, written.tokenizer
+    exporter = str(record.get("export") or "")
+    if not exporter:
+        raise TrainerError(
+            f"{step_dir}: made by trainer {made_by!r}, whose recipe names no export entry point; kiln exports only "
+            "its own GPT, so name the function that writes this trainer's checkpoint as a Hugging Face folder "
+            "([trainer] export = 'package.module:function', docs/trainer-contract.md)"
+        )
+    manifest = verify_checkpoint(step_dir)
+    tokenizer = checkpoint_tokenizer(step_dir, manifest)
+    main = load_entrypoint(exporter, "trainer.export")
+    try:
+        code = main(["--checkpoint", str(step_dir), "--out", str(out)])
+    except SystemExit as exc:  # argparse, or an entry point that exits instead of returning
+        code = exc.code
+    except TrainerError:
+        raise
+    except Exception as exc:  # the user's export failed: name it and what it raised
+        raise TrainerError(f"{step_dir}: trainer.export = {exporter!r} failed: {type(exc).__name__}: {exc}") from exc
+    if code not in (0, None):
+        raise TrainerError(f"{step_dir}: trainer.export = {exporter!r} exited {code!r} (its log says why)")
+    check_user_folder(out, tokenizer, where=f"trainer.export = {exporter!r}")
+    return manifest, tokenizer
+
+
+def check_user_folder(folder: Path, tokenizer: Tokenizer, *, where: str) -> None:
+    """``TrainerError`` naming ``where`` and the file unless ``folder`` is a Hugging Face causal LM folder
+    kiln can register: regular files only (no link), none in a pickle format (``PICKLE_SUFFIXES``),
+    ``config.json`` of an architecture ``transformers`` ships (no ``auto_map``: loading would run the
+    folder's own code), weights in safetensors, a tokenizer that encodes ``TOKENIZER_PROBE`` to
+    ``tokenizer``'s ids, and ``tokenizer``'s EOS as the folder's (its tokenizer's, and generation's: the
+    served model stops there)."""
+    from kiln_trainer import hf
+
+    if not folder.is_dir() or folder.is_symlink():
+        raise TrainerError(f"{where} wrote no folder at {folder}")
+    for path in sorted(folder.rglob("*")):
+        name = path.relative_to(folder)
+        if path.is_symlink() or not (path.is_file() or path.is_dir()):
+            raise TrainerError(f"{where}: {name} in the exported folder is a link or not a regular file")
+        if path.suffix in PICKLE_SUFFIXES:
+            raise TrainerError(f"{where}: {name} in the exported folder is a pickle format ({path.suffix}); "
+                               "write weights as safetensors only (save_pretrained does)")
+    for required in (hf.CONFIG_FILE, hf.TOKENIZER_JSON):
+        if not (folder / required).is_file():
+            raise TrainerError(f"{where}: the exported folder has no {required}")
+    if not any(folder.glob("*.safetensors")):
+        raise TrainerError(f"{where}: the exported folder has no *.safetensors weights")
+    config = load_json(folder / hf.CONFIG_FILE, f"{where}'s {hf.CONFIG_FILE}", TrainerError, follow_link=False)
+    if not isinstance(config, dict) or "auto_map" in config:
+        raise TrainerError(f"{where}: the exported {hf.CONFIG_FILE} is not a plain config object or names code of "
+                           "its own (auto_map); kiln serves only architectures transformers ships")
+    from transformers import AutoConfig, AutoTokenizer, GenerationConfig
+
+    try:
+        model_config = AutoConfig.from_pretrained(folder)
+        generation = (GenerationConfig.from_pretrained(folder) if (folder / hf.GENERATION_CONFIG_FILE).is_file()
+                      else GenerationConfig.from_model_config(model_config))
+        exported = AutoTokenizer.from_pretrained(folder)
+    except (OSError, ValueError, KeyError) as exc:
+        raise TrainerError(f"{where}: transformers cannot load the exported folder: {exc}") from exc
+    ids = exported(TOKENIZER_PROBE, add_special_tokens=False)["input_ids"]
+    trained = tokenizer.encode_batch([TOKENIZER_PROBE])[0]
+    eos = {"the tokenizer's": exported.convert_tokens_to_ids(exported.eos_token) if exported.eos_token else None,
+           "generation's": generation.eos_token_id}
+    if ids != trained or any(found != tokenizer.eos_id for found in eos.values()):
+        raise TrainerError(
+            f"{where}: the exported tokenizer encodes {TOKENIZER_PROBE!r} as {ids}, with EOS "
+            + ", ".join(f"{what} {found!r}" for what, found in eos.items())
+            + f"; the checkpoint's tokenizer as {trained}, EOS {tokenizer.eos_id}: write the checkpoint's "
+            "(kiln_trainer.hf.tokenizer_files, generation_config)"
+        )
+
+
 class _SavedThenSigned:
     """The flavor ``log_model`` hands ``Model.log``: its ``save_model`` writes the model's files
     (``save_model`` below, with the ``MLmodel`` that ``Model.log`` made for the logged model, so its
@@ -97,14 +201,13 @@ def save_model(step_dir: str | Path, path: str | Path, *, mlflow_model: Any = No
     import tokenizers
     import torch
 
-    from kiln_trainer import hf, serving
+    from kiln_trainer import serving
 
     step_dir, path = Path(step_dir).resolve(), Path(path)
     with tempfile.TemporaryDirectory(prefix="kiln-export-") as tmp:
         files = Path(tmp)
-        # verifies every file and the weights' hash, then writes the Hugging Face folder
-        written = hf.write_checkpoint_folder(step_dir, files / serving.HF_ARTIFACT)
-        manifest, tokenizer = written.manifest, written.tokenizer
+        # verifies every file, then writes the Hugging Face folder (kiln's, or the trainer's export)
+        manifest, tokenizer = write_model_folder(step_dir, files / serving.HF_ARTIFACT)
         tokenizer.save(files / TOKENIZER_FILE)  # the very artifact: its sha256 is the one trained with
         (files / "recipe.json").write_text(json.dumps(manifest["recipe"], indent=1, sort_keys=True))
         (files / "checkpoint_manifest.json").write_text(json.dumps(manifest, indent=1, sort_keys=True))

@@ -197,6 +197,19 @@ def test_a_bad_entrypoint_is_refused_naming_the_spec_and_what_is_wrong(user_path
         validate_trainer(TrainerSpec(train="userpkg_bad.train:main", export=spec))
 
 
+def test_each_role_is_checked_against_how_kiln_calls_it(user_path: Path):
+    write_package(user_path, "userpkg_roles", {"train": GOOD})
+    roles = validate_trainer(TrainerSpec(train="userpkg_roles.train:main", evaluate="userpkg_roles.train:main",
+                                         export="userpkg_roles.train:main"))
+    assert set(roles) == {"train", "evaluate", "export"}
+    with pytest.raises(EntrypointError, match=r"trainer\.evaluate = 'userpkg_roles\.train:two': cannot be called "
+                                              r"as load\(checkpoint\)"):
+        validate_trainer(TrainerSpec(train="userpkg_roles.train:main", evaluate="userpkg_roles.train:two"))
+    with pytest.raises(EntrypointError, match=r"trainer\.export = 'userpkg_roles\.train:two': cannot be called "
+                                              r"as main\(argv\)"):
+        validate_trainer(TrainerSpec(train="userpkg_roles.train:main", export="userpkg_roles.train:two"))
+
+
 def test_the_record_names_the_distribution_and_its_version(user_path: Path):
     write_package(user_path, "userpkg_dist", {"train": GOOD}, version="1.4.2")
     write_package(user_path, "userpkg_loose", {"train": GOOD})

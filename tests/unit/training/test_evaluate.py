@@ -91,3 +91,90 @@ def test_a_bpe_checkpoint_is_scored_with_its_own_tokenizer(tmp_path: Path) -> No
     assert reports["bpe"]["tokens"] < reports["byte"]["tokens"]  # fewer, longer tokens
     assert reports["bpe"]["tokenizer_sha256"] == bpe.sha256
     assert all(math.isfinite(r["bits_per_byte"]) and r["bits_per_byte"] > 0 for r in reports.values())
+
+
+# -- a trainer of the user's own: its evaluate entry point loads the checkpoint, kiln scores it ----------
+
+USER_LOADERS = """
+from kiln_trainer.model import GPT
+
+
+def load(checkpoint):
+    model = GPT(checkpoint.recipe.model)
+    model.load_state_dict(checkpoint.state, strict=True)
+    model.to(checkpoint.device).eval()
+    return lambda ids: model(ids)[0]
+
+
+def short(checkpoint):
+    model = load(checkpoint)
+    return lambda ids: model(ids)[:, :-1]
+
+
+def broken(checkpoint):
+    raise RuntimeError("no such layer: " + checkpoint.step_dir.name)
+
+
+def nothing(checkpoint):
+    return 42
+"""
+
+
+def _as_user_trainers(step_dir: Path, into: Path, **record: str) -> Path:
+    """A copy of kiln's checkpoint whose sealed record says a user trainer made it (``record``'s entry points)."""
+    from kiln_trainer.contract.checkpoint_manifest import seal, verify_checkpoint
+
+    copy = shutil.copytree(step_dir, into / step_dir.name)
+    manifest = json.loads((copy / "manifest.json").read_text())
+    trainer = {"spec": "userpkg_eval.train:main", "distribution": "", "version": "", **record}
+    body = {k: v for k, v in manifest.items() if k != "seal_sha256"} | {"trainer": trainer}
+    (copy / "manifest.json").write_text(json.dumps(seal(body)))
+    verify_checkpoint(copy)
+    return copy
+
+
+@pytest.fixture
+def user_loaders(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    package = tmp_path / "site" / "userpkg_eval"
+    package.mkdir(parents=True)
+    (package / "__init__.py").write_text("")
+    (package / "evaluate.py").write_text(USER_LOADERS)
+    monkeypatch.syspath_prepend(str(tmp_path / "site"))
+    yield
+    import sys
+
+    for name in [m for m in sys.modules if m.startswith("userpkg_eval")]:
+        del sys.modules[name]
+
+
+def test_a_user_trainers_loader_is_scored_exactly_as_kilns_own_model(
+    step_dir: Path, corpus: Path, tmp_path: Path, user_loaders: None
+) -> None:
+    own = evaluate.evaluate_checkpoint(step_dir, corpus, max_windows=16)
+    users = _as_user_trainers(step_dir, tmp_path / "user", evaluate="userpkg_eval.evaluate:load")
+    theirs = evaluate.evaluate_checkpoint(users, corpus, max_windows=16)
+    assert own["trainer"] == "kiln" and theirs["trainer"] == "userpkg_eval.train:main"
+    same = ("bits_per_byte", "loss", "tokens", "bytes", "windows", "weights_sha256", "tokenizer_sha256")
+    assert {k: theirs[k] for k in same} == {k: own[k] for k in same}  # the same weights, the same arithmetic
+    with pytest.raises(evaluate.TrainerError, match="made by trainer 'userpkg_eval.train:main', not by kiln's"):
+        evaluate.load_checkpoint_model(users)
+
+
+@pytest.mark.parametrize(("loader", "says"), [
+    (None, "made by trainer 'userpkg_eval.train:main', whose recipe names no evaluate entry point"),
+    ("userpkg_eval.evaluate:short", r"gave \(16, 7, 257\) for token ids of shape \(16, 8\); expected logits"),
+    ("userpkg_eval.evaluate:broken", "trainer.evaluate = 'userpkg_eval.evaluate:broken' failed to load the "
+                                     "checkpoint: RuntimeError: no such layer: step-00000003"),
+    ("userpkg_eval.evaluate:nothing", "returned a int, not a function from token ids to logits"),
+    ("userpkg_eval.evaluate:missing", "module userpkg_eval.evaluate has no attribute 'missing'"),
+    ("kiln_trainer.model:GPT", "kiln's own package"),
+])
+def test_a_user_trainers_checkpoint_that_its_loader_cannot_score_is_refused_naming_it(
+    step_dir: Path, corpus: Path, tmp_path: Path, user_loaders: None, loader: str | None, says: str
+) -> None:
+    users = _as_user_trainers(step_dir, tmp_path / "user", **({"evaluate": loader} if loader else {}))
+    with pytest.raises(evaluate.TrainerError, match=says):
+        evaluate.evaluate_checkpoint(users, corpus, max_windows=16)
+    out = tmp_path / "e.json"
+    assert evaluate.main(["--checkpoint", str(users), "--manifest", str(corpus), "--out", str(out)]) == 2
+    assert not out.exists()

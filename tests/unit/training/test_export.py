@@ -94,3 +94,57 @@ def test_log_model_then_pyfunc_predict_turns_prompts_into_text(tmp_path: Path, m
         assert texts[0] == kiln_tokenizer.decode(ours)
     finally:
         mlflow.set_tracking_uri("")
+
+
+def _pickle_file(folder: Path) -> None:
+    (folder / "pytorch_model.bin").write_bytes(b"\x80\x04pickled")
+
+
+def _link(folder: Path) -> None:
+    (folder / "weights.safetensors").symlink_to(folder / "model.safetensors")
+
+
+def _no_safetensors(folder: Path) -> None:
+    (folder / "model.safetensors").unlink()
+
+
+def _remote_code(folder: Path) -> None:
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "auto_map": {"AutoModelForCausalLM": "mine.Model"}}))
+
+
+def _other_tokenizer(folder: Path) -> None:
+    from kiln_trainer.hf import tokenizer_files
+    from kiln_trainer.tokenizer import train_bpe
+
+    bpe = train_bpe(["def main(argv):\n    return 0\n"] * 30, vocab_size=280)
+    for name, data in tokenizer_files(bpe, 8).items():
+        (folder / name).write_bytes(data)
+
+
+def _other_eos(folder: Path) -> None:
+    config = json.loads((folder / "generation_config.json").read_text())
+    (folder / "generation_config.json").write_text(json.dumps({**config, "eos_token_id": 0}))
+
+
+@pytest.mark.parametrize(("damage", "says"), [
+    (_pickle_file, r"pytorch_model\.bin in the exported folder is a pickle format \(\.bin\)"),
+    (_link, r"weights\.safetensors in the exported folder is a link"),
+    (_no_safetensors, r"has no \*\.safetensors weights"),
+    (_remote_code, r"names code of its own \(auto_map\)"),
+    (_other_tokenizer, r"the exported tokenizer encodes .* as \[.*\], with EOS .*; the checkpoint's tokenizer as"),
+    (_other_eos, r"with EOS the tokenizer's 256, generation's 0; the checkpoint's tokenizer as .*, EOS 256"),
+])
+def test_a_user_export_is_registered_only_as_a_folder_transformers_loads_without_pickle_or_code(
+    tmp_path: Path, damage, says: str
+) -> None:
+    """What ``check_user_folder`` holds a trainer's export to, on a real folder (kiln's own export)."""
+    from kiln_trainer.export import check_user_folder
+    from kiln_trainer.hf import write_checkpoint_folder
+
+    write_checkpoints(tmp_path / "run", [2])
+    written = write_checkpoint_folder(tmp_path / "run" / "checkpoints" / "step-00000002", tmp_path / "hf")
+    check_user_folder(written.path, written.tokenizer, where="trainer.export = 'mine.export:main'")
+    damage(written.path)
+    with pytest.raises(TrainerError, match=r"trainer\.export = 'mine\.export:main'.*" + says):
+        check_user_folder(written.path, written.tokenizer, where="trainer.export = 'mine.export:main'")

@@ -7,19 +7,29 @@ A recipe names its trainer (``docs/trainer-contract.md``, "The trainer entry poi
 
     [trainer]                                 # or a table: train, and optionally evaluate and export
     train = "my_lm.train:main"
-    evaluate = "my_lm.evaluate:main"
+    evaluate = "my_lm.evaluate:load_for_evaluation"
     export = "my_lm.export:main"
 
-An entry point is ``package.module:function`` (the function may be a dotted attribute path). A
-train entry point is called on every rank under torchrun as ``main(argv) -> int``, with exactly the
-arguments kiln's own trainer takes (``parse_trainer_args`` parses them, ``TrainerArgs`` names them),
-and returns an exit code of the contract (``EXIT_OK``, ``EXIT_RETRYABLE``, ``EXIT_FATAL``).
+An entry point is ``package.module:function`` (the function may be a dotted attribute path). Each
+role is called its own way (``ENTRYPOINT_CALLS``):
+
+- ``train``: on every rank under torchrun as ``main(argv) -> int``, with exactly the arguments
+  kiln's own trainer takes (``parse_trainer_args`` parses them, ``TrainerArgs`` names them);
+  returns an exit code of the contract (``EXIT_OK``, ``EXIT_RETRYABLE``, ``EXIT_FATAL``).
+- ``evaluate``: in kiln's evaluation process as ``load(checkpoint)``: ``checkpoint`` is a
+  ``kiln_trainer.evaluate.EvalCheckpoint`` (the verified manifest, the resolved recipe, the whole
+  model state, the tokenizer, the device); it returns a function from token ids ``(batch, T)`` to
+  logits ``(batch, T, vocab)``, and kiln scores the eval split with it exactly as it scores its own
+  GPT. Without one, a checkpoint of this trainer cannot be evaluated.
+- ``export``: ``main(["--checkpoint", STEP_DIR, "--out", DIR]) -> int`` in kiln's registration
+  process: writes the checkpoint as a Hugging Face model folder (``kiln_trainer.export`` checks it and
+  registers it as the version's model). Without one, a checkpoint of this trainer cannot be registered.
 
 It is loaded from the user's package, never from kiln's source tree: a spec naming a module of
 ``kiln`` or ``kiln_trainer`` (or a module beside them in a source checkout) is refused; ``kiln`` is
 how a recipe asks for kiln's trainer. ``validate_entrypoint`` imports the module in the calling
 process (so an entry point's module must be importable without side effects) and checks the
-attribute is a function of ``argv``: kiln calls it before any worker starts, and every error names
+attribute is a function of one argument: kiln calls it before any worker starts, and every error names
 the spec and what is wrong with it. ``trainer_record`` says which trainer, and which version of its
 distribution, made a checkpoint (``importlib.metadata``: the distribution that provides the
 module's top-level package; for ``kiln``, the one that provides ``kiln_trainer``).
@@ -45,6 +55,7 @@ from typing import Any, Final
 from kiln_trainer.errors import RecipeError
 
 __all__ = [
+    "ENTRYPOINT_CALLS",
     "ENTRYPOINT_ROLES",
     "KILN_TRAINER",
     "KILN_TRAIN_ENTRYPOINT",
@@ -74,6 +85,8 @@ RECIPE_TRAINER_KEY: Final = "trainer"
 """The recipe's top-level key (a string) or table (``train``, ``evaluate``, ``export``)."""
 ENTRYPOINT_ROLES: Final = ("train", "evaluate", "export")
 """The entry points a ``[trainer]`` table may name; ``train`` is required."""
+ENTRYPOINT_CALLS: Final = {"train": "main(argv)", "evaluate": "load(checkpoint)", "export": "main(argv)"}
+"""How kiln calls each role's function (module docstring): each takes one positional argument."""
 SAMPLE_LOG_ENV: Final = "KILN_SAMPLE_LOG"
 """``1``: the default of ``--sample-log`` (a trainer that keeps no sample log may ignore it)."""
 _KILN_PACKAGES: Final = frozenset({"kiln", "kiln_trainer"})
@@ -163,9 +176,11 @@ class TrainerSpec:
     train: str = KILN_TRAINER
     """``kiln`` or the train entry point."""
     evaluate: str = ""
-    """The user's evaluation entry point (optional; not with ``kiln``, whose evaluation is kiln's)."""
+    """The user's checkpoint loader for evaluation, ``load(checkpoint)`` (optional; not with ``kiln``,
+    whose GPT kiln loads itself). Without it kiln cannot evaluate this trainer's checkpoints."""
     export: str = ""
-    """The user's export entry point (optional; not with ``kiln``, whose export is kiln's)."""
+    """The user's export to a Hugging Face folder, ``main(argv)`` (optional; not with ``kiln``, whose
+    export is kiln's). Without it kiln cannot register this trainer's checkpoints."""
 
     def __post_init__(self) -> None:
         for role in ENTRYPOINT_ROLES:
@@ -347,17 +362,19 @@ def load_entrypoint(spec: str, where: str = "trainer.train") -> Callable[..., An
 
 
 def validate_entrypoint(spec: str, where: str = "trainer.train") -> Callable[..., Any]:
-    """``load_entrypoint``, and the function must take one positional argument, ``argv`` (a list of
-    strings): what kiln calls it with."""
+    """``load_entrypoint``, and the function must take one positional argument: ``argv`` (a list of
+    strings) for ``train`` and ``export``, the checkpoint for ``evaluate`` (``ENTRYPOINT_CALLS``, by
+    the role ``where`` names)."""
     function = load_entrypoint(spec, where)
+    call = ENTRYPOINT_CALLS.get(where.rpartition(".")[2], ENTRYPOINT_CALLS["train"])
     try:
         signature = inspect.signature(function)
     except (TypeError, ValueError):
         return function  # a builtin or C function without a signature: calling it will tell
     try:
-        signature.bind(["--manifest"])
+        signature.bind(object())
     except TypeError as exc:
-        raise EntrypointError(f"{where} = {spec!r}: cannot be called as main(argv) ({exc}); "
+        raise EntrypointError(f"{where} = {spec!r}: cannot be called as {call} ({exc}); "
                               f"its signature is {signature}") from None
     return function
 

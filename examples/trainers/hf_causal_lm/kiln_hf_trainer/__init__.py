@@ -3,8 +3,9 @@
 
 Entry points a recipe names (``[trainer]``)::
 
-    train  = "kiln_hf_trainer.train:main"     # every rank, under torchrun (kiln's launchers)
-    export = "kiln_hf_trainer.export:main"    # a committed checkpoint as a Hugging Face folder
+    train    = "kiln_hf_trainer.train:main"                    # every rank, under torchrun (kiln's launchers)
+    evaluate = "kiln_hf_trainer.evaluate:load_for_evaluation"   # a checkpoint as logits, for kiln's evaluation
+    export   = "kiln_hf_trainer.export:main"                    # a checkpoint as a Hugging Face folder (registered)
 
 Distribution ``kiln-example-hf-trainer``; it depends on ``kiln-trainer`` (the SDK and the contract).
 """

@@ -20,9 +20,9 @@ import logging
 import sys
 from pathlib import Path
 
-from transformers import GenerationConfig, LlamaForCausalLM
+from transformers import GenerationConfig
 
-from kiln_hf_trainer.model import llama_config
+from kiln_hf_trainer.model import trained_model
 from kiln_trainer.checkpoint import load_model_weights, weights_sha256
 from kiln_trainer.checkpoint_manifest import atomic_write_bytes
 from kiln_trainer.config import Recipe
@@ -49,8 +49,7 @@ def export_folder(step_dir: str | Path, out_dir: str | Path) -> Path:
         raise TrainerError(f"{step_dir}: made by trainer {spec or 'kiln'!r}, not by {TRAINER_PACKAGE}")
     recipe = Recipe.from_dict(manifest["recipe"])
     tokenizer = checkpoint_tokenizer(step_dir, manifest)
-    model = LlamaForCausalLM(llama_config(recipe, tokenizer, use_cache=True))
-    model.load_state_dict(state, strict=True)
+    model = trained_model(recipe, tokenizer, state, use_cache=True)
     model.generation_config = GenerationConfig(**generation_config(tokenizer))
     out = Path(out_dir)
     model.save_pretrained(out)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
 from huggingface_hub.errors import StrictDataclassError
 from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -58,3 +59,12 @@ def llama_config(recipe: Recipe, tokenizer: Tokenizer, *, use_cache: bool = Fals
 def build_model(recipe: Recipe, tokenizer: Tokenizer) -> LlamaForCausalLM:
     """A freshly initialised model (the torch RNG decides the weights: the same seed gives the same model)."""
     return LlamaForCausalLM(llama_config(recipe, tokenizer))
+
+
+def trained_model(recipe: Recipe, tokenizer: Tokenizer, state: dict[str, torch.Tensor], *,
+                  use_cache: bool = False) -> LlamaForCausalLM:
+    """The model a checkpoint's whole state makes (loaded strictly: a missing or extra key is an error),
+    in eval mode, on the CPU: what the evaluation and the export start from."""
+    model = LlamaForCausalLM(llama_config(recipe, tokenizer, use_cache=use_cache))
+    model.load_state_dict(state, strict=True)
+    return model.eval()
