@@ -514,3 +514,9 @@ def get_policy(name: str) -> Policy:
         return POLICIES[name]
     except KeyError:
         raise PolicyError(f"unknown policy {name!r}; known: {', '.join(POLICIES)}") from None
+
+
+def owning_policy(model: str) -> Policy | None:
+    """The policy that may write registered model ``model`` (its versions are signed with that policy's
+    key); None when no policy writes it."""
+    return next((p for p in POLICIES.values() if model in p.writable_models), None)

@@ -788,11 +788,17 @@ def test_rerun_after_rollback_needs_a_fresh_approval_and_audit_tells_the_story(
     capsys.readouterr()
     args = parser.parse_args(["audit", target, "--json"])
     assert args.func(args) == 0
-    assert json.loads(capsys.readouterr().out) == events
+    printed = json.loads(capsys.readouterr().out)
+    assert printed[:len(events)] == events
+    # then every version it read, each agreeing with its signed statement (untouched since registration)
+    checked = [(e["event"], e["model"], e["version"], e["status"]) for e in printed[len(events):]]
+    assert checked == [("provenance", target, "1", "agrees"), ("provenance", target, "2", "agrees")] + [
+        ("provenance", policy.candidate_model, v, "agrees") for v in ("1", "2", "3")]
     args = parser.parse_args(["audit", target])
     assert args.func(args) == 0
     table = capsys.readouterr().out
     assert "champion 2 -> 1: INC-7" in table and "review: rejected — loss curve spikes" in table
+    assert f"{target}/2  agrees" in table and f"{policy.candidate_model}/3  agrees" in table
     with pytest.raises(RegistryError, match="does not exist"):
         registry.audit_history(f"{target}-missing")
 

@@ -1,11 +1,13 @@
 """Signed provenance wired into the registry, against a real ``mlflow server``: registration signs
 every version before upload, ``promote`` refuses a candidate that does not verify (nothing moves),
-and ``kiln verify MODEL@ALIAS|MODEL/VERSION`` names each mismatch. The tampering is done where an
-attacker with write access would: in the server's artifact store and on the version's tags."""
+``kiln verify MODEL@ALIAS|MODEL/VERSION`` names each mismatch, and ``kiln audit`` reports every
+version's tags against its signed statement. The tampering is done where an attacker with write
+access would: in the server's artifact store and on the version's tags."""
 
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 from typing import Any
@@ -15,6 +17,7 @@ import pytest
 from kiln import registry
 from kiln.cli import main as kiln_main
 from kiln.errors import ProvenanceError
+from kiln.policy import POLICIES
 from kiln.provenance import from_registration, sign_artifact, verify_artifact
 from kiln.provenance.keys import signing_key
 from kiln.provenance.statement import MODEL_SIGNATURE_FILE, PROVENANCE_FILE
@@ -202,3 +205,91 @@ def test_kiln_verify_names_each_mismatch(tmp_path, client, unique_name, logged_m
     assert "has no version with alias 'nobody'" in capsys.readouterr().err
     assert kiln_main(["verify", "no-ref-here"]) == 2
     assert kiln_main(["verify", f"{model}/{a}", "--dir", str(tmp_path)]) == 2
+
+
+# ------------------------------------------------------------------------------------- kiln audit
+
+
+def _register_unsigned(client: Any, model: str) -> str:
+    """A version as registered before kiln signed versions: a logged pyfunc model, no signature files."""
+    import mlflow
+
+    class Echo(mlflow.pyfunc.PythonModel):
+        def predict(self, context, model_input, params=None):
+            return model_input
+
+    experiment = client.create_experiment(f"unsigned-{model}")
+    with mlflow.start_run(experiment_id=experiment):
+        uri = mlflow.pyfunc.log_model(name="model", python_model=Echo(), pip_requirements=[]).model_uri
+    return str(mlflow.register_model(uri, model).version)
+
+
+def test_kiln_audit_reports_each_versions_provenance_and_fails_on_a_disagreement(
+        tmp_path, client, unique_name, logged_models, mlflow_server, monkeypatch, capsys):
+    policy = production_policy(unique_name)
+    monkeypatch.setitem(POLICIES, "production", policy)  # the policy that owns the test's model names
+    target, candidates = policy.target_model, policy.candidate_model
+    cand_a, ref_a, key_a = _register(tmp_path / "a", policy, "a", 3.0, unique_name)
+    _b, ref_b, _ = _register(tmp_path / "b", policy, "b", 3.1, unique_name)
+    approve(policy, ref_a, key_a, "alice")
+    champion = _promote(policy, cand_a, ref_a, key_a).version
+    old = _register_unsigned(client, candidates)
+    a, b = ref_a["version"], ref_b["version"]
+    capsys.readouterr()
+
+    # Untouched: each signed version agrees; the one from before signing is reported, and passes.
+    assert kiln_main(["audit", target]) == 0, capsys.readouterr().err
+    out = capsys.readouterr().out
+    assert "champion - -> 1" in out and "review: approved" in out, "the events, as before"
+    assert re.findall(r"^  (\S+)  (\w+)", out, re.M) == [
+        (f"{target}/{champion}", "agrees"), (f"{candidates}/{a}", "agrees"), (f"{candidates}/{b}", "agrees"),
+        (f"{candidates}/{old}", "unsigned")]
+    assert kiln_main(["audit", target, "--require-signed"]) == 1
+    assert f"kiln audit: error: 1 version(s) failed the provenance audit: {candidates}/{old} (unsigned)" in (
+        capsys.readouterr().err)
+
+    # Tampered: a tag edited on the champion, a byte changed in candidate b's stored files.
+    client.set_model_version_tag(target, champion, "kiln.weights_sha256", "f" * 64)
+    with open(_stored_dir(mlflow_server, client, candidates, b) / "MLmodel", "a") as fh:
+        fh.write("# edited\n")
+    assert kiln_main(["audit", target]) == 1
+    captured = capsys.readouterr()
+    assert "champion - -> 1" in captured.out, "the whole report is printed"
+    assert (f"{target}/{champion}  DISAGREES with its signed statement:\n      tag kiln.weights_sha256 is "
+            f"'{'f' * 64}', the signed statement says '{cand_a.train.weights_sha256}'") in captured.out
+    assert re.search(rf"^  {re.escape(candidates)}/{b}  DOES NOT VERIFY: models:/{re.escape(candidates)}/{b} does not "
+                     r"match its signed statement: MLmodel changed \(signed sha256 [0-9a-f]{64}, now", captured.out, re.M)
+    assert f"{candidates}/{a}  agrees" in captured.out and f"{candidates}/{old}  unsigned" in captured.out
+    assert captured.err.count("error:") == 1 and (
+        f"2 version(s) failed the provenance audit: {target}/{champion} (disagrees), {candidates}/{b} "
+        "(does-not-verify)") in captured.err
+
+    # --json carries the same, after the events.
+    assert kiln_main(["audit", target, "--json"]) == 1
+    printed = json.loads(capsys.readouterr().out)
+    assert [e["event"] for e in printed] == ["promotion", "review"] + ["provenance"] * 4
+    entries = {(e["model"], e["version"]): e for e in printed[2:]}
+    assert entries[(target, champion)] == {
+        "event": "provenance", "model": target, "version": champion, "policy": "production", "status": "disagrees",
+        "mismatches": [{"record": "kiln.weights_sha256", "version_says": "f" * 64,
+                        "signed_says": cand_a.train.weights_sha256,
+                        "text": f"tag kiln.weights_sha256 is '{'f' * 64}', the signed statement says "
+                                f"'{cand_a.train.weights_sha256}'"}],
+        "problem": ""}
+    assert [entries[(candidates, v)]["status"] for v in (a, b, old)] == ["agrees", "does-not-verify", "unsigned"]
+    assert "MLmodel changed" in entries[(candidates, b)]["problem"] and not entries[(candidates, b)]["mismatches"]
+
+
+def test_kiln_audit_of_a_model_no_policy_owns_says_provenance_was_not_checked(
+        tmp_path, client, unique_name, logged_models, capsys):
+    policy = production_policy(unique_name)  # not in POLICIES: nobody owns its names
+    _register(tmp_path, policy, "a", 3.0, unique_name)
+    client.set_model_version_tag(policy.candidate_model, "1", "kiln.weights_sha256", "f" * 64)
+    capsys.readouterr()
+    assert kiln_main(["audit", policy.candidate_model]) == 0
+    assert f"provenance not checked: no policy owns {policy.candidate_model}" in capsys.readouterr().out
+    assert kiln_main(["audit", policy.candidate_model, "--require-signed"]) == 2
+    # --policy names whose keys: then the edited tag is found
+    assert kiln_main(["audit", policy.candidate_model, "--policy", "production"]) == 1
+    assert f"tag kiln.weights_sha256 is '{'f' * 64}'" in capsys.readouterr().out
+

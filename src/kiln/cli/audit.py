@@ -1,21 +1,40 @@
-"""``kiln audit MODEL``: who approved, promoted and rolled back what, when, and under which config.
+"""``kiln audit MODEL``: who approved, promoted and rolled back what, when, and under which config;
+and whether each version's tags still agree with its signed provenance statement.
 
 ::
 
-    kiln audit kiln-stdlib-lm                 # a table, oldest first
-    kiln audit kiln-stdlib-lm --json          # the same events as a JSON list
+    kiln audit kiln-stdlib-lm                 # a table, oldest first, then each version's provenance
+    kiln audit kiln-stdlib-lm --json          # the same as one JSON list
+    kiln audit kiln-stdlib-lm --require-signed   # an unsigned version fails the audit too
 
 Read from the versions' audit tags (``kiln.audit.*``, written by ``kiln.registry.promote``,
 ``rollback`` and ``record_review``); for the production model the reviews of its candidate model
 are included, so rejected and timed-out reviews show too, and so are the changes of the reviewed
-production config (``config/production.toml``) between its candidates (event ``config``). Read-only: any MLflow identity with
-READ may run it.
+production config (``config/production.toml``) between its candidates (event ``config``).
+
+Then every version it read (the candidate model's too) is verified with the trusted keys of the
+policy that owns MODEL (``--policy`` for a model no policy owns), as ``kiln verify`` does: its whole
+model directory downloaded, both signatures and every file's bytes checked, and its lineage tags
+and logged model compared with the signed statement (``kiln.registry.verify.check_version``). Each
+version is reported as ``agrees``, ``disagrees`` (each tag with the value on the version and the
+signed one), ``unsigned`` (registered before kiln signed versions: reported, not an error) or
+``does-not-verify`` (what failed). ``--json`` appends one ``{"event": "provenance", ...}`` entry per
+version after the events, with the same fields.
+
+Exit status: 0 when every signed version agrees; 1 when any version disagrees or does not verify
+(after printing the whole report; one ``kiln audit: error:`` line names those versions), and with
+``--require-signed`` also when any is unsigned. Read-only: any MLflow identity with READ may run it;
+it needs the owning policy's trusted public keys (``KILN_HOME/keys/<policy>/trusted/``).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from kiln.registry.verify import VersionCheck
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -28,16 +47,18 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("model", metavar="MODEL", help="registered model, e.g. kiln-stdlib-lm")
     p.add_argument("--policy", choices=("sandbox", "production"), default=None,
                    help="policy owning MODEL (default: the one that may write it)")
-    p.add_argument("--json", action="store_true", help="print the events as JSON")
+    p.add_argument("--json", action="store_true", help="print the events and each version's provenance as JSON")
+    p.add_argument("--require-signed", action="store_true",
+                   help="fail (exit 1) on an unsigned version too, not only on one that disagrees")
     p.set_defaults(func=handler)
 
 
 def _policy_for(model: str, name: str | None):  # -> Policy | None
-    from kiln.policy import POLICIES, get_policy
+    from kiln.policy import get_policy, owning_policy
 
     if name:
         return get_policy(name)
-    return next((p for p in POLICIES.values() if model in p.writable_models), None)
+    return owning_policy(model)
 
 
 def _detail(event: dict) -> str:
@@ -64,9 +85,58 @@ def format_table(events: list[dict]) -> str:
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(r[:4], widths, strict=True)) + "  " + r[4] for r in rows)
 
 
+def provenance_entries(checks: list[VersionCheck]) -> list[dict]:
+    """One ``provenance`` entry per checked version, as ``--json`` prints them."""
+    return [{"event": "provenance", **c.to_json()} for c in checks]
+
+
+def format_provenance(checks: list[VersionCheck], policy: str) -> str:
+    lines = [f"PROVENANCE (each version's tags against its signed statement, keys of policy {policy})"]
+    if not checks:
+        lines.append("  no versions")
+    for c in checks:
+        where = f"{c.model}/{c.version}"
+        if c.status == "disagrees":
+            lines.append(f"  {where}  DISAGREES with its signed statement:")
+            lines += [f"      {m}" for m in c.mismatches]
+        elif c.status == "does-not-verify":
+            lines.append(f"  {where}  DOES NOT VERIFY: {c.problem}")
+        elif c.status == "unsigned":
+            lines.append(f"  {where}  unsigned: registered before kiln signed versions (or both signature files "
+                         "removed); its tags are unchecked, and promote and kiln export refuse it")
+        else:
+            lines.append(f"  {where}  agrees (signatures, files, tags, logged model)")
+    return "\n".join(lines)
+
+
+def failed_versions(checks: list[VersionCheck], *, require_signed: bool) -> list[VersionCheck]:
+    """The checks that make the audit exit non-zero."""
+    bad = {"disagrees", "does-not-verify"} | ({"unsigned"} if require_signed else set())
+    return [c for c in checks if c.status in bad]
+
+
 def handler(args: argparse.Namespace) -> int:
     from kiln import registry
+    from kiln.errors import ConfigError, ProvenanceError
 
-    events = registry.audit_history(args.model, _policy_for(args.model, args.policy))
-    print(json.dumps(events, indent=2) if args.json else format_table(events))
+    policy = _policy_for(args.model, args.policy)
+    if policy is None and args.require_signed:
+        raise ConfigError(f"--require-signed: no policy owns {args.model}; give --policy production|sandbox "
+                          "(whose keys its versions must be signed with)")
+    events = registry.audit_history(args.model, policy)
+    checks = registry.provenance_checks(args.model, policy) if policy is not None else []
+    unchecked = (f"provenance not checked: no policy owns {args.model} (give --policy production|sandbox: "
+                 "whose keys its versions must be signed with)")
+    if args.json:
+        entries = provenance_entries(checks) if policy is not None else [
+            {"event": "provenance", "model": args.model, "status": "unchecked", "problem": unchecked}]
+        print(json.dumps(events + entries, indent=2))
+    else:
+        print(format_table(events))
+        print()
+        print(format_provenance(checks, policy.name) if policy is not None else unchecked)
+    failed = failed_versions(checks, require_signed=args.require_signed)
+    if failed:
+        raise ProvenanceError(f"{len(failed)} version(s) failed the provenance audit: "
+                              + ", ".join(f"{c.model}/{c.version} ({c.status})" for c in failed))
     return 0

@@ -10,7 +10,8 @@ call::
     report      the reviewer's report: loss curve, markdown, HTML, the version description
     review      a run's human review, recorded as tags; the approval promotion asks for
     promote     promote and rollback: the alias moved last
-    audit       the audit trail of reviews, promotions and rollbacks
+    audit       the audit trail of reviews, promotions and rollbacks; each version checked against
+                its signed provenance statement (provenance_checks)
 
 The *decision* is pure (``decide``: metrics in, ``Decision`` out, no I/O); the *writes* are the
 other functions here, each idempotent and keyed by the Airflow run (``run_key`` =
@@ -54,7 +55,14 @@ the champion, gate reasons, lineage), ``evaluation/report.md`` and ``evaluation/
 
 from __future__ import annotations
 
-from kiln.registry.audit import AUDIT_EVENTS, AUDIT_PREFIX, AUDIT_TEXT_MAX, audit_history, audit_tag
+from kiln.registry.audit import (
+    AUDIT_EVENTS,
+    AUDIT_PREFIX,
+    AUDIT_TEXT_MAX,
+    audit_history,
+    audit_tag,
+    provenance_checks,
+)
 from kiln.registry.gate import decide
 from kiln.registry.mlflow_io import RetryPolicy, is_transient
 from kiln.registry.promote import promote, rollback
@@ -119,6 +127,7 @@ __all__ = [
     "loss_curve_svg",
     "promote",
     "promotion_subject",
+    "provenance_checks",
     "read_loss_jsonl",
     "record_review",
     "record_rollback_review",

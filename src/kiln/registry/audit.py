@@ -4,11 +4,16 @@ Besides the events written as ``kiln.audit.*`` tags, the history shows a ``confi
 reviewed production config a candidate ran under (``kiln.policy.config`` / ``_sha256``, recorded at
 registration) differs from the one of the version before it: when a change of corpus, contract or
 model took effect, and what it changed. It is read from the versions' lineage tags, not written.
+
+``provenance_checks`` verifies every version the history reads against its signed statement
+(``kiln.registry.verify.check_version``): a tag someone edited after registration is reported with
+both values, a version registered before kiln signed versions as unsigned.
 """
 
 from __future__ import annotations
 
 import datetime as dt
+import functools
 import json
 import logging
 from typing import TYPE_CHECKING, Any
@@ -18,6 +23,8 @@ from kiln.policy import Policy
 
 if TYPE_CHECKING:
     from mlflow.entities.model_registry import ModelVersion
+
+    from kiln.registry.verify import VersionCheck
 
 from kiln.registry import mlflow_io
 from kiln.registry.mlflow_io import _is_not_found, _quote, _with_retries
@@ -108,6 +115,13 @@ def config_events(versions: list[ModelVersion]) -> list[dict[str, Any]]:
     return events
 
 
+def _audited_models(model: str, policy: Policy | None) -> list[str]:
+    """``model``, and the candidate model whose reviews its history includes (``audit_history``)."""
+    if policy is not None and model == policy.target_model and policy.candidate_model != model:
+        return [model, policy.candidate_model]
+    return [model]
+
+
 def audit_history(model: str, policy: Policy | None = None) -> list[dict[str, Any]]:
     """Every review, promotion and rollback recorded on ``model``'s versions, oldest first.
 
@@ -115,9 +129,7 @@ def audit_history(model: str, policy: Policy | None = None) -> list[dict[str, An
     (a rejected or timed-out candidate never reaches the target model). Read-only: any identity
     with READ may audit.
     """
-    models = [model]
-    if policy is not None and model == policy.target_model and policy.candidate_model != model:
-        models.append(policy.candidate_model)
+    models = _audited_models(model, policy)
 
     def attempt() -> list[dict[str, Any]]:
         client = mlflow_io._client()
@@ -148,3 +160,34 @@ def audit_history(model: str, policy: Policy | None = None) -> list[dict[str, An
         return sorted(events, key=lambda e: (_parse_time(e.get("at")) or far_past, e["event"], int(e["version"])))
 
     return _with_retries(f"reading the audit trail of {model}", attempt)
+
+
+def provenance_checks(model: str, policy: Policy) -> list[VersionCheck]:
+    """Every version ``audit_history(model, policy)`` reads, each verified for ``policy`` against its
+    signed statement (``kiln.registry.verify.check_version``: files, signatures, and its tags and
+    logged model compared with the statement), by model then version number. An unsigned version or
+    one that disagrees is a result, not an error; ``RegistryError`` when a version cannot be read.
+    Downloads each version's whole model directory, one at a time."""
+    from kiln.registry.verify import check_version
+
+    def listing() -> list[ModelVersion]:
+        client = mlflow_io._client()
+        found: list[ModelVersion] = []
+        for name in _audited_models(model, policy):
+            try:
+                client.get_registered_model(name)
+            except Exception as exc:
+                if _is_not_found(exc):
+                    if name == model:
+                        raise RegistryError(f"registered model {model!r} does not exist") from exc
+                    continue
+                raise
+            versions = client.search_model_versions(f"name = {_quote(name, 'model name')}")
+            found.extend(sorted(versions, key=lambda v: int(v.version)))
+        return found
+
+    checks = []
+    for mv in _with_retries(f"listing the versions of {model}", listing):
+        checks.append(_with_retries(f"verifying {mv.name} version {mv.version}",
+                                    functools.partial(check_version, mv, policy.name)))
+    return checks

@@ -2,6 +2,8 @@
 signed statement against the version's own records (docs/provenance.md).
 
     verify_version(client, mv, "production")   # a VerifiedVersion, or ProvenanceError naming what differs
+    check_version(mv, "production")            # the same checks reported, not raised: a VersionCheck
+    check_model_dir(mv, local_dir, "production")   # the same on a directory already downloaded (then load it)
 
 Order, stopping at the first failure with a ``ProvenanceError``:
 
@@ -17,17 +19,21 @@ Order, stopping at the first failure with a ``ProvenanceError``:
    disagreement is named with both values.
 
 Tags are a view of the statement: when they disagree, the statement (signed) is what was made, and
-the version is refused until someone finds out who edited what.
+the version is refused until someone finds out who edited what. ``check_version`` reports the same
+outcome as a value (``kiln audit`` lists every version's): ``agrees``, ``disagrees`` (each record
+with both values), ``unsigned`` (neither signature file: registered before kiln signed versions, or
+both files removed since) or ``does-not-verify`` (what failed).
 """
 
 from __future__ import annotations
 
 import math
+import os
 import tempfile
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 from kiln.errors import ProvenanceError
 from kiln.registry.tags import TAGS
@@ -37,6 +43,8 @@ from kiln.util.fs import load_json
 if TYPE_CHECKING:
     from mlflow import MlflowClient
     from mlflow.entities.model_registry import ModelVersion
+
+    from kiln.provenance.verify import VerifiedArtifact
 
 REGISTRY_RECORD = "registered_model_meta"
 """The one file MLflow writes into the model directory after upload (``register_model`` records the
@@ -58,6 +66,66 @@ class VerifiedVersion:
     model_sig_key_id: str
 
 
+LOGGED_MODEL_RECORD = "logged model"
+RUN_RECORD = "run"
+"""``RecordMismatch.record`` for the logged model and the run the signed ``MLmodel`` names (any other
+record is a tag key, ``kiln.*``)."""
+
+VersionStatus = Literal["agrees", "disagrees", "unsigned", "does-not-verify"]
+
+
+@dataclass(frozen=True, slots=True)
+class RecordMismatch:
+    """One record of a version that disagrees with its signed statement or files: the tag key (or
+    ``LOGGED_MODEL_RECORD`` / ``RUN_RECORD``), what the version says (None: no such tag) and what
+    was signed."""
+
+    record: str
+    version_says: str | None
+    signed_says: str
+
+    def __str__(self) -> str:
+        if self.record in (LOGGED_MODEL_RECORD, RUN_RECORD):
+            return f"the signed MLmodel is of {self.record} {self.signed_says}, the version's is {self.version_says}"
+        return f"tag {self.record} is {self.version_says!r}, the signed statement says {self.signed_says!r}"
+
+    def to_json(self) -> dict[str, Any]:
+        return {"record": self.record, "version_says": self.version_says, "signed_says": self.signed_says,
+                "text": str(self)}
+
+
+@dataclass(frozen=True, slots=True)
+class VersionCheck:
+    """The outcome of verifying one registered version for ``policy``, as a value (module docstring).
+    ``problem`` says why it is unsigned or does not verify; ``mismatches`` are its records that
+    disagree with the signed statement; ``verified`` is set when the signatures verified."""
+
+    model: str
+    version: str
+    policy: str
+    status: VersionStatus
+    mismatches: tuple[RecordMismatch, ...] = ()
+    problem: str = ""
+    verified: VerifiedArtifact | None = field(default=None, compare=False, repr=False)
+    cause: ProvenanceError | None = field(default=None, compare=False, repr=False)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"model": self.model, "version": self.version, "policy": self.policy, "status": self.status,
+                "mismatches": [m.to_json() for m in self.mismatches], "problem": self.problem}
+
+    def require_verified(self) -> VerifiedVersion:
+        """The verified version, or ``ProvenanceError`` naming what differs (unsigned included)."""
+        if self.verified is None:
+            raise ProvenanceError(f"{self.model} version {self.version} does not verify for policy {self.policy}: "
+                                  f"{self.problem}") from self.cause
+        if self.mismatches:
+            raise ProvenanceError(f"{self.model} version {self.version}: its records disagree with its signed "
+                                  "statement: " + "; ".join(str(m) for m in self.mismatches))
+        return VerifiedVersion(model=self.model, version=self.version, policy=self.policy,
+                               statement=self.verified.statement, statement_key_id=self.verified.statement_key_id,
+                               model_sig_key_id=self.verified.model_sig_key_id)
+
+
 def download_model_dir(mv: ModelVersion, into: Path) -> Path:
     """The version's whole MLflow model directory under ``into`` (``RegistryError`` when it cannot be read)."""
     import mlflow
@@ -70,24 +138,47 @@ def download_model_dir(mv: ModelVersion, into: Path) -> Path:
 
 def verify_version(client: MlflowClient, mv: ModelVersion, policy: str, *,
                    home: str | Path | None = None) -> VerifiedVersion:
-    """Download ``mv``, verify it for ``policy`` and compare its records with its statement (module docstring)."""
-    from kiln.provenance import verify_artifact
+    """Download ``mv``, verify it for ``policy`` and compare its records with its statement (module
+    docstring); ``ProvenanceError`` naming what differs, an unsigned version included."""
+    return check_version(mv, policy, home=home).require_verified()
 
+
+def check_version(mv: ModelVersion, policy: str, *, home: str | Path | None = None) -> VersionCheck:
+    """``verify_version``'s checks on a fresh download of ``mv``, reported as a ``VersionCheck``
+    (``RegistryError`` only when the version cannot be downloaded)."""
     with tempfile.TemporaryDirectory(prefix="kiln-verify-") as tmp:
-        local = download_model_dir(mv, Path(tmp))
-        record = local / REGISTRY_RECORD
-        if record.is_file() and not record.is_symlink():
-            record.unlink()
-        try:
-            verified = verify_artifact(local, policy, home=home)
-        except ProvenanceError as exc:
-            raise ProvenanceError(f"{mv.name} version {mv.version} does not verify for policy {policy}: {exc}") from exc
-        differences = record_mismatches(mv, verified.statement, local)
-    if differences:
-        raise ProvenanceError(f"{mv.name} version {mv.version}: its records disagree with its signed statement: "
-                              + "; ".join(differences))
-    return VerifiedVersion(model=mv.name, version=str(mv.version), policy=policy, statement=verified.statement,
-                           statement_key_id=verified.statement_key_id, model_sig_key_id=verified.model_sig_key_id)
+        return check_model_dir(mv, download_model_dir(mv, Path(tmp)), policy, home=home)
+
+
+def check_model_dir(mv: ModelVersion, local: Path, policy: str, *, home: str | Path | None = None) -> VersionCheck:
+    """Verify ``local``, the model directory of ``mv`` just downloaded (``download_model_dir``), for
+    ``policy`` and compare ``mv``'s records with its signed statement. ``REGISTRY_RECORD`` is removed
+    from ``local``; the rest is left as verified, so a caller that then reads from ``local`` reads
+    the verified bytes."""
+    from kiln.provenance.statement import MODEL_SIGNATURE_FILE, PROVENANCE_FILE
+    from kiln.provenance.verify import verify_artifact
+
+    name, version = mv.name, str(mv.version)
+
+    def outcome(status: VersionStatus, exc: ProvenanceError) -> VersionCheck:
+        # The download folder is gone when the caller reads this: name the version instead.
+        problem = str(exc).replace(str(local), f"models:/{name}/{version}")
+        return VersionCheck(model=name, version=version, policy=policy, status=status, problem=problem, cause=exc)
+
+    record = local / REGISTRY_RECORD
+    if record.is_file() and not record.is_symlink():
+        record.unlink()
+    if not any(os.path.lexists(local / f) for f in (PROVENANCE_FILE, MODEL_SIGNATURE_FILE)):
+        return outcome("unsigned", ProvenanceError(
+            f"unsigned: {PROVENANCE_FILE} and {MODEL_SIGNATURE_FILE} missing (registered before kiln signed "
+            "every version, or both removed since): nothing binds its tags or bytes to a signed statement"))
+    try:
+        verified = verify_artifact(local, policy, home=home)
+        mismatches = record_mismatches(mv, verified.statement, local)
+    except ProvenanceError as exc:
+        return outcome("does-not-verify", exc)
+    return VersionCheck(model=name, version=version, policy=policy, status="disagrees" if mismatches else "agrees",
+                        mismatches=tuple(mismatches), verified=verified)
 
 
 def _deps(statement: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
@@ -176,8 +267,9 @@ def logged_model_id(mv: ModelVersion) -> str:
     return str(model_id)
 
 
-def record_mismatches(mv: ModelVersion, statement: Mapping[str, Any], model_dir: Path) -> list[str]:
-    """Each record of ``mv`` that disagrees with its signed statement or files, in words (empty: none)."""
+def record_mismatches(mv: ModelVersion, statement: Mapping[str, Any], model_dir: Path) -> list[RecordMismatch]:
+    """Each record of ``mv`` that disagrees with its signed statement or files, with both values
+    (empty: none). ``ProvenanceError`` when the statement lacks a record it should hold."""
     tags = mv.tags or {}
     out = []
     promoted = TAGS["promotion_run_key"] in tags
@@ -190,11 +282,11 @@ def record_mismatches(mv: ModelVersion, statement: Mapping[str, Any], model_dir:
             except ValueError:
                 pass
         if have != stated:
-            out.append(f"tag {tag} is {have!r}, the signed statement says {stated!r}")
+            out.append(RecordMismatch(tag, have, stated))
     ids = _mlmodel_ids(model_dir)
     model_id = logged_model_id(mv)
     if ids.get("model_id") and model_id and ids["model_id"] != model_id:
-        out.append(f"the signed MLmodel is of logged model {ids['model_id']}, the version's is {model_id}")
+        out.append(RecordMismatch(LOGGED_MODEL_RECORD, model_id, ids["model_id"]))
     if ids.get("run_id") and mv.run_id and ids["run_id"] != mv.run_id:
-        out.append(f"the signed MLmodel is of run {ids['run_id']}, the version's is {mv.run_id}")
+        out.append(RecordMismatch(RUN_RECORD, mv.run_id, ids["run_id"]))
     return out

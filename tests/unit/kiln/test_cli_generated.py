@@ -132,7 +132,8 @@ COMMANDS: dict[str, st.SearchStrategy[list[str]]] = {
               [names, numbers]),
         _args(["rollback"], {"--policy": st.sampled_from(["sandbox", "production", "x"]), "--actor": names,
                              "--reason": names}, [names]),
-        _args(["audit"], {"--policy": st.sampled_from(["sandbox", "production"]), "--json": None}, [names]),
+        _args(["audit"], {"--policy": st.sampled_from(["sandbox", "production"]), "--json": None,
+                           "--require-signed": None}, [names]),
     ),
 }
 
