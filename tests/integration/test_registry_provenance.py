@@ -1,8 +1,9 @@
 """Signed provenance wired into the registry, against a real ``mlflow server``: registration signs
 every version before upload, ``promote`` refuses a candidate that does not verify (nothing moves),
-``kiln verify MODEL@ALIAS|MODEL/VERSION`` names each mismatch, and ``kiln audit`` reports every
-version's tags against its signed statement. The tampering is done where an attacker with write
-access would: in the server's artifact store and on the version's tags."""
+``kiln verify MODEL@ALIAS|MODEL/VERSION`` names each mismatch, ``kiln audit`` reports every
+version's tags against its signed statement, and ``kiln export`` (the text model a user loads)
+verifies first. The tampering is done where an attacker with write access would: in the server's
+artifact store and on the version's tags."""
 
 from __future__ import annotations
 
@@ -25,7 +26,15 @@ from kiln.refs import sha256_file
 from kiln.registry.verify import logged_model_id, verify_version
 from kiln_trainer import checkpoint_manifest
 
-from test_registry_mlflow import approve, make_candidate, production_policy  # tests/integration is on sys.path
+from test_registry_mlflow import (  # tests/integration is on sys.path
+    _refs_of,
+    approve,
+    build_manifest,
+    make_candidate,
+    production_policy,
+    sandbox_policy,
+    write_real_checkpoint,
+)
 
 
 def _register(tmp_path: Path, policy: Any, name: str, bpb: float, unique: str, **kw: Any) -> tuple[Any, dict, str]:
@@ -293,3 +302,55 @@ def test_kiln_audit_of_a_model_no_policy_owns_says_provenance_was_not_checked(
     assert kiln_main(["audit", policy.candidate_model, "--policy", "production"]) == 1
     assert f"tag kiln.weights_sha256 is '{'f' * 64}'" in capsys.readouterr().out
 
+
+# ------------------------------------------------------------------------ kiln export verifies first
+
+
+def test_kiln_export_verifies_the_version_first_and_refuses_a_tampered_one(
+        tmp_path, client, unique_name, mlflow_server, capsys):
+    """The text model a user loads through kiln (``kiln export``): a version whose tags or bytes differ
+    from its signed statement is refused with a ProvenanceError naming what differs, and nothing is
+    written; the untouched version exports."""
+    manifest = build_manifest(tmp_path)
+    _verified, refs = _refs_of(write_real_checkpoint(tmp_path / "run", manifest), manifest)
+    policy = sandbox_policy(unique_name)
+    model = policy.candidate_model
+    version = registry.register_candidate(policy=policy, run_key=f"kiln_sandbox/{unique_name}", **refs)["version"]
+    client.set_registered_model_alias(model, "champion", version)
+    exports = tmp_path / "exports"
+    exports.mkdir()
+
+    def export(out: str, policy_name: str = "sandbox") -> int:
+        return kiln_main(["export", f"{model}@champion", "--format", "hf", "--out", str(exports / out),
+                          "--policy", policy_name])
+
+    def refused(out: str, policy_name: str = "sandbox") -> str:
+        capsys.readouterr()
+        assert export(out, policy_name) == 1
+        assert not (exports / out).exists() and [p.name for p in exports.iterdir() if p.name != "good"] == [], (
+            "nothing written, no staging left")
+        err = capsys.readouterr().err
+        assert err.count("error:") == 1
+        return err
+
+    # an edited tag
+    weights = client.get_model_version(model, version).tags["kiln.weights_sha256"]
+    client.set_model_version_tag(model, version, "kiln.weights_sha256", "f" * 64)
+    assert f"kiln export: error: {model} version {version}: its records disagree with its signed statement: tag " \
+           f"kiln.weights_sha256 is '{'f' * 64}', the signed statement says '{weights}'" in refused("tag")
+    # untouched again: it verifies, then exports
+    client.set_model_version_tag(model, version, "kiln.weights_sha256", weights)
+    capsys.readouterr()
+    assert export("good") == 0, capsys.readouterr().err
+    assert json.loads(capsys.readouterr().out)["policy"] == "sandbox"
+    assert (exports / "good" / "model.safetensors").is_file()
+    # a sandbox-signed version presented as production
+    assert re.search(r"does not verify for policy production: .* signed by key [0-9a-f]{64} \(a key of policy "
+                     r"sandbox\), which policy production does not trust", refused("as-production", "production"))
+    # a changed byte of the weights in the artifact store
+    weights_file = _stored_dir(mlflow_server, client, model, version) / "artifacts" / "hf_model" / "model.safetensors"
+    data = bytearray(weights_file.read_bytes())
+    data[-1] ^= 1
+    weights_file.write_bytes(bytes(data))
+    assert re.search(r"artifacts/hf_model/model\.safetensors changed \(signed sha256 [0-9a-f]{64}, now",
+                     refused("bytes"))
