@@ -122,6 +122,20 @@ def _audited_models(model: str, policy: Policy | None) -> list[str]:
     return [model]
 
 
+def _versions_of(client: Any, name: str, audited: str) -> list[ModelVersion] | None:
+    """The versions of registered model ``name``; ``None`` when it does not exist, which is an error
+    (``RegistryError``) only when it is the ``audited`` model itself."""
+    try:
+        client.get_registered_model(name)
+    except Exception as exc:
+        if _is_not_found(exc):
+            if name == audited:
+                raise RegistryError(f"registered model {audited!r} does not exist") from exc
+            return None
+        raise
+    return list(client.search_model_versions(f"name = {_quote(name, 'model name')}"))
+
+
 def audit_history(model: str, policy: Policy | None = None) -> list[dict[str, Any]]:
     """Every review, promotion and rollback recorded on ``model``'s versions, oldest first.
 
@@ -135,15 +149,9 @@ def audit_history(model: str, policy: Policy | None = None) -> list[dict[str, An
         client = mlflow_io._client()
         events: list[dict[str, Any]] = []
         for name in models:
-            try:
-                client.get_registered_model(name)
-            except Exception as exc:
-                if _is_not_found(exc):
-                    if name == model:
-                        raise RegistryError(f"registered model {model!r} does not exist") from exc
-                    continue
-                raise
-            found = list(client.search_model_versions(f"name = {_quote(name, 'model name')}"))
+            found = _versions_of(client, name, model)
+            if found is None:
+                continue
             for mv in found:
                 for event in _events_of(mv):
                     if name != model and event["event"] != "review":
@@ -174,16 +182,7 @@ def provenance_checks(model: str, policy: Policy) -> list[VersionCheck]:
         client = mlflow_io._client()
         found: list[ModelVersion] = []
         for name in _audited_models(model, policy):
-            try:
-                client.get_registered_model(name)
-            except Exception as exc:
-                if _is_not_found(exc):
-                    if name == model:
-                        raise RegistryError(f"registered model {model!r} does not exist") from exc
-                    continue
-                raise
-            versions = client.search_model_versions(f"name = {_quote(name, 'model name')}")
-            found.extend(sorted(versions, key=lambda v: int(v.version)))
+            found.extend(sorted(_versions_of(client, name, model) or [], key=lambda v: int(v.version)))
         return found
 
     checks = []
