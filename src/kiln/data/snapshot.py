@@ -405,7 +405,8 @@ def show_snapshot(snapshot_id: str) -> SnapshotRef:
     return read_snapshot_record(path)
 
 
-def restore_snapshot(ref_or_id: SnapshotRef | str, dest: str | Path) -> Path:
+def restore_snapshot(ref_or_id: SnapshotRef | str, dest: str | Path, *,
+                     settings: kiln_settings.Settings | None = None) -> Path:
     """Restore exactly a snapshot's bytes into ``dest`` from the cache or, if missing, the remote.
 
     Works from the ``.dvc`` text alone: a scratch DVC repo with that file is pulled, every file's
@@ -414,10 +415,13 @@ def restore_snapshot(ref_or_id: SnapshotRef | str, dest: str | Path) -> Path:
     so ``dest`` is never half-written or wrong. Cache objects that fail the check (bit rot, or a
     hardlinked shard rewritten in place) are evicted and fetched once more from the remote; only
     when the remote's bytes are wrong too does the restore fail.
+
+    ``settings``: the stack's by default; another cache (``Settings.dvc_cache``) makes the restore fetch
+    every object from the remote afresh (``kiln reproduce``).
     """
     _env()
     ref = ref_or_id if isinstance(ref_or_id, SnapshotRef) else show_snapshot(ref_or_id)
-    s = kiln_settings.load()
+    s = settings or kiln_settings.load()
     dest = Path(dest).resolve()
     problem = restore_target_problem(dest) or _space_problem(dest.parent, ref.bytes)
     if problem:
@@ -455,7 +459,7 @@ def _restore_verified(ref: SnapshotRef, dest: Path, s: kiln_settings.Settings) -
         scratch = Path(tempfile.mkdtemp(prefix=".restore-", dir=dest.parent))
         try:
             restored = _pull_into(scratch, ref, s, dest)
-            problems, bad_objects = _verify_restored(restored, ref.id, s)
+            problems, bad_objects, differing = _verify_restored(restored, ref.id, s)
             if not problems:
                 if dest.exists():
                     dest.rmdir()
@@ -468,8 +472,10 @@ def _restore_verified(ref: SnapshotRef, dest: Path, s: kiln_settings.Settings) -
                 continue
             raise SnapshotError(
                 f"restored bytes of snapshot {ref.id} do not match its hashes ({len(problems)} file(s): "
-                f"{'; '.join(problems[:5])}); the objects on the remote {_public_remote(s.dvc_remote)} are "
-                "corrupted or missing — the snapshot cannot be restored from it"
+                f"{'; '.join(problems[:5])}); "
+                + "".join(f"{rel}: listed md5 {listed}, restored {got}; " for rel, listed, got in differing[:5])
+                + f"the objects on the remote {_public_remote(s.dvc_remote)} are corrupted or missing — the "
+                "snapshot cannot be restored from it"
             )
         finally:
             shutil.rmtree(scratch, ignore_errors=True)
@@ -519,34 +525,41 @@ def _evict(s: kiln_settings.Settings, md5s: set[str]) -> None:
         _cache_object(s, md5).unlink(missing_ok=True)
 
 
-def _verify_restored(tree: Path, snapshot_id: str, s: kiln_settings.Settings) -> tuple[list[str], set[str]]:
+def _verify_restored(tree: Path, snapshot_id: str,
+                     s: kiln_settings.Settings) -> tuple[list[str], set[str], list[tuple[str, str, str]]]:
     """Every file under ``tree`` has the md5 the snapshot's ``.dir`` listing names, and no file is
-    missing or extra; the listing itself must hash to the id. Returns the problems and the cache
-    objects (md5s, listing included) that caused them."""
+    missing or extra; the listing itself must hash to the id. Returns the problems, the cache
+    objects (md5s, listing included) that caused them, and each file whose bytes differ as
+    ``(path, listed md5, restored md5)``."""
     md5 = snapshot_id.removesuffix(".dir")
     listing = _cache_object(s, md5 + ".dir")
     try:
         raw = listing.read_bytes()
     except OSError:
-        return [f"its .dir listing {listing} is missing after the pull"], {md5 + ".dir"}
-    if hashlib.md5(raw, usedforsecurity=False).hexdigest() != md5:
-        return [f"its .dir listing {listing} is corrupted (md5 differs from the id)"], {md5 + ".dir"}
+        return [f"its .dir listing {listing} is missing after the pull"], {md5 + ".dir"}, []
+    got = hashlib.md5(raw, usedforsecurity=False).hexdigest()
+    if got != md5:
+        return ([f"its .dir listing {listing} is corrupted (md5 differs from the id)"], {md5 + ".dir"},
+                [(".dir listing", md5, got)])
     try:
         expected = {entry["relpath"]: entry["md5"] for entry in parse_json(raw, str(listing), SnapshotError)}
     except (TypeError, KeyError):
-        return [f"its .dir listing {listing} is not a DVC listing (relpath and md5 of each file)"], {md5 + ".dir"}
+        return [f"its .dir listing {listing} is not a DVC listing (relpath and md5 of each file)"], {md5 + ".dir"}, []
     except SnapshotError as exc:
-        return [str(exc)], {md5 + ".dir"}
+        return [str(exc)], {md5 + ".dir"}, []
     found = {p.relative_to(tree).as_posix(): p for p in tree.rglob("*") if not p.is_dir()}
     problems = [f"{rel}: missing" for rel in sorted(expected.keys() - found.keys())]
     problems += [f"{rel}: not in the snapshot" for rel in sorted(found.keys() - expected.keys())]
     bad = {expected[rel] for rel in sorted(expected.keys() - found.keys())}
+    differing = []
     for rel in sorted(expected.keys() & found.keys()):
         with open(found[rel], "rb") as fh:
-            if hashlib.file_digest(fh, "md5").hexdigest() != expected[rel]:
-                problems.append(f"{rel}: md5 differs")
-                bad.add(expected[rel])
-    return problems, bad
+            digest = hashlib.file_digest(fh, "md5").hexdigest()
+        if digest != expected[rel]:
+            problems.append(f"{rel}: md5 differs")
+            bad.add(expected[rel])
+            differing.append((rel, expected[rel], digest))
+    return problems, bad, differing
 
 
 def _rename_out(dvc_text: str, new_path: str) -> str:

@@ -100,6 +100,13 @@ class ProvenanceInputs:
     """DVC's directory hash of the corpus snapshot, ``<md5>.dir``."""
     corpus: str
     snapshot_remote: str
+    snapshot_path: str = ""
+    """Where the run read the snapshot (kiln's pinned copy): the root of the shard paths the quarantine
+    report and the training manifest name, which ``kiln reproduce`` needs to compare its own ("": not
+    recorded)."""
+    max_quarantine_share: float | None = None
+    """The data gate's threshold as the quarantine report records it (None: not recorded); the report's
+    bytes, so its digest, depend on it."""
     contract: str
     """``name@version`` of the data contract."""
     contract_suite_sha256: str
@@ -174,6 +181,9 @@ class ProvenanceInputs:
                               f"({self.dag_id!r}/{self.run_id!r})")
         if not self.snapshot_id.endswith(".dir"):
             raise ConfigError(f"provenance: snapshot_id must be DVC's '<md5>.dir', got {self.snapshot_id!r}")
+        share = self.max_quarantine_share
+        if share is not None and (isinstance(share, bool) or not isinstance(share, int | float) or not 0 <= share <= 1):
+            raise ConfigError(f"provenance: max_quarantine_share must be a number in [0, 1] or None, got {share!r}")
         if not isinstance(self.nodes, tuple) or not all(isinstance(n, str) and n for n in self.nodes):
             raise ConfigError(f"provenance: nodes must be a tuple of host names, got {self.nodes!r}")
 
@@ -310,7 +320,7 @@ def build_statement(artifact_dir: str | Path, inputs: ProvenanceInputs) -> dict[
     i = inputs
     dependencies = [
         _descriptor(f"snapshot:{i.corpus}", {"md5": i.snapshot_id.removesuffix(".dir")}, i.snapshot_remote,
-                    dvc_id=i.snapshot_id),
+                    dvc_id=i.snapshot_id, **({"path": i.snapshot_path} if i.snapshot_path else {})),
         _descriptor(f"contract:{i.contract}", _known_digest(i.contract_suite_sha256),
                     **({} if i.contract_suite_sha256 else {"recorded": False})),
         _descriptor("quarantine-report", _known_digest(i.quarantine_report_sha256), i.quarantine_report_uri,
@@ -351,6 +361,8 @@ def build_statement(artifact_dir: str | Path, inputs: ProvenanceInputs) -> dict[
                                        "strategy": i.strategy, "steps": i.steps},
                 "internalParameters": {"policy": i.policy, "dag_id": i.dag_id, "run_id": i.run_id,
                                        "launcher": i.launcher, "nodes": list(i.nodes),
+                                       **({} if i.max_quarantine_share is None
+                                          else {"max_quarantine_share": i.max_quarantine_share}),
                                        **({"unrecorded": unrecorded} if unrecorded else {})},
                 "resolvedDependencies": dependencies,
             },
@@ -425,6 +437,8 @@ def from_registration(
         strategy=str(verified.get("strategy") or recipe.get("parallel", {}).get("strategy", "ddp")),
         steps=int(train.step),
         snapshot_id=snapshot.id, corpus=snapshot.corpus, snapshot_remote=snapshot.remote,
+        snapshot_path=str(getattr(snapshot, "path", "") or ""),
+        max_quarantine_share=_recorded_threshold(Path(quarantine_report)) if quarantine_report else None,
         contract=manifest.contract, contract_suite_sha256=contract_suite_sha256,
         quarantine_report_sha256=sha256_file(Path(quarantine_report)) if quarantine_report else "",
         quarantine_report_uri=str(quarantine_report or ""),
@@ -441,6 +455,15 @@ def from_registration(
         checkpoint_manifest_sha256=train.checkpoint_manifest_sha256,
         eval_report=eval_report.to_json(), decision=decision.to_json(), approval=approval,
     )
+
+
+def _recorded_threshold(report: Path) -> float | None:
+    """The data gate's ``max_quarantine_share`` as the quarantine report records it (None: it does not)."""
+    from kiln.util.fs import load_json
+
+    body = load_json(report, "the quarantine report", ProvenanceError, follow_link=False)
+    share = body.get("max_quarantine_share") if isinstance(body, dict) else None
+    return float(share) if isinstance(share, int | float) and not isinstance(share, bool) else None
 
 
 def describe(statement: Mapping[str, Any]) -> list[str]:

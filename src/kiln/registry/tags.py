@@ -78,6 +78,12 @@ TAGS = {
     "rolled_back_by": "kiln.rolled_back.by",
     "rolled_back_at": "kiln.rolled_back.at",
     "rolled_back_reason": "kiln.rolled_back.reason",
+    # kiln reproduce's verdict on the version (kiln.provenance.reproduce): reproduced | differs | refused
+    "reproduction_verdict": "kiln.reproduction.verdict",
+    "reproduction_detail": "kiln.reproduction.detail",
+    "reproduction_at": "kiln.reproduction.at",
+    "reproduction_attestation": "kiln.reproduction.attestation",
+    "reproduction_attestation_sha256": "kiln.reproduction.attestation_sha256",
     "promotion_approval": "kiln.promotion.approval",
     "review": "kiln.review",
     "reviewer": "kiln.review.by",

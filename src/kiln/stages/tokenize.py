@@ -91,12 +91,13 @@ def _load_tokenizer(ref: TokenizerRef, eos_token: str):  # -> kiln_trainer.token
     return tokenizer
 
 
-def _out_dir(manifest: TrainingManifest, tokenizer: Any, block_size: int) -> Path:
+def _out_dir(manifest: TrainingManifest, tokenizer: Any, block_size: int, root: Path | None = None) -> Path:
+    """Where a packed corpus lives: ``root`` (default ``KILN_HOME/tokens``), its shard set, its content address."""
     from kiln_trainer.packed import token_shards_key
 
     key = token_shards_key(snapshot_id=manifest.snapshot_id, tokenizer_sha256=tokenizer.sha256,
                            eos_id=tokenizer.eos_id, block_size=block_size)
-    return kiln_settings.load().home / "tokens" / _shard_set(manifest) / key
+    return (root or kiln_settings.load().home / "tokens") / _shard_set(manifest) / key
 
 
 def tokenizer_stage(policy: Policy, data: DataGateResult, params: dict[str, Any], key: str) -> TokenizerRef:
@@ -208,3 +209,44 @@ def tokens_stage(policy: Policy, data: DataGateResult, tokenizer: TokenizerRef, 
     return DataGateResult.from_json({**data.to_json(), "manifest": str(path), "manifest_sha256": final.sha256,
                                      "tokens": summary.to_json()})
 
+
+
+def pack_afresh(manifest: TrainingManifest, recipe: Any, recipe_path: Path | None,
+                root: Path) -> tuple[TrainingManifest, PackedTokensRef]:
+    """The tokenizer, tokenize and tokens stages in one process, for ``kiln reproduce``: the tokenizer the
+    recipe (a ``kiln_trainer.config.Recipe``) asks for, built from the gate manifest's shards and never
+    taken from kiln's store, stored and read back under ``root/tokenizers`` as ``tokenizer_stage`` stores
+    it; every shard packed (part ``i`` is shard ``i``) under ``root/tokens``; the token manifest written.
+    Returns ``manifest`` naming the packed tokens, and their summary. ``ConfigError`` for a tokenizer the
+    recipe cannot make; nothing of kiln's home is read or written."""
+    from kiln_trainer.contract import TokenizerError, TrainerError
+    from kiln_trainer.packed import TOKEN_MANIFEST_NAME, pack_part, write_token_manifest
+    from kiln_trainer.tokenizer import build_tokenizer
+
+    if manifest.tokens is not None:
+        raise ManifestError("pack_afresh packs a data gate's manifest, which names no packed tokens yet")
+    cfg = recipe.tokenizer
+    try:
+        built = build_tokenizer(cfg, recipe_path=recipe_path, training_texts=lambda: _texts(manifest.shards))
+    except TokenizerError as exc:
+        raise ConfigError(f"recipe [tokenizer]: {exc}") from exc
+    stored = root / "tokenizers" / f"{built.sha256}.json"
+    atomic_write_bytes(stored, built.to_bytes())
+    tok = _load_tokenizer(TokenizerRef(kind=cfg.kind, sha256=built.sha256, vocab_size=built.vocab_size,
+                                       eos_id=built.eos_id, path=str(stored)), cfg.eos_token)
+    block_size = recipe.model.block_size
+    out = _out_dir(manifest, tok, block_size, root / "tokens")
+    try:
+        for part, shard in enumerate(manifest.shards):
+            pack_part(_texts([shard]), tok, out, part=part, block_size=block_size)
+        packed = write_token_manifest(out, snapshot_id=manifest.snapshot_id, tokenizer=tok, block_size=block_size,
+                                      parts=len(manifest.shards))
+    except TrainerError as exc:
+        raise ManifestError(f"packed tokens {out}: {exc}") from exc
+    location = str(out / TOKEN_MANIFEST_NAME)
+    summary = PackedTokensRef(
+        token_manifest=location, token_manifest_sha256=packed.sha256, tokenizer_kind=cfg.kind,
+        tokenizer_sha256=tok.sha256, vocab_size=tok.vocab_size, block_size=block_size, samples=packed.samples,
+        tokens=packed.tokens, documents=packed.documents,
+    )
+    return manifest.with_tokens(location, packed.sha256), summary

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from kiln import runs
 from kiln.errors import ConfigError, DataGateError, ManifestError, RunMismatchError
@@ -12,6 +14,9 @@ from kiln.refs import DataGateResult, PinnedSnapshot, QuarantinedShard, ShardRep
 from kiln.runs import existing_run_dir, run_dir
 from kiln.stages.records import differing_fields, mlflow_run_of, recorded_snapshot
 from kiln.util.fs import atomic_write_text, read_own_json
+
+if TYPE_CHECKING:
+    from kiln.data.contracts import Contract
 
 
 def shard_batches(policy: Policy, snapshot: PinnedSnapshot) -> list[list[str]]:
@@ -77,15 +82,7 @@ def data_gate_stage(policy: Policy, snapshot: PinnedSnapshot, batches: list[list
     that were not validated; and when the run already pinned another training manifest (a re-run on
     other bytes): a run trains on one snapshot."""
     from kiln.data.contracts import load_contract
-    from kiln.data.validation import (
-        build_training_manifest,
-        cross_shard_duplicates,
-        drop_near_duplicates,
-        gate,
-        publish_quarantine_report,
-        skipped_train_entries,
-        train_shards,
-    )
+    from kiln.data.validation import train_shards
 
     pinned_snapshot = recorded_snapshot(snapshot.id)
     root = Path(pinned_snapshot.path)
@@ -117,29 +114,14 @@ def data_gate_stage(policy: Policy, snapshot: PinnedSnapshot, batches: list[list
             f"{pinned.snapshot_id}; this try's snapshot is {snapshot.id}: a run trains on one snapshot, "
             "trigger a new run for the new bytes"
         )
-    contract = load_contract(policy.contract)
-    # The snapshot rules, in path order whatever order the validation tasks finished in: doc ids in one
-    # healthy shard only, then near-duplicate documents dropped, of each other and of the eval split (a
-    # contract with near_duplicates).
-    shard_reports = drop_near_duplicates(cross_shard_duplicates(reports), contract, signatures_dir=_signatures_dir(key),
-                                         eval_split=root)
-    # Published before the gate (on-call needs it most when the gate fails): JSON + an HTML page in
-    # the run dir, and both as artifacts of the run's MLflow run (the one training will log into).
+    # The quarantine report goes to the run's MLflow run too (the one training will log into).
     mlflow_run_id = mlflow_run_of(policy, key, {"kiln.snapshot_id": snapshot.id, "kiln.policy": policy.name})
-    published = publish_quarantine_report(
-        shard_reports, out, snapshot_id=snapshot.id, contract=contract,
-        max_quarantine_share=policy.max_quarantine_share, mlflow_run_id=mlflow_run_id,
-        skipped=skipped_train_entries(root),
-    )
+    gated = gate_snapshot(load_contract(policy.contract), root, snapshot.id, pinned_snapshot.corpus, reports, out,
+                          signatures_dir=_signatures_dir(key), max_quarantine_share=policy.max_quarantine_share,
+                          mlflow_run_id=mlflow_run_id)
+    shard_reports, published, manifest = gated.reports, gated.published, gated.manifest
     quarantined = [r for r in shard_reports if r.verdict == "quarantined"]
     rate = len(quarantined) / len(shard_reports) if shard_reports else 1.0
-    gate(shard_reports, policy.max_quarantine_share)
-    eval_shards = [
-        {"path": str(p), "sha256": sha256_file(p), "rows": _parquet_rows(p)} for p in sorted((root / "eval").glob("*.parquet"))
-    ]
-    if not eval_shards:
-        raise ConfigError(f"snapshot {snapshot.id} has no held-out eval split under eval/")
-    manifest = build_training_manifest(snapshot.id, pinned_snapshot.corpus, policy.contract, shard_reports, eval_shards)
     as_gated = pinned.with_tokens("", None) if pinned is not None and pinned.tokens is not None else pinned
     if as_gated is not None and as_gated.sha256 != manifest.sha256:
         differs = differing_fields(as_gated.to_json(), manifest.to_json(), skip=frozenset({"sha256"}))
@@ -163,6 +145,52 @@ def data_gate_stage(policy: Policy, snapshot: PinnedSnapshot, batches: list[list
         mlflow_run_id=mlflow_run_id,
         contract=policy.contract,
     )
+
+
+@dataclass(frozen=True, slots=True)
+class GatedSnapshot:
+    """What the data gate made of a snapshot's shard reports: the reports after the snapshot rules,
+    the published quarantine report (``publish_quarantine_report``'s paths) and the training manifest."""
+
+    reports: list[ShardReport]
+    published: dict[str, str]
+    manifest: TrainingManifest
+
+
+def gate_snapshot(contract: Contract, root: Path, snapshot_id: str, corpus: str, reports: list[ShardReport], out: Path,
+                  *, signatures_dir: Path, max_quarantine_share: float, mlflow_run_id: str | None) -> GatedSnapshot:
+    """The data gate on the shard reports of the snapshot at ``root`` (every shard's, in path order):
+    the snapshot rules, the quarantine report written to ``out`` (and logged to ``mlflow_run_id``),
+    the gate (``DataGateError`` above ``max_quarantine_share``, once the report is written), and the
+    training manifest of the healthy shards and the eval split. Pure of the run's records: the data
+    gate stage and ``kiln reproduce`` both call it."""
+    from kiln.data.validation import (
+        build_training_manifest,
+        cross_shard_duplicates,
+        drop_near_duplicates,
+        gate,
+        publish_quarantine_report,
+        skipped_train_entries,
+    )
+
+    # The snapshot rules, in path order whatever order the validation tasks finished in: doc ids in one
+    # healthy shard only, then near-duplicate documents dropped, of each other and of the eval split (a
+    # contract with near_duplicates).
+    shard_reports = drop_near_duplicates(cross_shard_duplicates(reports), contract, signatures_dir=signatures_dir,
+                                         eval_split=root)
+    # Published before the gate (on-call needs it most when the gate fails): JSON + an HTML page.
+    published = publish_quarantine_report(
+        shard_reports, out, snapshot_id=snapshot_id, contract=contract, max_quarantine_share=max_quarantine_share,
+        mlflow_run_id=mlflow_run_id, skipped=skipped_train_entries(root),
+    )
+    gate(shard_reports, max_quarantine_share)
+    eval_shards = [
+        {"path": str(p), "sha256": sha256_file(p), "rows": _parquet_rows(p)} for p in sorted((root / "eval").glob("*.parquet"))
+    ]
+    if not eval_shards:
+        raise ConfigError(f"snapshot {snapshot_id} has no held-out eval split under eval/")
+    manifest = build_training_manifest(snapshot_id, corpus, contract.ref, shard_reports, eval_shards)
+    return GatedSnapshot(reports=shard_reports, published=published, manifest=manifest)
 
 
 def _pinned_training_manifest(path: Path) -> TrainingManifest | None:

@@ -93,7 +93,12 @@ def write_quarantine_report(
     body = quarantine_report(
         reports, snapshot_id=snapshot_id, max_quarantine_share=max_quarantine_share, contract=contract, skipped=skipped
     )
-    return atomic_write_text(path, json.dumps(body, indent=2, sort_keys=True, ensure_ascii=False) + "\n")
+    return atomic_write_text(path, quarantine_report_text(body))
+
+
+def quarantine_report_text(body: dict[str, Any]) -> str:
+    """The text of a quarantine report file (what its recorded sha256 is of)."""
+    return json.dumps(body, indent=2, sort_keys=True, ensure_ascii=False) + "\n"
 
 
 _HTML_STYLE = (

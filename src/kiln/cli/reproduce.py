@@ -1,0 +1,74 @@
+"""``kiln reproduce MODEL@ALIAS|MODEL/VERSION``: re-derive a registered version from its signed statement, or refuse.
+
+::
+
+    kiln reproduce kiln-stdlib-lm@champion                         # verify for production, then re-derive
+    kiln reproduce kiln-stdlib-lm.candidates/7 --policy sandbox
+    kiln reproduce kiln-stdlib-lm/3 --allow-code-drift             # report the code drift and go on
+    kiln reproduce kiln-stdlib-lm/3 --workdir /scratch/r3 --json
+
+First verifies the version for the policy (as ``kiln verify``) and refuses one that does not verify;
+then, from the signed statement alone plus the DVC remote, restores the snapshot, validates it against
+the recorded contract, tokenizes, rebuilds the training manifest and trains with the recorded recipe,
+seed, world size and strategy (kiln's local launcher), comparing each step's digest with the recorded
+one (``kiln.provenance.reproduce``). The first that differs stops it. Refused: a version that does not
+verify, a statement that lacks what a step needs (named), or installed code other than the recorded
+code (unless ``--allow-code-drift``). The verdict is recorded on the version (``kiln.reproduction.*``
+tags) with a signed attestation (``--no-record``: neither).
+
+Exit 0 reproduced, 1 differs or refused (the reason on stderr), 2 usage.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from kiln.cli.args import refuse_unusable_target
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "reproduce",
+        help="re-derive a registered version from its signed provenance statement (same sha256) or refuse",
+        description="Verify a registered version, then re-derive it step by step from its signed provenance "
+        "statement and the DVC remote (snapshot, contract, tokens, training manifest, training) and compare "
+        "each digest with the recorded one; the first that differs stops it.",
+    )
+    p.add_argument("ref", metavar="MODEL@ALIAS|MODEL/VERSION", help="a registered version")
+    p.add_argument("--policy", choices=("production", "sandbox"),
+                   help="whose trusted keys to verify the version with (default: the policy that owns the model, "
+                        "else production)")
+    p.add_argument("--allow-code-drift", action="store_true",
+                   help="go on when the installed kiln code is not the recorded code (the drift is reported)")
+    p.add_argument("--workdir", type=Path, metavar="DIR",
+                   help="where to re-derive (absent or empty; default KILN_HOME/reproductions/...); kept")
+    p.add_argument("--no-record", action="store_true", help="do not tag the version nor sign an attestation")
+    p.add_argument("--json", action="store_true", help="print the outcome as JSON")
+    p.set_defaults(func=handler)
+
+
+def handler(args: argparse.Namespace) -> int:
+    from kiln.cli.verify import parse_version_ref
+    from kiln.policy import owning_policy
+    from kiln.provenance.reproduce import reproduce
+
+    model, kind, name = parse_version_ref(args.ref)
+    if args.workdir is not None:
+        refuse_unusable_target("--workdir", args.workdir, directory=True)
+    owner = owning_policy(model)
+    policy = args.policy or (owner.name if owner is not None else "production")
+    outcome = reproduce(model, name, by="alias" if kind == "alias" else "version", policy=policy,
+                        allow_code_drift=args.allow_code_drift, workdir=args.workdir, record=not args.no_record,
+                        log=lambda line: print(f"[reproduce] {line}", file=sys.stderr, flush=True))
+    if args.json:
+        print(json.dumps(outcome.to_json(), indent=2, sort_keys=True))
+    else:
+        print("\n".join(outcome.in_words()))
+    if outcome.verdict != "reproduced":
+        print(f"kiln reproduce: error: {outcome.model} version {outcome.version} {outcome.verdict}: {outcome.reason}",
+              file=sys.stderr)
+        return 1
+    return 0
