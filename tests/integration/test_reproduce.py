@@ -31,7 +31,7 @@ import pytest
 from kiln import stages
 from kiln.cli import main as kiln_main
 from kiln.policy import SANDBOX
-from kiln.provenance.reproduce import REPRODUCER_POLICY, verify_attestation
+from kiln.provenance.attestation import REPRODUCER_POLICY, verify_attestation
 
 pytestmark = pytest.mark.slow
 

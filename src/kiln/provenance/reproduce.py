@@ -31,27 +31,22 @@ re-derived ones name the work directory's; before hashing, those are written as 
 recorded snapshot path and token manifest location), so the digests compare content, not where it lay.
 
 The verdict (``reproduced``, ``differs``, ``refused``) is recorded on the version as ``kiln.reproduction.*``
-tags and as a signed attestation (``attestation``): an in-toto statement of the verdict whose subject is
-the version's signed provenance envelope, signed with the reproducer's key (sandbox's: reproduction runs
-in sandbox capacity) and logged to the reproduction's MLflow run in the sandbox experiment.
+tags and as a signed attestation (``kiln.provenance.attestation``).
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import datetime as dt
 import hashlib
 import json
 import re
-import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 from kiln.errors import ConfigError, ContractError, DataGateError, ProvenanceError, RegistryError, SnapshotError
-from kiln.provenance.statement import PROVENANCE_FILE, STATEMENT_TYPE, statement_bytes
 from kiln.util.fs import atomic_write_text, load_json
 
 if TYPE_CHECKING:
@@ -59,13 +54,10 @@ if TYPE_CHECKING:
 
 Verdict = Literal["reproduced", "differs", "refused"]
 STEPS = ("snapshot", "validate", "tokenize", "training-manifest", "train")
-REPRODUCTION_PREDICATE_TYPE = "urn:kiln:reproduction:v1"
-"""The predicate of a reproduction attestation: the verdict, each comparison, the code drift, who reproduced."""
-REPRODUCER_POLICY = "sandbox"
-"""Whose key signs an attestation: reproduction runs in sandbox capacity (it writes no production name)."""
 REPRODUCE_DAG_ID = "kiln_reproduce"
 """The dag id part of a reproduction's run key (its MLflow run, its torchrun rendezvous)."""
-ATTESTATION_FILE = "reproduction.dsse.json"
+OUTCOME_FILE = "reproduction.json"
+"""The outcome (``Reproduction.to_json``) in the work directory."""
 REPORT_MAX_BYTES = 512 << 20
 """The largest quarantine report read back (every shard of a large snapshot, with its reasons)."""
 
@@ -130,6 +122,9 @@ class Reproduction:
                 "code_drift": list(self.code_drift), "notes": list(self.notes), "workdir": self.workdir,
                 "started_on": self.started_on, "finished_on": self.finished_on,
                 "attestation_uri": self.attestation_uri, "attestation_sha256": self.attestation_sha256}
+
+    def write(self, path: Path) -> None:
+        atomic_write_text(path, json.dumps(self.to_json(), indent=2, sort_keys=True) + "\n")
 
     def in_words(self) -> list[str]:
         head = {"reproduced": "reproduced: every step gave the recorded digest, the weights the same sha256",
@@ -533,8 +528,13 @@ def reproduce(model: str, name: str, *, by: Literal["alias", "version"], policy:
     def done(verdict: Verdict, reason: str = "", **fields: Any) -> Reproduction:
         outcome = Reproduction(model=mv.name, version=version, policy=policy, verdict=verdict, reason=reason,
                                workdir=str(where), started_on=started, finished_on=_now(), **fields)
-        atomic_write_text(where / "reproduction.json", json.dumps(outcome.to_json(), indent=2, sort_keys=True) + "\n")
-        return record_verdict(mv, outcome, model_dir, run_key) if record else outcome
+        outcome.write(where / OUTCOME_FILE)  # before the registry is asked to record it: kept if that fails
+        if record:
+            from kiln.provenance.attestation import record_verdict
+
+            outcome = record_verdict(mv, outcome, model_dir, run_key)
+            outcome.write(where / OUTCOME_FILE)
+        return outcome
 
     log(f"verifying {mv.name} version {version} for policy {policy}")
     model_dir = mlflow_io._with_retries(f"downloading {mv.name}/{version}",
@@ -564,87 +564,3 @@ def reproduce(model: str, name: str, *, by: Literal["alias", "version"], policy:
 
 def _safe(text: str) -> str:
     return re.sub(r"[^A-Za-z0-9_.-]", "_", text)
-
-
-# ------------------------------------------------------------------------------------------- the record
-
-
-def attestation_statement(outcome: Reproduction, envelope_sha256: str) -> dict[str, Any]:
-    """The in-toto statement of a verdict: its subject is the version's signed provenance envelope (and the
-    re-derived weights, when training ran), its predicate the verdict and every comparison."""
-    from kiln import __version__
-    from kiln.provenance.statement import code_sha256
-
-    subject = [{"name": f"models:/{outcome.model}/{outcome.version}/{PROVENANCE_FILE}",
-                "digest": {"sha256": envelope_sha256}}]
-    weights = next((c for c in outcome.comparisons if c.step == "train" and c.input.startswith("weights")), None)
-    if weights is not None:
-        subject.append({"name": "weights", "digest": {"sha256": weights.derived}})
-    return {
-        "_type": STATEMENT_TYPE, "subject": subject, "predicateType": REPRODUCTION_PREDICATE_TYPE,
-        "predicate": {"verdict": outcome.verdict, "reason": outcome.reason, "verifiedFor": outcome.policy,
-                      "comparisons": [c.to_json() for c in outcome.comparisons], "codeDrift": list(outcome.code_drift),
-                      "notes": list(outcome.notes),
-                      "reproducer": {"policy": REPRODUCER_POLICY, "kiln": __version__, "code_sha256": code_sha256()},
-                      "startedOn": outcome.started_on, "finishedOn": outcome.finished_on},
-    }
-
-
-def record_verdict(mv: ModelVersion, outcome: Reproduction, model_dir: Path, run_key: str) -> Reproduction:
-    """Sign the verdict as an attestation (the reproducer's key), log it to the reproduction's MLflow run
-    (sandbox experiment, ``run_key``) and tag the version with the verdict and the attestation's URI and
-    sha256. Returns ``outcome`` with the attestation named."""
-    from kiln import tracking
-    from kiln.policy import POLICIES
-    from kiln.provenance.keys import signing_key
-    from kiln.provenance.sign import dsse_envelope
-    from kiln.registry import mlflow_io
-    from kiln.registry.tags import TAGS
-    from kiln_trainer.contract import canonical_json
-
-    envelope_file = model_dir / PROVENANCE_FILE
-    envelope_sha256 = hashlib.sha256(envelope_file.read_bytes()).hexdigest() if envelope_file.is_file() else ""
-    tags = {TAGS["reproduction_verdict"]: outcome.verdict, TAGS["reproduction_at"]: outcome.finished_on,
-            TAGS["reproduction_detail"]: (outcome.reason or "every step gave the recorded digest")[:4000]}
-    if envelope_sha256:  # an attestation needs a subject: a version without a statement gets the tags only
-        envelope = canonical_json(dsse_envelope(statement_bytes(attestation_statement(outcome, envelope_sha256)),
-                                                signing_key(REPRODUCER_POLICY))) + b"\n"
-        local = Path(outcome.workdir) / ATTESTATION_FILE
-        atomic_write_text(local, envelope.decode("utf-8"))
-        sha = hashlib.sha256(envelope).hexdigest()
-
-        def log_attestation() -> str:
-            client = mlflow_io._client()
-            run_id, _created = tracking.find_or_create_run(
-                client, POLICIES[REPRODUCER_POLICY], run_key, run_name=f"reproduce {outcome.model}/{outcome.version}",
-                tags={TAGS["reproduction_verdict"]: outcome.verdict, "kiln.reproduction.of": f"{mv.name}/{mv.version}"})
-            client.log_artifact(run_id, str(local), "reproduction")
-            with contextlib.redirect_stdout(sys.stderr):  # MLflow prints the run's link; stdout is the command's answer
-                tracking.set_run_status(client, run_id, "FINISHED")
-            return f"runs:/{run_id}/reproduction/{ATTESTATION_FILE}"
-
-        uri = mlflow_io._with_retries(f"logging the reproduction attestation of {mv.name}/{mv.version}", log_attestation)
-        outcome = dataclasses.replace(outcome, attestation_uri=uri, attestation_sha256=sha)
-        tags |= {TAGS["reproduction_attestation"]: uri, TAGS["reproduction_attestation_sha256"]: sha}
-
-    def tag() -> None:
-        client = mlflow_io._client()
-        for key, value in tags.items():
-            client.set_model_version_tag(mv.name, str(mv.version), key, value)
-
-    mlflow_io._with_retries(f"recording the reproduction verdict on {mv.name}/{mv.version}", tag)
-    atomic_write_text(Path(outcome.workdir) / "reproduction.json", json.dumps(outcome.to_json(), indent=2, sort_keys=True) + "\n")
-    return outcome
-
-
-def verify_attestation(path: str | Path, *, home: str | Path | None = None) -> dict[str, Any]:
-    """The verified statement of a reproduction attestation file (signed by a key the reproducer's policy
-    trusts); ``ProvenanceError`` naming what is wrong."""
-    from kiln.provenance.keys import trusted_keys
-    from kiln.provenance.verify import _open_envelope
-
-    statement, _kid = _open_envelope(Path(path), REPRODUCER_POLICY, trusted_keys(REPRODUCER_POLICY, home), home)
-    if not isinstance(statement, dict) or statement.get("_type") != STATEMENT_TYPE \
-            or statement.get("predicateType") != REPRODUCTION_PREDICATE_TYPE:
-        raise ProvenanceError(f"{path}: not a kiln reproduction attestation")
-    return statement

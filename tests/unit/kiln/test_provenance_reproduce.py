@@ -14,17 +14,16 @@ import pytest
 from provenance_fixtures import H, inputs, make_artifact
 
 from kiln.errors import ProvenanceError
+from kiln.provenance.attestation import attestation_statement, verify_attestation
 from kiln.provenance.keys import signing_key
 from kiln.provenance.reproduce import (
     Comparison,
     Reproduction,
-    attestation_statement,
     code_drift,
     missing_records,
     plan_from_statement,
     recipe_toml,
     relocated,
-    verify_attestation,
 )
 from kiln.provenance.sign import dsse_envelope
 from kiln.provenance.statement import build_statement, code_sha256, statement_bytes
