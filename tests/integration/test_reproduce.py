@@ -242,3 +242,5 @@ def test_a_version_that_does_not_verify_is_refused_before_anything_is_derived(
     assert code == 1
     assert "refused: the version does not verify" in err and f"tag kiln.snapshot_id is '{'0' * 32}.dir'" in err
     assert not (tmp_path / "r" / "derived").exists()
+    assert kiln_main(["reproduce", f"{on_stack.model}/{on_stack.version}", "--workdir", str(tmp_path / "r")]) == 2
+    assert "is not empty: a reproduction re-derives everything afresh" in capsys.readouterr().err

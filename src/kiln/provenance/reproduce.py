@@ -406,7 +406,7 @@ def rederive(plan: ReproductionPlan, workdir: Path, *, run_key: str,
         restore_snapshot(ref, root, settings=dataclasses.replace(stack, home=workdir.resolve()))
     except SnapshotError as exc:
         compare("snapshot", f"snapshot {plan.snapshot_id} from the DVC remote {remote}",
-                f"md5 listing {plan.snapshot_id}", f"bytes that do not restore to it: {exc}")
+                plan.snapshot_id, f"bytes that do not restore to it: {exc}")
         return out, notes
     compare("snapshot", f"snapshot {plan.snapshot_id} from the DVC remote {remote}", plan.snapshot_id, plan.snapshot_id)
     moves = {str(root): plan.snapshot_path}
@@ -521,7 +521,7 @@ def reproduce(model: str, name: str, *, by: Literal["alias", "version"], policy:
     stamp = started.replace(":", "").replace("-", "")
     where = workdir or kiln_settings.load().home / "reproductions" / f"{_safe(model)}-v{version}-{stamp}"
     if where.exists() and any(where.iterdir()):
-        raise ProvenanceError(f"work directory {where} is not empty: a reproduction re-derives everything afresh")
+        raise ConfigError(f"work directory {where} is not empty: a reproduction re-derives everything afresh")
     where.mkdir(parents=True, exist_ok=True)
     run_key = f"{REPRODUCE_DAG_ID}/{_safe(model)}-v{version}-{stamp}"
 
