@@ -29,6 +29,7 @@ import torch.distributed as dist
 from kiln_trainer.config import Recipe
 from kiln_trainer.distributed import DistEnv
 from kiln_trainer.model import GPT
+from kiln_trainer.timing import CollectiveWait
 
 
 def uses_fsdp(recipe: Recipe) -> bool:
@@ -47,12 +48,14 @@ def fsdp_mixed_precision(recipe: Recipe, device: torch.device) -> Any | None:
 
 
 def shard_model(
-    model: torch.nn.Module, recipe: Recipe, env: DistEnv, *, blocks: Iterable[torch.nn.Module] | None = None
+    model: torch.nn.Module, recipe: Recipe, env: DistEnv, *, blocks: Iterable[torch.nn.Module] | None = None,
+    wait: CollectiveWait | None = None,
 ) -> None:
     """FSDP2 in place: every block, then the root. ``train.compile`` compiles each block before it is
     sharded (``Module.compile``: in place, so the parameter names, which checkpoints key on, stay).
     ``blocks``: the modules sharded one by one (a transformer's layers); None means kiln's GPT's
-    ``transformer.h``."""
+    ``transformer.h``. ``wait``: on the CPU, every all-gather and reduce-scatter adds its seconds
+    there (the straggler window's time blocked in collectives)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
@@ -67,11 +70,45 @@ def shard_model(
         if not isinstance(model, GPT):
             raise TypeError(f"shard_model of a {type(model).__name__}: name its blocks (blocks=model.layers, ...)")
         blocks = model.transformer.h
+    sharded = []
     for block in blocks:
         if recipe.train.compile:
             block.compile()
-        fully_shard(block, **kwargs)
-    fully_shard(model, **kwargs)
+        sharded.append(fully_shard(block, **kwargs))
+    sharded.append(fully_shard(model, **kwargs))
+    if wait is not None and env.device.type == "cpu":
+        all_gather, reduce_scatter = _timed_collectives(wait)
+        for module in sharded:
+            module.set_custom_all_gather(all_gather)
+            module.set_custom_reduce_scatter(reduce_scatter)
+
+
+def _timed_collectives(wait: CollectiveWait) -> tuple[Any, Any]:
+    """FSDP2's own all-gather and reduce-scatter (the same calls, the same buffers), each adding the
+    seconds it took to ``wait``."""
+    import time
+
+    from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllGather, DefaultReduceScatter
+
+    class TimedAllGather(DefaultAllGather):
+        def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup,
+                     async_op: bool = False) -> Any:
+            started = time.perf_counter()
+            try:
+                return super().__call__(output_tensor, input_tensor, group, async_op)
+            finally:
+                wait.add(time.perf_counter() - started)
+
+    class TimedReduceScatter(DefaultReduceScatter):
+        def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup,
+                     op: Any, async_op: bool = False) -> Any:
+            started = time.perf_counter()
+            try:
+                return super().__call__(output_tensor, input_tensor, group, op, async_op)
+            finally:
+                wait.add(time.perf_counter() - started)
+
+    return TimedAllGather(), TimedReduceScatter()
 
 
 def training_autocast(recipe: Recipe, device: torch.device) -> contextlib.AbstractContextManager[Any]:

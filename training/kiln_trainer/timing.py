@@ -45,20 +45,40 @@ class StepClock:
 
 @dataclass(kw_only=True, slots=True)
 class StepMarks:
-    """One step's marks: start, last gradient bucket ready, loss all-reduced, end.
+    """One step's marks: start, last gradient bucket ready, loss all-reduced, end, and the seconds
+    spent inside the strategy's own collectives before ``ready`` (``CollectiveWait``).
 
-    compute = (ready - start) + (end - reduced); blocked in collectives = (reduced - ready): after
-    the last bucket is handed to the all-reduce a rank only waits for its peers and the transfer."""
+    compute = wall - blocked; blocked in collectives = (reduced - ready) + ``collective_s``: after
+    the last bucket is handed to the all-reduce a rank only waits for its peers and the transfer, and
+    under fsdp a rank also waits for them inside every all-gather and reduce-scatter of the step."""
 
     start: Any
     ready: Any
     reduced: Any
     end: Any
+    collective_s: float = 0.0
 
     def compute_and_wall(self, clock: StepClock) -> tuple[float, float]:
         wall = clock.seconds(self.start, self.end)
-        blocked = clock.seconds(self.ready, self.reduced)
+        blocked = clock.seconds(self.ready, self.reduced) + self.collective_s
         return max(0.0, wall - blocked), wall
+
+
+class CollectiveWait:
+    """Seconds this rank spent inside FSDP2's all-gathers and reduce-scatters since ``reset`` (the
+    step's start). On the CPU (gloo) each call returns only once every rank has joined it, so a
+    rank that waits there for a slow peer is blocked, not computing; without this, every rank's
+    compute time held the slowest rank's and no straggler stood out. (On CUDA the calls are queued
+    on their own stream and return at once: ``parallel.shard_model`` does not time them there.)"""
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+
+    def reset(self) -> None:
+        self.seconds = 0.0
+
+    def add(self, seconds: float) -> None:
+        self.seconds += seconds
 
 
 class GradReadyMark:

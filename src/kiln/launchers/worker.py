@@ -54,6 +54,9 @@ from kiln.launchers.base import FATAL_LINE, WORKER_MODULE
 from kiln.runs import FATAL_SUBDIR, LAUNCH_SUBDIR
 from kiln_trainer.contract import EXIT_FATAL, RecipeError
 
+SDK_LOGGER = "kiln_trainer"
+"""The trainer SDK's logger (``kiln_trainer.sdk.run`` logs the fault it exits 2 for under it)."""
+
 
 class _LastError(logging.Handler):
     def __init__(self) -> None:
@@ -130,13 +133,15 @@ def main(argv: list[str] | None = None) -> int:
     if argv[:1] == ["--agent"]:
         return agent_main(argv[1:])
     errors = _LastError()
-    logger: logging.Logger | None = None
+    loggers: list[logging.Logger] = []
     try:
         entrypoint, package = train_entrypoint(argv)  # kiln's: torch, only in the worker process
         # Not the root logger: a handler there would keep the trainer's logging.basicConfig from
-        # installing its own, and its log would be lost.
-        logger = logging.getLogger(package)
-        logger.addHandler(errors)
+        # installing its own, and its log would be lost. kiln_trainer's too: a trainer on the SDK
+        # reports its faults there (sdk.run), not under its own package.
+        loggers = [logging.getLogger(name) for name in dict.fromkeys((package, SDK_LOGGER))]
+        for logger in loggers:
+            logger.addHandler(errors)
         code = _exit_code(entrypoint(argv))
     except SystemExit as exc:  # argparse: a bad argument is a fault a retry repeats (exit 2 too)
         code = exc.code if isinstance(exc.code, int) else 1
@@ -145,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"[worker] {errors.message}", file=sys.stderr, flush=True)
         code = EXIT_FATAL
     finally:
-        if logger is not None:
+        for logger in loggers:
             logger.removeHandler(errors)
     run_dir = _run_dir(argv)
     if code == EXIT_FATAL and run_dir is not None:

@@ -121,6 +121,29 @@ def test_worker_marks_exit_2_and_only_exit_2(tmp_path, monkeypatch):
     assert [m["rank"] for m in fatal_markers(tmp_path)] == [1]
 
 
+def test_the_marker_of_a_trainer_on_the_sdk_names_the_fault_the_sdk_logged(tmp_path, monkeypatch):
+    """A user's trainer on kiln's SDK exits 2 through ``sdk.run``, which logs the fault under
+    ``kiln_trainer``, not under the user's package: the marker still names it."""
+    from kiln.launchers import worker
+
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
+    package = tmp_path / "site" / "sdkusertrainer"
+    package.mkdir(parents=True)
+    (package / "__init__.py").write_text("")
+    (package / "train.py").write_text(
+        "import logging\n\ndef main(argv):\n"
+        "    logging.getLogger('kiln_trainer.train').error('TrainingManifestError: m.json: content hash mismatch')\n"
+        "    return 2\n")
+    monkeypatch.syspath_prepend(str(tmp_path / "site"))
+    tiny = Path(__file__).resolve().parents[3] / "training" / "recipes" / "tiny.toml"
+    recipe = tmp_path / "user.toml"
+    recipe.write_text('trainer = "sdkusertrainer.train:main"\n\n' + tiny.read_text())
+    argv = ["--manifest", str(tmp_path / "m.json"), "--recipe", str(recipe), "--run-dir", str(tmp_path / "run")]
+    assert worker.main(argv) == 2
+    (marker,) = fatal_markers(tmp_path / "run")
+    assert marker["error"] == "TrainingManifestError: m.json: content hash mismatch"
+
+
 @pytest.mark.parametrize(
     "state,error,retryable",
     [("FATAL", TrainingFaultError, False), ("FAILED", LaunchError, True), ("CANCELLED", LaunchError, True),

@@ -43,6 +43,35 @@ def test_step_marks_subtract_the_time_blocked_in_collectives():
     marks = StepMarks(start=10.0, ready=10.3, reduced=10.8, end=11.0)
     compute, wall = marks.compute_and_wall(clock)
     assert (round(compute, 6), round(wall, 6)) == (0.5, 1.0)
+    # fsdp: the seconds inside its all-gathers and reduce-scatters are blocked too
+    marks = StepMarks(start=10.0, ready=10.3, reduced=10.8, end=11.0, collective_s=0.2)
+    assert round(marks.compute_and_wall(clock)[0], 6) == 0.3
+
+
+def test_fsdps_timed_collectives_give_fsdps_results_and_add_their_seconds():
+    """The all-gather and reduce-scatter kiln hands FSDP2 on the CPU are FSDP2's own calls, timed (the
+    whole effect, on 2 ranks with one slowed, is the conformance kit's (c) on the fsdp example)."""
+    import torch.distributed as dist
+
+    from kiln_trainer.parallel import _timed_collectives
+    from kiln_trainer.timing import CollectiveWait
+
+    from trainer_fixtures import group_of_one
+
+    wait = CollectiveWait()
+    all_gather, reduce_scatter = _timed_collectives(wait)
+    with group_of_one():
+        group = dist.group.WORLD
+        assert group is not None
+        gathered = all_gather.allocate((4,), dtype=torch.float32, device=torch.device("cpu"))
+        assert all_gather(output_tensor=gathered, input_tensor=torch.arange(4.0), group=group) is None
+        assert torch.equal(gathered, torch.arange(4.0))
+        reduced = torch.empty(4)
+        reduce_scatter(output_tensor=reduced, input_tensor=torch.ones(4), group=group, op=dist.ReduceOp.SUM)
+        assert torch.equal(reduced, torch.ones(4))
+    assert wait.seconds > 0
+    wait.reset()
+    assert wait.seconds == 0.0
 
 
 def test_slow_rank_fault_is_off_unless_asked_and_checks_its_settings(monkeypatch):

@@ -275,6 +275,7 @@ class Session:
         self._t_step = time.perf_counter()
         self._m_start = self.clock.mark()
         self.strategy.grad_ready.ready = None
+        self.strategy.collective_wait.reset()
         skipped = self.state.skipped_batches
         while self.loader.step in skipped:
             self.loader.skip_step()
@@ -344,7 +345,8 @@ class Session:
         ranks; default the recipe's global batch x block size): count it, checkpoint it when the
         recipe says (``checkpoint.every_steps`` and the last step), then every hook's ``on_step_end``
         -- the startup profile, the straggler window, the interval log."""
-        marks = StepMarks(start=self._m_start, ready=self._m_ready, reduced=self._m_reduced, end=self.clock.mark())
+        marks = StepMarks(start=self._m_start, ready=self._m_ready, reduced=self._m_reduced, end=self.clock.mark(),
+                          collective_s=self.strategy.collective_wait.seconds)
         step_s = time.perf_counter() - self._t_step
         tokens = self.tokens_per_step if tokens is None else tokens
         self.state.count_step(step, loss, tokens, step_s)

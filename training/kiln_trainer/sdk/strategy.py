@@ -4,8 +4,9 @@ micro-batches reach it.
 ``ddp``: the model (compiled when ``train.compile``) inside ``DistributedDataParallel`` across ranks,
 whose gradient all-reduce runs as a comm hook that marks when the last bucket was ready (the
 straggler window's compute time). ``fsdp``: FSDP2 in place (``kiln_trainer.parallel.shard_model``:
-each of ``blocks``, then the root); the caller builds the optimizer after this, over the sharded
-parameters. Any ``torch.nn.Module`` works: the strategy never looks inside the model except at the
+each of ``blocks``, then the root), its all-gathers and reduce-scatters timed on the CPU (the time a
+rank waits there for its peers is blocked, not compute); the caller builds the optimizer after
+this, over the sharded parameters. Any ``torch.nn.Module`` works: the strategy never looks inside the model except at the
 ``blocks`` it is handed.
 """
 
@@ -26,7 +27,7 @@ from kiln_trainer.config import Recipe
 from kiln_trainer.distributed import DistEnv
 from kiln_trainer.loader import StepBatch
 from kiln_trainer.parallel import shard_model, training_autocast, uses_fsdp
-from kiln_trainer.timing import GradReadyMark, StepClock
+from kiln_trainer.timing import CollectiveWait, GradReadyMark, StepClock
 
 log = logging.getLogger(__name__)
 
@@ -43,12 +44,14 @@ class Strategy:
         self.env = env
         self.accum_steps = recipe.data.accum_steps(env.world_size)
         self.grad_ready = GradReadyMark(clock)
+        self.collective_wait = CollectiveWait()
+        """Seconds in fsdp's all-gathers and reduce-scatters this step (on the CPU; the session resets it)."""
         self.ddp: DDP | None = None
         self.train_model: torch.nn.Module = model
         """What the loop calls: the model, or DDP around it (compiled under ddp when asked)."""
         self.autocast = training_autocast(recipe, env.device)
         if uses_fsdp(recipe):
-            shard_model(model, recipe, env, blocks=blocks)
+            shard_model(model, recipe, env, blocks=blocks, wait=self.collective_wait)
             return
         if recipe.train.compile:
             # A compiled Module is an OptimizedModule, itself a Module; torch.compile's annotation says Callable.
