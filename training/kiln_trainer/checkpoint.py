@@ -64,14 +64,11 @@ from kiln_trainer.checkpoint_manifest import (
     step_dir_name,
     verify_checkpoint,
 )
+from kiln_trainer.contract import CHECKPOINT_WRITE_DELAY_ENV
 from kiln_trainer.errors import CheckpointError, StorageError, naming_path, os_error_text
 from kiln_trainer.tokenizer import ByteTokenizer, Tokenizer
 
 log = logging.getLogger(__name__)
-
-# Fault injection for chaos tests: sleep this long after writing the state files and before the
-# manifest, which widens the window in which a SIGKILL lands mid-save. Never set in production.
-_WRITE_DELAY_ENV = "KILN_CKPT_WRITE_DELAY_S"
 
 
 def weights_sha256(state_dict: dict[str, torch.Tensor]) -> str:
@@ -378,7 +375,8 @@ def commit(
 ) -> None:
     """Rank 0, once every file of the step is written and synced: the sealed manifest, written last
     and atomically -- the commit point of the checkpoint."""
-    delay = float(os.environ.get(_WRITE_DELAY_ENV, "0") or 0)
+    # Fault injection (kiln's conformance kit, the chaos suite): a wider window for a kill mid-save.
+    delay = float(os.environ.get(CHECKPOINT_WRITE_DELAY_ENV, "0") or 0)
     if delay > 0:
         time.sleep(delay)
     manifest = {

@@ -20,6 +20,9 @@ import os
 import time
 from dataclasses import dataclass
 
+from kiln_trainer.contract import FAULT_SLOW_FROM_STEP_ENV as SLOW_FROM_ENV
+from kiln_trainer.contract import FAULT_SLOW_RANK_ENV as SLOW_RANK_ENV
+from kiln_trainer.contract import FAULT_SLOW_S_ENV as SLOW_S_ENV
 from kiln_trainer.distributed import node_name
 from kiln_trainer.errors import TrainerError
 
@@ -28,10 +31,7 @@ log = logging.getLogger(__name__)
 SPIKE_STEP_ENV = "KILN_FAULT_SPIKE_AT_STEP"
 SPIKE_TIMES_ENV = "KILN_FAULT_SPIKE_TIMES"
 SPIKE_FACTOR = 1000.0
-SLOW_RANK_ENV = "KILN_FAULT_SLOW_RANK"
 SLOW_NODE_ENV = "KILN_FAULT_SLOW_NODE"
-SLOW_S_ENV = "KILN_FAULT_SLOW_S"
-SLOW_FROM_ENV = "KILN_FAULT_SLOW_FROM_STEP"
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -39,6 +39,7 @@ SUBCOMMAND_MODULES = (
     "kiln.cli.signals",
     "kiln.cli.train",
     "kiln.cli.tokenize",
+    "kiln.cli.conformance",
 )
 
 

@@ -58,6 +58,9 @@ TRAINER_IMPORTERS_ALLOWED: dict[str, tuple[tuple[str, ...], str]] = {
                                  "`kiln tokenize` packs tokens in-process with the trainer's own packer and tokenizer"),
     "src/kiln/cli/train.py": (("kiln_trainer.evaluate",),
                               "`kiln evaluate` runs the trainer's evaluation (its model, torch) behind kiln's checks"),
+    "src/kiln/conformance/checks.py": (("kiln_trainer.checkpoint",),
+                                       "the conformance kit compares two runs' final weights, of any strategy and world "
+                                       "size, with the trainer's consolidating loader (lazily: only that check loads torch)"),
     "src/kiln/launchers/base.py": (("kiln_trainer.config",),
                                    "the recipe's schema is the trainer's: what it would refuse is refused before any worker"),
     "src/kiln/launchers/worker.py": (("kiln_trainer.packed",),

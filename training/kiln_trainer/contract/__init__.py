@@ -11,7 +11,8 @@ This module owns:
 * the TrainingManifest wire schema: its ``kind`` and its content hash (``training_manifest_sha256``
   over ``canonical_json``);
 * the TrainResult schema (``TrainResultRecord``: what ``result.json`` holds);
-* the environment kiln sets for the ranks (``THREADS_ENV``, ``NODE_NAME_ENV``, the MLflow run);
+* the environment kiln sets for the ranks (``THREADS_ENV``, ``NODE_NAME_ENV``, the MLflow run), and
+  the fault-injection switches its conformance kit and chaos suite set (``FAULT_SLOW_RANK_ENV``, ...);
 * the recipe's parallel strategies (``PARALLEL_STRATEGIES``);
 * the trainer's exit codes (``EXIT_OK``, ``EXIT_RETRYABLE``, ``EXIT_FATAL``) and the error tree they
   map from (``kiln_trainer.errors``, re-exported: a ``TrainerError`` is a fault a retry repeats,
@@ -76,12 +77,16 @@ __all__ = [
     "BlockSizeMismatchError",
     "CHECKPOINTS_SUBDIR",
     "CHECKPOINT_KIND",
+    "CHECKPOINT_WRITE_DELAY_ENV",
     "CheckpointError",
     "DEFAULT_MAX_BYTES",
     "EXIT_FATAL",
     "EXIT_OK",
     "EXIT_RETRYABLE",
     "FATAL_SUBDIR",
+    "FAULT_SLOW_FROM_STEP_ENV",
+    "FAULT_SLOW_RANK_ENV",
+    "FAULT_SLOW_S_ENV",
     "HEARTBEAT_FILE",
     "JSONDocumentError",
     "LAUNCH_SUBDIR",
@@ -220,6 +225,18 @@ MLFLOW_RUN_ID_ENV: Final = "MLFLOW_RUN_ID"
 """The MLflow run the train stage opened for this run: the entry point logs into it and never ends it."""
 PARALLEL_STRATEGIES: Final = ("ddp", "fsdp")
 """The values of the recipe's ``parallel.strategy`` (and of a run's ``strategy`` parameter)."""
+
+
+# -- fault injection: switches kiln's conformance kit and chaos suite set; never set in production --
+
+CHECKPOINT_WRITE_DELAY_ENV: Final = "KILN_CKPT_WRITE_DELAY_S"
+"""Seconds rank 0 waits between a checkpoint's files and its sealed manifest: widens the window in
+which a kill lands mid-save (the SDK's checkpoint writer honours it)."""
+FAULT_SLOW_RANK_ENV: Final = "KILN_FAULT_SLOW_RANK"
+"""A straggler: this rank sleeps ``FAULT_SLOW_S_ENV`` seconds (default 0.2) in every step from step
+``FAULT_SLOW_FROM_STEP_ENV`` (default 1) on (the SDK's fault-injection hook, ``kiln_trainer.faults``)."""
+FAULT_SLOW_S_ENV: Final = "KILN_FAULT_SLOW_S"
+FAULT_SLOW_FROM_STEP_ENV: Final = "KILN_FAULT_SLOW_FROM_STEP"
 
 
 # -- the metrics record and the heartbeat -----------------------------------------------------------
