@@ -71,6 +71,7 @@ RUN grep -v '^torch==' /opt/kiln/constraints.txt > /tmp/constraints.txt \
         "datasketch==2.0.0" \
         "model-signing==1.1.1" \
         pyopenssl \
+        croniter \
         kubernetes \
         "kubeflow-trainer-api==2.3.0" \
     && rm /tmp/constraints.txt

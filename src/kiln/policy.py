@@ -34,6 +34,10 @@ PRODUCTION_CONFIG_ENV = "KILN_PRODUCTION_CONFIG"
 (read when this module is imported, in every process of the deployment: set it in the environment
 the whole stack starts with). kiln's own end-to-end tests deploy ``tests/e2e/production.toml``."""
 DEFAULT_PRODUCTION_RECIPE = "production/small.toml"
+DEFAULT_PRODUCTION_SCHEDULE = "0 3 * * 1"
+"""Production retrains every Monday at 03:00 UTC unless its reviewed config says otherwise."""
+DEFAULT_CHAMPION_WATCH_SCHEDULE = "30 5 * * *"
+"""Daily, off the Monday 03:00 retrain: a stale champion is caught within a day."""
 SANDBOX_PREFIX = "sandbox."
 """Every registered model the sandbox writes is named ``sandbox.*``; no production name may be."""
 _MODEL_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,99}$")
@@ -53,6 +57,11 @@ class ProductionConfig:
     recipe: str = DEFAULT_PRODUCTION_RECIPE
     """The pinned recipe every production run trains (path under ``training/recipes``): one of the
     reviewed recipes under ``training/recipes/production/``, nothing else."""
+    schedule: str = DEFAULT_PRODUCTION_SCHEDULE
+    """Cron (UTC, five fields) of scheduled retraining; ``""``: none, runs start by hand and on
+    corpus announcements only."""
+    champion_watch_schedule: str = DEFAULT_CHAMPION_WATCH_SCHEDULE
+    """Cron (UTC, five fields) of the champion watch; ``""``: the watch runs by hand only."""
     source: str = "config/production.toml"
     """Where the values were read (shown in the DAG doc and the task log)."""
     sha256: str = ""
@@ -63,9 +72,14 @@ class ProductionConfig:
         from kiln.data.snapshot import CORPUS_NAME
         from kiln.errors import ContractError
 
-        for name in ("corpus", "contract", "model", "recipe"):
+        for name in ("corpus", "contract", "model", "recipe", "schedule", "champion_watch_schedule"):
             if not isinstance(getattr(self, name), str):
                 raise PolicyError(f"{self.source}: {name} must be a string, got {getattr(self, name)!r}")
+        for name in ("schedule", "champion_watch_schedule"):
+            cron = getattr(self, name)
+            if cron and not _is_cron(cron):
+                raise PolicyError(f"{self.source}: {name} {cron!r} is not a cron expression of five fields "
+                                  '(minute hour day-of-month month day-of-week, UTC), nor "" for none')
         if not CORPUS_NAME.fullmatch(self.corpus):
             raise PolicyError(f"{self.source}: corpus {self.corpus!r} is not a corpus name ([a-z0-9][a-z0-9_.-]*)")
         try:
@@ -101,7 +115,18 @@ class ProductionConfig:
         values = {"corpus": self.corpus, "contract": self.contract, "model": self.model}
         if self.recipe != DEFAULT_PRODUCTION_RECIPE:
             values["recipe"] = self.recipe
+        if self.schedule != DEFAULT_PRODUCTION_SCHEDULE:
+            values["schedule"] = self.schedule
+        if self.champion_watch_schedule != DEFAULT_CHAMPION_WATCH_SCHEDULE:
+            values["champion_watch_schedule"] = self.champion_watch_schedule
         return values
+
+
+def _is_cron(expression: str) -> bool:
+    """Five fields that Airflow's cron timetables (croniter) accept."""
+    from croniter import croniter
+
+    return len(expression.split()) == 5 and croniter.is_valid(expression)
 
 
 def production_config_path() -> Path:
@@ -126,7 +151,7 @@ def load_production_config(path: Path | None = None) -> ProductionConfig:
         raise PolicyError(f"{shown}: not UTF-8 text ({exc.reason} at byte {exc.start})") from None
     except tomllib.TOMLDecodeError as exc:
         raise PolicyError(f"{shown}: not valid TOML: {exc}") from None
-    keys, optional = ("corpus", "contract", "model"), ("recipe",)
+    keys, optional = ("corpus", "contract", "model"), ("recipe", "schedule", "champion_watch_schedule")
     unknown = sorted(set(data) - set(keys) - set(optional))
     if unknown:
         raise PolicyError(f"{shown}: unknown key(s) {', '.join(unknown)}; the file sets "
@@ -253,7 +278,7 @@ class Policy:
     """DAG that re-evaluates the serving ``alias`` on a schedule and proposes a rollback through a
     review (``kiln.stages.champion_watch``); None: no watch."""
     champion_watch_cron: str | None = None
-    """Cron (UTC) of the champion watch."""
+    """Cron (UTC) of the champion watch; None: the watch DAG runs by hand only."""
     max_active_runs: int = 8
     reviewers: tuple[str, ...] = ()
     approval_timeout_s: int = 24 * 3600
@@ -284,8 +309,8 @@ class Policy:
         if self.min_nodes is not None and self.launcher == "kubernetes":
             raise PolicyError("min_nodes (elastic shrink) needs launcher 'local' or 'slurm': a TrainJob's node "
                               "count is fixed when it is created")
-        if bool(self.champion_watch_dag_id) != bool(self.champion_watch_cron):
-            raise PolicyError("champion_watch_dag_id and champion_watch_cron must be set together")
+        if self.champion_watch_cron and not self.champion_watch_dag_id:
+            raise PolicyError("champion_watch_cron needs champion_watch_dag_id (the DAG it schedules)")
         if not 1 <= self.validation_batch_shards <= 10_000:
             raise PolicyError(f"validation_batch_shards must be within [1, 10000], got {self.validation_batch_shards}")
         if not 0 <= self.max_quarantine_share <= 1:
@@ -488,11 +513,10 @@ def build_production_policy(config: ProductionConfig) -> Policy:
         alias="champion",
         requires_approval=True,
         pinned_inputs=True,
-        schedule_cron="0 3 * * 1",
+        schedule_cron=config.schedule or None,
         schedule_on_corpus_asset=True,
-        # Daily, off the Monday 03:00 retrain: a stale champion is caught within a day.
         champion_watch_dag_id="kiln_champion_watch",
-        champion_watch_cron="30 5 * * *",
+        champion_watch_cron=config.champion_watch_schedule or None,
         max_active_runs=1,
         reviewers=("demo-reviewer", "reviewer"),
         approval_timeout_s=24 * 3600,

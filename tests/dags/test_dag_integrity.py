@@ -161,6 +161,20 @@ def test_champion_watch_is_scheduled_reviewed_and_runs_in_the_production_pool(da
     assert watch.get_task("watch_outcome").trigger_rule == "none_failed"
 
 
+def test_a_deployment_with_nothing_on_the_clock_has_no_cron_timetable_but_keeps_both_dags():
+    """``schedule = ""`` and ``champion_watch_schedule = ""`` (kiln's end-to-end deployment): production
+    runs by hand and on corpus announcements only, and the champion watch exists, by hand only."""
+    from kiln.airflow.dagfactory import build_champion_watch_dag, build_dag
+    from kiln.policy import build_production_policy, load_production_config
+
+    policy = build_production_policy(load_production_config(Path(__file__).parents[1] / "e2e" / "production.toml"))
+    prod, watch = build_dag(policy), build_champion_watch_dag(policy)
+    assert type(prod.timetable).__name__ == "AssetTriggeredTimetable", "corpus announcements only"
+    assert {str(getattr(t, "value", t)) for t in prod.allowed_run_types} == {"manual", "asset_triggered"}
+    assert type(watch.timetable).__name__ == "NullTimetable" and watch.dag_id == "kiln_champion_watch"
+    assert {str(getattr(t, "value", t)) for t in watch.allowed_run_types} == {"manual"}
+
+
 def test_linked_tasks_carry_their_extra_links(dagbag):
     from kiln.links import LINK_NAMES, TASK_LINKS
 

@@ -786,8 +786,8 @@ def build_champion_watch_dag(policy: Policy):
     """
     from kiln.errors import PolicyError
 
-    if not (policy.champion_watch_dag_id and policy.champion_watch_cron):
-        raise PolicyError(f"policy {policy.name!r} has no champion watch (champion_watch_dag_id/_cron)")
+    if not policy.champion_watch_dag_id:
+        raise PolicyError(f"policy {policy.name!r} has no champion watch (champion_watch_dag_id)")
     if not policy.reviewers:
         raise PolicyError(f"policy {policy.name!r}: a champion watch proposes rollbacks to reviewers, and it names none")
     default_args = _default_args(policy)
@@ -796,14 +796,14 @@ def build_champion_watch_dag(policy: Policy):
         dag_id=policy.champion_watch_dag_id,
         description=f"Re-evaluates {policy.target_model}@{policy.alias} on the current held-out split; "
                     "proposes a rollback on regression.",
-        schedule=_cron(policy.champion_watch_cron),
+        schedule=_cron(policy.champion_watch_cron) if policy.champion_watch_cron else None,  # None: by hand
         catchup=False,
         max_active_runs=1,
         default_args=default_args,
         tags=[*policy.tags, "champion-watch"],
         doc_md=(build_champion_watch_dag.__doc__ or "") + "\n\n"
         + policy.doc_md(run_time_settings_doc(policy, train=False, review_task="rollback_approval")),
-        allowed_run_types=["manual", "scheduled"],  # type: ignore[list-item]  # names, as above
+        allowed_run_types=["manual", "scheduled"] if policy.champion_watch_cron else ["manual"],  # type: ignore[list-item]  # names, as above
     )
     def kiln_champion_watch():
         @task(multiple_outputs=False)

@@ -115,15 +115,34 @@ def test_the_config_pins_production_s_recipe_and_a_deployment_points_at_its_own_
     assert load_production_config().source == "config/production.toml"
 
 
-def test_kiln_s_end_to_end_deployment_differs_from_the_shipped_config_only_in_its_recipe():
+def test_kiln_s_end_to_end_deployment_differs_from_the_shipped_config_only_in_its_recipe_and_schedules():
     import tomllib
 
-    from kiln.policy import PRODUCTION_CONFIG, load_production_config
+    from kiln.policy import PRODUCTION_CONFIG, build_production_policy, load_production_config
 
     e2e_file = Path(__file__).parents[2] / "e2e" / "production.toml"
     shipped, e2e = tomllib.loads(PRODUCTION_CONFIG.read_text()), tomllib.loads(e2e_file.read_text())
-    assert e2e.pop("recipe") == "production/staging.toml" and e2e == shipped
-    assert load_production_config(e2e_file).recipe == "production/staging.toml"
+    assert e2e.pop("recipe") == "production/staging.toml" and e2e == shipped | {
+        "schedule": "", "champion_watch_schedule": ""}
+    config = load_production_config(e2e_file)
+    assert config.recipe == "production/staging.toml"
+    production = build_production_policy(config)  # nothing on the clock in the tests' deployment
+    assert production.schedule_cron is None and production.champion_watch_cron is None
+    assert production.schedule_on_corpus_asset and production.champion_watch_dag_id == "kiln_champion_watch"
+
+
+def test_the_config_sets_when_production_retrains_and_when_the_champion_is_watched(tmp_path):
+    from kiln.policy import build_production_policy
+
+    assert (PRODUCTION.schedule_cron, PRODUCTION.champion_watch_cron) == ("0 3 * * 1", "30 5 * * *")
+    assert "schedule" not in _config(tmp_path, GOOD).values()  # the defaults record what they always did
+    config = _config(tmp_path, GOOD + 'schedule = "0 4 * * 2"\nchampion_watch_schedule = ""\n')
+    production = build_production_policy(config)
+    assert (production.schedule_cron, production.champion_watch_cron) == ("0 4 * * 2", None)
+    assert config.values()["schedule"] == "0 4 * * 2" and config.values()["champion_watch_schedule"] == ""
+    with pytest.raises(PolicyError, match="champion_watch_cron needs champion_watch_dag_id"):
+        Policy(**{**{f: getattr(production, f) for f in production.__dataclass_fields__},
+                  "champion_watch_dag_id": None, "champion_watch_cron": "30 5 * * *"})
 
 
 def test_another_config_moves_production_and_the_sandbox_still_cannot_write_its_names(tmp_path):
@@ -158,7 +177,12 @@ def test_another_config_moves_production_and_the_sandbox_still_cannot_write_its_
     (GOOD + 'recipe = "/etc/passwd"\n', "recipe '/etc/passwd' is not one of the reviewed"),
     (GOOD + "recipe = 3\n", "production.toml: recipe must be a string, got 3"),
     (GOOD + 'recipes = "production/small.toml"\n', "production.toml: unknown key(s) recipes; the file sets corpus, "
-                                                   "contract, model and optionally recipe"),
+                                                   "contract, model and optionally recipe, schedule, "
+                                                   "champion_watch_schedule"),
+    (GOOD + 'schedule = "0 3 * *"\n', "production.toml: schedule '0 3 * *' is not a cron expression of five fields"),
+    (GOOD + 'schedule = "@weekly"\n', "production.toml: schedule '@weekly' is not a cron expression of five fields"),
+    (GOOD + 'champion_watch_schedule = "61 5 * * *"\n', "champion_watch_schedule '61 5 * * *' is not a cron"),
+    (GOOD + "schedule = 3\n", "production.toml: schedule must be a string, got 3"),
     ('corpus = "acme-web"\nmodel = "acme-lm"\n', "production.toml: missing key(s) contract"),
     (GOOD + 'model = "again"\n', "production.toml: not valid TOML: Cannot overwrite a value (at line 4"),
     (GOOD.replace('"acme-lm"', "7"), "production.toml: model must be a string, got 7"),
