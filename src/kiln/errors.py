@@ -10,6 +10,8 @@
     │   ├── DataGateError          quarantined share above the policy threshold (no retry)
     │   └── PatternNotLinear       a contract's regex that RE2 cannot run with Python's meaning (also a ValueError)
     ├── ManifestError              TrainingManifest / checkpoint manifest missing, tampered, partial
+    │   ├── RunReadError           a run directory's record (result, metrics, sample log) that cannot be read
+    │   │                          as the trainer contract says (names the file; the conformance kit)
     │   └── ProvenanceError        a signed artifact whose signature, statement or bytes do not verify, or a
     │                              signing key that is missing, unreadable or trusted by two policies (no retry)
     ├── LaunchError                the training job could not start or ended in failure
@@ -67,6 +69,10 @@ class PatternNotLinear(ContractError, ValueError):
 
 class ManifestError(KilnError):
     retryable = False
+
+
+class RunReadError(ManifestError):
+    """A run directory's record cannot be read as the trainer contract says (the message names the file)."""
 
 
 class ProvenanceError(ManifestError):

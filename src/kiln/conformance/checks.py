@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kiln.errors import RunReadError
 from kiln.launchers.base import fatal_markers
 from kiln.runs import METRICS_JSONL, RESULT_FILE
 from kiln.util.fs import parse_own_json, read_own_json
@@ -97,10 +98,6 @@ class KillRecord:
     """The node whose worker was killed."""
     pid: int | None
     """The killed worker (None: the kill point never came)."""
-
-
-class RunReadError(Exception):
-    """A run directory's record cannot be read as the contract says (the message names the file)."""
 
 
 # -- reading a run ----------------------------------------------------------------------------------

@@ -47,6 +47,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 from kiln.errors import ConfigError, ContractError, DataGateError, ProvenanceError, RegistryError, SnapshotError
+from kiln.runs import TRAINING_MANIFEST
 from kiln.util.fs import atomic_write_text, load_json
 
 if TYPE_CHECKING:
@@ -460,7 +461,7 @@ def rederive(plan: ReproductionPlan, workdir: Path, *, run_key: str,
         return out, notes
 
     # training-manifest: the one the trainer reads, in the run's paths
-    manifest_path = workdir / "training_manifest.json"
+    manifest_path = workdir / TRAINING_MANIFEST
     manifest.write(manifest_path)
     moves[packed.token_manifest] = plan.token_manifest_uri
     as_recorded = TrainingManifest.from_json(relocated(manifest.to_json(), moves)).content_hash()
