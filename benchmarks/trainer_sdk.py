@@ -41,6 +41,7 @@ def _baseline_module(tmp: Path) -> ModuleType:
     spec = importlib.util.spec_from_file_location("kiln_train_before_sdk", path)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up there while the class is made
     spec.loader.exec_module(module)
     return module
 
