@@ -30,12 +30,16 @@ help:
 # uv installs the pinned set into the venv (the same constraints, the same torch wheel from
 # /opt/wheels): about 25 s where pip took 2.5-3.7 min on 2 cores (docs/testing.md). uv itself comes
 # from pip, at the version constraints.txt pins. Both of kiln's distributions install editable: the
-# trainer side, kiln-trainer (training/), and kiln (the root), which depends on it.
-$(STAMP): pyproject.toml training/pyproject.toml requirements.in constraints.txt
+# trainer side, kiln-trainer (training/), and kiln (the root), which depends on it. So does the worked
+# example of a trainer of your own (examples/trainers/hf_causal_lm, a Hugging Face model), as a team
+# installs its trainer where the ranks and Airflow's workers run: the sandbox form's tiny-llama recipe
+# trains it.
+EXAMPLE_TRAINER := examples/trainers/hf_causal_lm
+$(STAMP): pyproject.toml training/pyproject.toml $(EXAMPLE_TRAINER)/pyproject.toml requirements.in constraints.txt
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --disable-pip-version-check -qq -c constraints.txt uv
 	$(BIN)/uv pip install -q --python $(BIN)/python $(FIND_LINKS) -c constraints.txt -r requirements.in
-	$(BIN)/uv pip install -q --python $(BIN)/python --no-deps --no-build-isolation -e training -e .
+	$(BIN)/uv pip install -q --python $(BIN)/python --no-deps --no-build-isolation -e training -e . -e $(EXAMPLE_TRAINER)
 	@touch $@
 
 venv: $(STAMP)

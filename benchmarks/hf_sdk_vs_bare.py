@@ -40,7 +40,7 @@ import numpy as np
 
 REPO = Path(__file__).resolve().parent.parent
 EXAMPLE = REPO / "examples" / "trainers" / "hf_causal_lm"
-RECIPE = EXAMPLE / "recipes" / "tiny_llama.toml"
+RECIPE = REPO / "training" / "recipes" / "tiny-llama.toml"
 
 
 def _args(manifest: Path, run_dir: Path, overrides: list[str], max_steps: int | None = None) -> argparse.Namespace:
@@ -214,7 +214,7 @@ def main() -> dict[str, Any]:
     return {
         "name": "HF example (LlamaForCausalLM) through the SDK vs a bare loop",
         "baseline": (
-            f"a plain PyTorch loop (benchmarks/hf_sdk_vs_bare.py: bare_train) over the same 'tiny_llama' "
+            f"a plain PyTorch loop (benchmarks/hf_sdk_vs_bare.py: bare_train) over the same 'tiny-llama' "
             f"LlamaForCausalLM, AdamW groups, cosine-with-min-lr schedule, clipping, seed and global batches, "
             f"{steps} steps, {threads} torch thread(s); the SDK side is kiln_hf_trainer.train's loop on one rank "
             f"with kiln's default hooks and no periodic checkpoint (the final save's loop time taken out); "

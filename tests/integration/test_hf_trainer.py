@@ -47,7 +47,7 @@ pytestmark = pytest.mark.slow
 
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLE = REPO / "examples" / "trainers" / "hf_causal_lm"
-RECIPE = EXAMPLE / "recipes" / "tiny_llama.toml"
+RECIPE = REPO / "training" / "recipes" / "tiny-llama.toml"
 TRAIN_SPEC = "kiln_hf_trainer.train:main"
 EVALUATE_SPEC = "kiln_hf_trainer.evaluate:load_for_evaluation"
 EXPORT_SPEC = "kiln_hf_trainer.export:main"

@@ -3,13 +3,13 @@
 kiln runs it: a recipe names it (``[trainer] train = "kiln_hf_trainer.train:main"``) and kiln's
 launchers call ``main(argv)`` on every rank under torchrun::
 
-    kiln train --recipe examples/trainers/hf_causal_lm/recipes/tiny_llama.toml \\
+    kiln train --recipe training/recipes/tiny-llama.toml \\
         --manifest M.json --run-dir RUN --nproc-per-node 2
 
 It also runs alone, with the arguments kiln hands every rank (``docs/trainer-contract.md``)::
 
     torchrun --standalone --nproc-per-node=2 -m kiln_hf_trainer.train \\
-        --manifest M.json --recipe tiny_llama.toml --run-dir RUN [--set section.key=value ...]
+        --manifest M.json --recipe tiny-llama.toml --run-dir RUN [--set section.key=value ...]
 
 The model, its optimizer (torch's AdamW, no decay on norms) and its schedule (transformers' cosine
 with warmup down to ``optim.min_lr``) are what a Hugging Face training script has; kiln's SDK keeps
