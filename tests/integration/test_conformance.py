@@ -54,9 +54,10 @@ def _check(report: dict, letter: str) -> dict:
 
 def test_kilns_trainer_passes_every_guarantee(report: dict) -> None:
     assert report["passed"] and report["trainer"] == "kiln"
-    assert [c["guarantee"] for c in report["checks"]] == ["a", "b", "c", "d"]
+    assert [c["guarantee"] for c in report["checks"]] == ["a", "b", "c", "d", "e"]
     assert {name: run["state"] for name, run in report["runs"].items()} == {
-        "reference": "SUCCEEDED", "kill-mid-save": "SUCCEEDED", "world-size-1": "SUCCEEDED", "bad-manifest": "EXITED 1"}
+        "reference": "SUCCEEDED", "kill-mid-save": "SUCCEEDED", "world-size-1": "SUCCEEDED", "bad-manifest": "EXITED 1",
+        "node-loss": "SUCCEEDED"}
 
 
 def test_a_sigkill_mid_save_resumes_to_bitwise_the_reference(report: dict) -> None:
@@ -83,6 +84,25 @@ def test_d_an_edited_manifest_is_refused_before_step_1(report: dict) -> None:
     facts = _check(report, "d")["facts"]
     (marker,) = facts["markers"]
     assert marker["exit_code"] == 2 and "content hash mismatch" in marker["error"]
+
+
+def test_e_a_lost_node_shrinks_the_job_which_resumes_from_the_last_commit_and_completes(report: dict) -> None:
+    facts = _check(report, "e")["facts"]
+    assert (facts["from_world_size"], facts["to_world_size"], facts["world_size"], facts["step"]) == (2, 1, 1, 6)
+    assert facts["completed"] and facts["lost_node"] == 0 and len(facts["shrinks"]) == 1
+    assert "shrunk 2 -> 1 node(s)" in facts["shrinks"][0]
+    # Resumed from the step-2 checkpoint of the 2-rank group (the kill waits for it; the next one
+    # could commit on the way down), losing at most an interval (two with a save in flight).
+    assert facts["resumed_at_step"] in (2, 4) and facts["resumed_at_step"] >= facts["committed_at_loss"] >= 2
+    assert 0 <= facts["steps_lost"] <= facts["steps_lost_bound"] <= 4
+    assert facts["checkpoints"][str(facts["resumed_at_step"])] == 2 and facts["checkpoints"]["6"] == 1
+    assert facts["max_weight_difference"] <= facts["weights_atol"] == 1e-5
+    run_dir = Path(report["runs"]["node-loss"]["run_dir"])
+    result = json.loads((run_dir / "result.json").read_text())
+    [change] = [e for e in result["events"] if e["kind"] == "world_size_change"]
+    assert (change["from_world_size"], change["to_world_size"], change["at_step"]) == (2, 1, facts["resumed_at_step"])
+    [shrink] = json.loads((run_dir / ".launch" / "elastic.json").read_text())
+    assert (shrink["from_nodes"], shrink["to_nodes"], shrink["lost"]) == (2, 1, "node 0 (agent killed by signal 9)")
 
 
 LAX_TRAINER = '''

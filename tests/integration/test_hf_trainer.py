@@ -3,8 +3,8 @@
 torchrun and FSDP2 (the recipe's strategy), committed checkpoints that record the trainer and its
 distribution's version, kiln's conformance kit passed (``python -m kiln.conformance``: a SIGKILL
 mid-save resumed to bitwise the same weights, a resume on another world size, a straggler flagged, a
-bad manifest refused), and the exported Hugging Face folder loading with ``transformers`` to the
-trained model's logits. Then the rest of the
+bad manifest refused, an elastic shrink after a node lost mid-training), and the exported Hugging
+Face folder loading with ``transformers`` to the trained model's logits. Then the rest of the
 pipeline: kiln's evaluation (``python -m kiln_trainer.evaluate``, as the evaluate stage runs it) loads
 the checkpoint through the trainer's ``evaluate`` entry point and scores it as transformers' own loss
 does, and ``register_candidate`` registers the trainer's export, signed, against a real MLflow server:
@@ -167,12 +167,15 @@ def conformance(example: Example, tmp_path_factory: pytest.TempPathFactory) -> d
     return json.loads(done.stdout)
 
 
-@pytest.mark.parametrize("guarantee", ["a", "b", "c", "d"])
+@pytest.mark.parametrize("guarantee", ["a", "b", "c", "d", "e"])
 def test_the_trainer_passes_the_conformance_kit(conformance: dict, guarantee: str) -> None:
     """(a) a SIGKILL mid-save resumes to bitwise the reference's weights, (b) a resume of the fsdp
     checkpoint of 2 ranks on 1 trains on the same samples to within 1e-5, (c) a slowed rank is
     flagged (fsdp's all-gathers and reduce-scatters count as time blocked, not computing), (d) an
-    edited manifest is refused before step 1 with kiln's fatal marker naming it."""
+    edited manifest is refused before step 1 with kiln's fatal marker naming it, (e) node 0 lost
+    mid-training (agent and worker SIGKILLed, no spare): kiln's launcher shrinks the job to 1 node,
+    which reshards the 2-rank fsdp checkpoint, resumes from the last commit and completes on the
+    same samples within 1e-5, the shrink in result.json."""
     (check,) = [c for c in conformance["checks"] if c["guarantee"] == guarantee]
     assert check["passed"], check["reason"]
     assert conformance["trainer"] == TRAIN_SPEC

@@ -1,7 +1,7 @@
 """``kiln conformance``: kiln's guarantees, run against the trainer a recipe names (``kiln.conformance``)::
 
     kiln conformance --recipe my_lm.toml --manifest M.json --work-dir /tmp/kit \\
-        [--set section.key=value ...] [--only a,b,c,d] [--steps 6] [--every-steps 2] [--report report.json]
+        [--set section.key=value ...] [--only a,b,c,d,e] [--steps 6] [--every-steps 2] [--report report.json]
 
 (``python -m kiln.conformance`` is the same command.) Each verdict is a line on stderr, ``(a) PASS``
 or ``(a) FAIL ... : why``; stdout gets the report JSON. Exit 0 when every guarantee asked for holds,
@@ -36,15 +36,17 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     c.add_argument("--work-dir", required=True, type=Path, help="an empty or new folder for the kit's runs")
     c.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
                    help="override a recipe field for every run, e.g. a smaller model (repeatable)")
-    c.add_argument("--only", default="a,b,c,d", metavar="LETTERS",
+    c.add_argument("--only", default="a,b,c,d,e", metavar="LETTERS",
                    help="the guarantees to run, comma-separated: a (bitwise resume after SIGKILL mid-save), "
-                        "b (resume at another world size), c (straggler flagged), d (bad manifest refused)")
+                        "b (resume at another world size), c (straggler flagged), d (bad manifest refused), "
+                        "e (elastic shrink after a node is lost mid-training)")
     c.add_argument("--steps", type=positive_int, default=6, help="steps of every run (default 6)")
     c.add_argument("--every-steps", type=positive_int, default=2, help="checkpoint interval (default 2)")
     c.add_argument("--weights-atol", type=_nonnegative_float, default=1e-5,
-                   help="(b) largest |difference| of a final weight after the world size changed (default 1e-5)")
+                   help="(b), (e) largest |difference| of a final weight after the world size changed "
+                        "(default 1e-5)")
     c.add_argument("--loss-rtol", type=_nonnegative_float, default=1e-5,
-                   help="(b) relative difference of the final loss allowed (default 1e-5)")
+                   help="(b), (e) relative difference of the final loss allowed (default 1e-5)")
     c.add_argument("--report", type=Path, default=None, help="also write the report JSON here")
     c.set_defaults(func=_conformance)
 

@@ -4,7 +4,7 @@ Point it at a recipe whose ``trainer`` is your entry point (``docs/trainer-contr
 TrainingManifest (any run's ``RUN/training_manifest.json``)::
 
     python -m kiln.conformance --recipe my_lm.toml --manifest M.json --work-dir /tmp/kit \\
-        [--set section.key=value ...] [--only a,b,c,d]
+        [--set section.key=value ...] [--only a,b,c,d,e]
 
 (``kiln conformance`` is the same command.) It runs the trainer as kiln runs it, under torchrun with
 kiln's worker on every rank (``kiln.conformance.runs``), and checks (``kiln.conformance.checks``):
@@ -15,12 +15,17 @@ kiln's worker on every rank (``kiln.conformance.runs``), and checks (``kiln.conf
     ends within ``weights_atol`` of every weight and ``loss_rtol`` of the final loss;
 (c) a straggler (a rank slowed by kiln's fault injection) is flagged;
 (d) a TrainingManifest edited after it was issued is refused before step 1: exit 2 with kiln's
-    fatal marker naming it.
+    fatal marker naming it;
+(e) a node lost mid-training (its agent and worker SIGKILLed, nothing to replace it): kiln's
+    launcher shrinks the job onto the nodes left, which resume from the newest committed
+    checkpoint (at most a checkpoint interval of steps lost), record the change and complete on the
+    reference's global batches within ``weights_atol`` and ``loss_rtol``.
 
 Runs, each in its folder under the work dir: ``reference`` (uninterrupted, 2 one-rank nodes, its
-last rank slowed for (c): sleeping changes no weight, so it is also the reference of (a) and (b)),
-``kill-mid-save`` (a), ``world-size-1`` (b: a copy of the reference's first checkpoint, resumed on
-one rank) and ``bad-manifest`` (d). The kit sets ``train.steps``, ``checkpoint.*`` and
+last rank slowed for (c): sleeping changes no weight, so it is also the reference of (a), (b) and
+(e)), ``kill-mid-save`` (a), ``world-size-1`` (b: a copy of the reference's first checkpoint,
+resumed on one rank), ``bad-manifest`` (d) and ``node-loss`` (e: the elastic launch of kiln's local
+launcher, ``min_nodes`` one fewer than the nodes, no spare node). The kit sets ``train.steps``, ``checkpoint.*`` and
 ``stragglers.*`` itself; ``--set`` shrinks the rest (a smaller model, a shorter BPE training) and
 must leave those alone. A trainer on kiln's SDK honours the switches the kit uses (the sample log,
 the save delay, the slow rank); a trainer of its own must honour them too (the contract names them).
@@ -43,9 +48,11 @@ from kiln.conformance.checks import (
     GUARANTEES,
     Check,
     KillRecord,
+    NodeLossRecord,
     RunOutcome,
     judge_bad_manifest,
     judge_kill_resume,
+    judge_node_loss,
     judge_straggler,
     judge_world_size_resume,
 )
@@ -88,10 +95,10 @@ class KitSpec:
     resume_world_size: int = 1
     """Ranks (b) resumes on."""
     weights_atol: float = 1e-5
-    """(b): the largest |difference| of any final weight allowed after the change of world size (the
-    gradient reduction order changes; kiln's trainers measure under 3e-7 here, docs/checkpointing.md)."""
+    """(b), (e): the largest |difference| of any final weight allowed after the change of world size
+    (the gradient reduction order changes; kiln's trainers measure under 3e-7 here, docs/checkpointing.md)."""
     loss_rtol: float = 1e-5
-    """(b): the final loss's relative difference allowed."""
+    """(b), (e): the final loss's relative difference allowed."""
     slow_s: float = 0.5
     """(c): seconds the last rank of the reference sleeps in every step (a tiny model's step is
     10-50 ms here: well over the factor of 3 even when a busy host slows the other ranks)."""
@@ -121,6 +128,13 @@ class KitSpec:
         if owned:
             raise ConfigError(f"the kit sets {', '.join(KIT_KEYS)} itself; drop {owned} (steps and every_steps are "
                               "the kit's own settings)")
+
+    @property
+    def replacement_timeout_s(self) -> int:
+        """(e): how long the nodes left wait for a replacement that never comes. One survivor: torch's
+        shortest last call (1 s); several: long enough that one slow to restart is not left behind
+        (a group that formed without it would grow back at once, docs/launchers.md)."""
+        return 1 if self.world_size == 2 else 5
 
     @property
     def run_overrides(self) -> tuple[str, ...]:
@@ -190,8 +204,8 @@ def run_kit(kit: KitSpec, *, log: Callable[[str], None] = print) -> KitReport:
     report (a broken guarantee is a failed ``Check``, not an exception). ``ConfigError`` before any
     run for a bad input.
 
-    The reference runs alone (its straggler windows time the ranks); the runs of (a), (b) and (d)
-    then run side by side: none of them is timed, and each checks bits or states that do not depend
+    The reference runs alone (its straggler windows time the ranks); the runs of (a), (b), (d) and
+    (e) then run side by side: none of them is timed, and each checks bits or states that do not depend
     on the machine's load (one thread a rank), so they share the cores rather than wait in turn."""
     started = time.monotonic()
     trainer = check_inputs(kit)
@@ -207,7 +221,7 @@ def run_kit(kit: KitSpec, *, log: Callable[[str], None] = print) -> KitReport:
 
     world, every = kit.world_size, kit.every_steps
     reference = RunOutcome(run_dir=kit.work_dir / "reference", state="NOT RUN")
-    if wanted & {"a", "b", "c"}:
+    if wanted & {"a", "b", "c", "e"}:
         slow = slow_rank_env(world - 1, kit.slow_s, 1) if "c" in wanted else {}
         reference = ran("reference", runner.launch(runner.spec("reference", nodes=world, env=slow)))
 
@@ -235,8 +249,24 @@ def run_kit(kit: KitSpec, *, log: Callable[[str], None] = print) -> KitReport:
         bad = ran("bad-manifest", runner.torchrun(runner.spec("bad-manifest", nodes=1, manifest=edited)))
         return judge_bad_manifest(bad, manifest=edited)
 
+    def lose_a_node() -> Check:
+        loss = NodeLossRecord(node=0, agent_pid=None, worker_pid=None, committed_step=None)
+        shrunk = RunOutcome(run_dir=kit.work_dir / "node-loss", state="NOT RUN")
+        if reference.succeeded:
+            # Nothing replaces the lost node (spare_nodes=0) and one node fewer may go on; the last
+            # rank sleeps from the step after the first checkpoint, so the job is still training
+            # when the kill lands (and the rank is gone once the job shrinks: the survivors run at
+            # full speed). One group restart: the survivors' re-rendezvous.
+            spec = runner.spec("node-loss", nodes=world, env=slow_rank_env(world - 1, kit.slow_s, every + 1),
+                               max_restarts=1, min_nodes=world - 1, spare_nodes=0,
+                               replacement_timeout_s=kit.replacement_timeout_s)
+            shrunk, loss = runner.launch_and_lose_node(spec, committed_step=every)
+            ran("node-loss", shrunk)
+        return judge_node_loss(reference, shrunk, loss, steps=kit.steps, every_steps=every, from_world=world,
+                               to_world=world - 1, weights_atol=kit.weights_atol, loss_rtol=kit.loss_rtol)
+
     plan: dict[str, Callable[[], Check]] = {"a": kill_mid_save, "b": resume_at_another_world_size,
-                                            "d": refuse_bad_manifest}
+                                            "d": refuse_bad_manifest, "e": lose_a_node}
     with ThreadPoolExecutor(max_workers=len(plan)) as pool:
         futures = {letter: pool.submit(job) for letter, job in plan.items() if letter in wanted}
         checks = [future.result() for future in futures.values()]

@@ -1,20 +1,22 @@
 """The kit's verdicts: each guarantee judged from the run directories the kit's runs left.
 
 Pure reads of what a run wrote (``result.json``, ``metrics.jsonl``, the sample log, the committed
-checkpoints, kiln's fatal markers, the job log): each ``judge_*`` returns a ``Check`` that names its
-guarantee and, when it fails, why, in a sentence a trainer's author can act on. Nothing here starts
-a process (``kiln.conformance.runs`` does).
+checkpoints, kiln's fatal markers, the launcher's elastic record, the job log): each ``judge_*``
+returns a ``Check`` that names its guarantee and, when it fails, why, in a sentence a trainer's
+author can act on. Nothing here starts a process (``kiln.conformance.runs`` does).
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kiln.errors import RunReadError
+from kiln.errors import LaunchError, RunReadError
 from kiln.launchers.base import fatal_markers
+from kiln.launchers.elastic import recorded_shrinks
 from kiln.runs import METRICS_JSONL, RESULT_FILE
 from kiln.util.fs import parse_own_json, read_own_json
 from kiln_trainer.contract import (
@@ -33,6 +35,8 @@ GUARANTEES: dict[str, str] = {
     "b": "a resume at another world size continues the same global sample sequence and ends within tolerance",
     "c": "a straggler (a rank slowed by kiln's fault injection) is flagged",
     "d": "a bad training manifest is refused before step 1 (exit 2, kiln's fatal marker)",
+    "e": "a node lost mid-training: the job shrinks onto the nodes left, resumes from the last committed checkpoint "
+         "and completes",
 }
 """Each guarantee the kit runs, by its letter (issue 30's list), in words."""
 
@@ -100,6 +104,19 @@ class KillRecord:
     """The killed worker (None: the kill point never came)."""
 
 
+@dataclass(frozen=True, kw_only=True, slots=True)
+class NodeLossRecord:
+    """Where the node loss of run (e) landed."""
+
+    node: int
+    """The node whose agent and worker were SIGKILLed."""
+    agent_pid: int | None
+    """The killed agent (None: the kill point never came)."""
+    worker_pid: int | None
+    committed_step: int | None
+    """The newest committed checkpoint when the node was lost: the earliest step the survivors may resume at."""
+
+
 # -- reading a run ----------------------------------------------------------------------------------
 
 
@@ -141,14 +158,28 @@ def sample_log(run_dir: Path) -> dict[int, list[dict[str, Any]]]:
     return by_rank
 
 
-def global_batches(run_dir: Path, steps: int) -> tuple[list[list[int]], list[int]]:
+def global_batches(run_dir: Path, steps: int,
+                   world_at: Callable[[int], int] | None = None) -> tuple[list[list[int]], list[int]]:
     """Per step 0..steps-1 (the loader's step: training step ``s`` consumes batch ``s - 1``), the
     global batch's sample ids in rank order, and the world size that read it. ``RunReadError``
-    naming the step when its parts are missing, doubled, or not each rank's equal share."""
+    naming the step when its parts are missing, doubled, or not each rank's equal share.
+
+    ``world_at(step)``: the world size whose reading of each step counts (a run whose world changed
+    read some steps twice, once by the group that was lost); each rank's last line of the step at
+    that world size counts (a restart at the same size reads a step again)."""
     by_step: dict[int, list[dict[str, Any]]] = {}
     for lines in sample_log(run_dir).values():
+        if world_at is None:
+            for line in lines:
+                by_step.setdefault(int(line["step"]), []).append(line)
+            continue
+        last: dict[tuple[int, int], dict[str, Any]] = {}
         for line in lines:
-            by_step.setdefault(int(line["step"]), []).append(line)
+            step = int(line["step"])
+            if int(line["world_size"]) == world_at(step):
+                last[(step, int(line["rank"]))] = line
+        for (step, _rank), line in last.items():
+            by_step.setdefault(step, []).append(line)
     if not by_step:
         raise RunReadError(f"no sample log in {run_dir / SAMPLE_LOG_SUBDIR}: the trainer logged no sample ids "
                            "(KILN_SAMPLE_LOG=1 / --sample-log; the SDK's loader writes them)")
@@ -156,7 +187,8 @@ def global_batches(run_dir: Path, steps: int) -> tuple[list[list[int]], list[int
     for step in range(steps):
         parts = sorted(by_step.get(step, []), key=lambda line: int(line["rank"]))
         if not parts:
-            raise RunReadError(f"{run_dir}: no rank logged the samples of step {step + 1}")
+            at = "" if world_at is None else f" at world size {world_at(step)}"
+            raise RunReadError(f"{run_dir}: no rank logged the samples of step {step + 1}{at}")
         world = int(parts[0]["world_size"])
         ranks = [int(p["rank"]) for p in parts]
         if ranks != list(range(world)) or {int(p["world_size"]) for p in parts} != {world}:
@@ -167,6 +199,25 @@ def global_batches(run_dir: Path, steps: int) -> tuple[list[list[int]], list[int
         batches.append([int(i) for p in parts for i in p["sample_ids"]])
         worlds.append(world)
     return batches, worlds
+
+
+def last_step_read(run_dir: Path, world_size: int) -> int | None:
+    """The last training step any rank of a ``world_size`` group started (read its batch of), or
+    None when no such group logged a step."""
+    steps = [int(line["step"]) for lines in sample_log(run_dir).values() for line in lines
+             if int(line["world_size"]) == world_size]
+    return max(steps) + 1 if steps else None
+
+
+def committed_worlds(run_dir: Path) -> dict[int, int]:
+    """Step -> the world size it was written at, of every checkpoint that verifies."""
+    found = {}
+    for step, step_dir in checkpoint_dirs(run_dir):
+        try:
+            found[step] = int(verify_checkpoint(step_dir)["world_size"])
+        except (CheckpointError, KeyError, TypeError, ValueError):
+            continue
+    return found
 
 
 def restart_point(run_dir: Path) -> int | None:
@@ -377,6 +428,125 @@ def judge_bad_manifest(outcome: RunOutcome, *, manifest: Path, rank: int = 0) ->
                  reason=f"exit {EXIT_FATAL} before step 1, fatal marker: {error[:160]}")
 
 
-__all__ = ["GUARANTEES", "Check", "KillRecord", "RunOutcome", "RunReadError", "global_batches",
-           "judge_bad_manifest", "judge_kill_resume", "judge_straggler", "judge_world_size_resume",
-           "max_weight_difference", "metrics_records", "read_result", "restart_point", "sample_log"]
+
+def judge_node_loss(
+    reference: RunOutcome, shrunk: RunOutcome, loss: NodeLossRecord, *, steps: int, every_steps: int,
+    from_world: int, to_world: int, weights_atol: float, loss_rtol: float,
+) -> Check:
+    """(e): after node ``loss.node`` (agent and worker) was SIGKILLed mid-training with no node to
+    replace it, kiln's launcher shrank the job (its record), and the trainer resumed on the
+    ``to_world`` ranks left from the newest checkpoint the lost group committed, losing at most a
+    checkpoint interval of steps (two when the lost group had trained past a checkpoint step whose
+    save was still in flight: asynchronous saving), recorded the change in
+    ``result.json``, trained on the reference's global batches and completed within ``weights_atol``
+    and ``loss_rtol`` of the uninterrupted reference, its last checkpoint written at ``to_world``."""
+    facts: dict[str, Any] = {"lost_node": loss.node, "committed_at_loss": loss.committed_step,
+                             "from_world_size": from_world,
+                             "to_world_size": to_world, "every_steps": every_steps, "weights_atol": weights_atol,
+                             "loss_rtol": loss_rtol}
+    who = f"node {loss.node} (its agent and worker)"
+
+    def fail(reason: str) -> Check:
+        return Check(guarantee="e", passed=False, reason=reason, facts=facts)
+
+    if not reference.succeeded:
+        return fail(reference.failure("uninterrupted reference run"))
+    if loss.agent_pid is None:
+        return fail(f"inconclusive: {who} was never killed: the kill waits for every node's agent and worker and "
+                    f"a committed checkpoint of step {every_steps} before training ends; "
+                    + (shrunk.failure("run") if not shrunk.succeeded else "the run ended first"))
+    if not shrunk.succeeded:
+        return fail(f"after {who} was SIGKILLed with step {loss.committed_step} committed and no node to replace it, "
+                    + shrunk.failure("run"))
+    try:
+        shrinks = recorded_shrinks(shrunk.run_dir)
+    except LaunchError as exc:
+        return fail(f"cannot read the launcher's elastic record: {exc}")
+    facts["shrinks"] = [s.in_words() for s in shrinks]
+    if not shrinks:
+        if "after training finished" in shrunk.reason:
+            return fail(f"inconclusive: {who} was lost after training had finished ({shrunk.reason}); the kit slows a "
+                        "rank (KILN_FAULT_SLOW_RANK) from the step after the first checkpoint to keep the job "
+                        "training while it kills")
+        return fail(f"kiln's launcher recorded no elastic shrink after losing {who} (its log: "
+                    f"{shrunk.failure('run')})")
+    if [(s.from_nodes, s.to_nodes) for s in shrinks] != [(from_world, to_world)]:
+        return fail(f"kiln's launcher recorded the shrinks {facts['shrinks']}, not one of {from_world} -> {to_world} "
+                    "node(s)")
+    try:
+        result, ref_result = read_result(shrunk.run_dir), read_result(reference.run_dir)
+        events = result.get("events")
+        changes = [e for e in (events if isinstance(events, list) else [])
+                   if isinstance(e, dict) and e.get("kind") == WORLD_SIZE_CHANGE_EVENT]
+        worlds_written = committed_worlds(shrunk.run_dir)
+        started = last_step_read(shrunk.run_dir, from_world)
+    except (RunReadError, KeyError, TypeError, ValueError) as exc:
+        return fail(f"cannot read the run: {exc}")
+    facts.update(world_size=result.get("world_size"), step=result.get("step"), completed=result.get("completed"),
+                 checkpoints={str(k): v for k, v in sorted(worlds_written.items())})
+    if not (result.get("completed") is True and result.get("step") == steps and result.get("world_size") == to_world):
+        return fail(f"after the shrink the result reports completed={result.get('completed')} at step "
+                    f"{result.get('step')} on world size {result.get('world_size')}, not a completed {steps} steps on "
+                    f"{to_world}")
+    if not changes or changes[-1].get("from_world_size") != from_world or changes[-1].get("to_world_size") != to_world:
+        return fail(f"result.json's events hold no {WORLD_SIZE_CHANGE_EVENT} from {from_world} to {to_world} ranks "
+                    f"({changes}): the resume on the ranks left must be recorded")
+    at_step = changes[-1].get("at_step")
+    before = [step for step, world in worlds_written.items() if world == from_world]
+    newest = max(before, default=None)
+    lost: int | None = None
+    in_flight: list[int] = []
+    if isinstance(at_step, int) and started is not None:
+        lost = started - at_step
+        # Checkpoint steps the lost group trained past (it had started a later step) that never
+        # committed: their saves were in flight when it went, which asynchronous saving allows.
+        in_flight = [step for step in range(at_step + 1, started) if step % every_steps == 0]
+    bound = every_steps * (2 if in_flight else 1)
+    facts.update(resumed_at_step=at_step, newest_committed_before_shrink=newest, last_step_started=started,
+                 steps_lost=lost, saves_in_flight=in_flight, steps_lost_bound=bound)
+    if not isinstance(at_step, int) or at_step != newest or (loss.committed_step or 0) > at_step:
+        return fail(f"the ranks left resumed at step {at_step}, not from the newest checkpoint the lost group "
+                    f"committed (step {newest}; step {loss.committed_step} was committed when {who} was lost)")
+    if lost is None or not 0 <= lost <= bound:
+        return fail(f"the lost group had started step {started} and the ranks left resumed at step {at_step}: "
+                    f"{lost} steps lost, more than a checkpoint interval of {every_steps} allows ({bound}, with the "
+                    f"saves of steps {in_flight} in flight)")
+    final = max(worlds_written, default=None)
+    if final != steps or worlds_written[final] != to_world:
+        return fail(f"the last committed checkpoint is step {final} written at world size "
+                    f"{worlds_written.get(final) if final is not None else None}, not step {steps} at {to_world}")
+    problems = _committed_problems(shrunk.run_dir)
+    if problems:
+        return fail(f"a checkpoint that looks committed does not verify: {problems[0]}")
+    try:
+        ref_batches, _ = global_batches(reference.run_dir, steps)
+        batches, _ = global_batches(shrunk.run_dir, steps,
+                                    world_at=lambda step: from_world if step < at_step else to_world)
+    except (RunReadError, KeyError, ValueError) as exc:
+        return fail(f"cannot read the sample log: {exc}")
+    for step, (mine, theirs) in enumerate(zip(batches, ref_batches, strict=True), start=1):
+        if mine != theirs:
+            return fail(f"step {step} trained on other samples than the uninterrupted run: {mine[:6]}... vs "
+                        f"{theirs[:6]}...; after the shrink the ranks left must go on with the same global batches")
+    try:
+        worst = max_weight_difference(Path(result["checkpoint"]), Path(ref_result["checkpoint"]))
+        final_loss, ref_loss = float(result["metrics"]["final_loss"]), float(ref_result["metrics"]["final_loss"])
+    except (CheckpointError, ValueError, KeyError, TypeError, OSError) as exc:
+        return fail(f"cannot compare the final weights and loss: {type(exc).__name__}: {exc}")
+    facts.update(max_weight_difference=worst, final_loss=final_loss, reference_final_loss=ref_loss)
+    if not worst <= weights_atol:
+        return fail(f"after the shrink a final weight differs by {worst:.3g} from the uninterrupted run's, more than "
+                    f"the tolerance {weights_atol:g}")
+    if not (math.isfinite(final_loss) and abs(final_loss - ref_loss) <= loss_rtol * abs(ref_loss)):
+        return fail(f"the final loss {final_loss!r} differs from the uninterrupted run's {ref_loss!r} by more than "
+                    f"{loss_rtol:g} of it")
+    return Check(guarantee="e", passed=True, facts=facts,
+                 reason=f"{who} SIGKILLed at step {started}; the launcher shrank {from_world} -> {to_world} node(s); "
+                        f"resumed at world size {to_world} from step {at_step} ({lost} step(s) lost, bound {bound}); "
+                        f"completed {steps} steps on the same global batches, max |dw| {worst:.2g} <= {weights_atol:g}")
+
+
+__all__ = ["GUARANTEES", "Check", "KillRecord", "NodeLossRecord", "RunOutcome", "RunReadError", "committed_worlds",
+           "global_batches", "judge_bad_manifest", "judge_kill_resume", "judge_node_loss", "judge_straggler",
+           "judge_world_size_resume", "last_step_read", "max_weight_difference", "metrics_records", "read_result",
+           "restart_point", "sample_log"]

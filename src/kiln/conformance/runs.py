@@ -1,17 +1,20 @@
 """The kit's runs: the trainer a recipe names, run the way kiln runs it, with kiln's faults injected.
 
 Every run goes through kiln's own launch path: ``kiln.launchers.local`` (a torchrun agent per
-"node" on this machine, kiln's worker on every rank, the supervisor, the straggler watch), except
+"node" on this machine, kiln's worker on every rank, the supervisor, the straggler watch, the
+elastic shrink after a lost node), except
 the bad-manifest run, whose manifest that launcher would refuse before any worker starts: it runs
 the launchers' torchrun line (``torchrun_argv``, what the Slurm backend runs on each node) directly,
 so the refusal under test is the trainer's own. Faults come from the trainer contract's switches
-(``CHECKPOINT_WRITE_DELAY_ENV``, ``FAULT_SLOW_*``), which the SDK honours, and a SIGKILL from here.
+(``CHECKPOINT_WRITE_DELAY_ENV``, ``FAULT_SLOW_*``), which the SDK honours, and SIGKILLs from here
+(a worker mid-save; a whole node, agent and worker, mid-training).
 
 Every rank gets one thread and the sample log (``KILN_SAMPLE_LOG=1``), and never an MLflow run.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -22,7 +25,7 @@ import time
 from collections.abc import Mapping
 from pathlib import Path
 
-from kiln.conformance.checks import KillRecord, RunOutcome
+from kiln.conformance.checks import KillRecord, NodeLossRecord, RunOutcome
 from kiln.errors import ConfigError
 from kiln.launchers.base import JobHandle, LaunchSpec, torchrun_argv
 from kiln.launchers.local import NODE_TAG_ENV, LocalLauncher, agent_env, agent_pids, kill_tagged, worker_pid
@@ -56,7 +59,8 @@ needs), the sample log (which samples each rank trained on), and no MLflow run t
 POLL_S = 0.02
 KILLED_NODE = 0
 """(a) kills this node's worker: any rank's death mid-save tears the save (rank 0 seals it; under
-fsdp every rank writes its own shards)."""
+fsdp every rank writes its own shards). (e) loses this node whole: the first node, which on a naive
+setup would take the rendezvous with it (kiln's supervisor hosts it)."""
 
 
 class Runner:
@@ -73,11 +77,14 @@ class Runner:
         self._key = hashlib.sha256(str(work_dir).encode()).hexdigest()[:10]
 
     def spec(self, name: str, *, nodes: int, env: Mapping[str, str] | None = None, max_restarts: int = 0,
-             manifest: Path | None = None) -> LaunchSpec:
-        """The run ``name`` (its folder under ``work_dir``) on ``nodes`` one-rank nodes."""
+             manifest: Path | None = None, min_nodes: int | None = None, replacement_timeout_s: int = 60,
+             spare_nodes: int | None = None) -> LaunchSpec:
+        """The run ``name`` (its folder under ``work_dir``) on ``nodes`` one-rank nodes (``min_nodes``,
+        ``replacement_timeout_s``, ``spare_nodes``: the launcher's elastic policy, ``LaunchSpec``)."""
         return LaunchSpec(run_dir=self.work_dir / name, manifest=manifest or self.manifest, recipe=self.recipe,
                           run_key=f"conformance-{name}-{self._key}", nodes=nodes, nproc_per_node=1,
-                          max_restarts=max_restarts, overrides=self.overrides, env={**self.env, **(env or {})})
+                          max_restarts=max_restarts, overrides=self.overrides, env={**self.env, **(env or {})},
+                          min_nodes=min_nodes, replacement_timeout_s=replacement_timeout_s, spare_nodes=spare_nodes)
 
     # -- through kiln's local launcher ---------------------------------------------------------------
 
@@ -135,6 +142,39 @@ class Runner:
             raise
         return self._follow(launcher, handle, run_dir, started), kill
 
+    def launch_and_lose_node(self, spec: LaunchSpec, *, committed_step: int) -> tuple[RunOutcome, NodeLossRecord]:
+        """Run ``spec`` (an elastic one, nothing to replace a lost node, training kept going by a slowed
+        rank); once every node's agent and worker are up and step ``committed_step`` is committed, while
+        training goes on, SIGKILL node ``KILLED_NODE`` whole (its agent and its worker, at once), then
+        follow the job (the launcher's shrink, the survivors' restart) to its end."""
+        started = time.monotonic()
+        launcher = LocalLauncher()
+        handle = launcher.submit(spec)
+        run_dir = spec.run_dir
+        committed = run_dir / CHECKPOINTS_SUBDIR / step_dir_name(committed_step) / MANIFEST_NAME
+        loss = NodeLossRecord(node=KILLED_NODE, agent_pid=None, worker_pid=None, committed_step=None)
+        deadline = started + self.timeout_s
+        try:
+            while time.monotonic() < deadline and not launcher.poll(handle).done:
+                if committed.exists() and not (run_dir / RESULT_FILE).exists():
+                    pids = _node_pids(run_dir, KILLED_NODE, spec.nodes)
+                    if pids is not None:
+                        # The newest commit as the node goes (read first: a save the survivors seal
+                        # after the kill only moves the resume point later).
+                        sealed = [step for step, step_dir in checkpoint_dirs(run_dir)
+                                  if (step_dir / MANIFEST_NAME).exists()]
+                        for pid in pids:
+                            with contextlib.suppress(ProcessLookupError):
+                                os.kill(pid, signal.SIGKILL)
+                        loss = NodeLossRecord(node=KILLED_NODE, agent_pid=pids[0], worker_pid=pids[1],
+                                              committed_step=max(sealed, default=None))
+                        break
+                time.sleep(POLL_S)
+        except BaseException:
+            launcher.cancel(handle)
+            raise
+        return self._follow(launcher, handle, run_dir, started), loss
+
     # -- torchrun directly ---------------------------------------------------------------------------
 
     def torchrun(self, spec: LaunchSpec) -> RunOutcome:
@@ -162,6 +202,13 @@ def _holds_files(folder: Path) -> bool:
         return any(folder.iterdir())
     except OSError:
         return False
+
+
+def _node_pids(run_dir: Path, node: int, nodes: int) -> tuple[int, int] | None:
+    """Node ``node``'s agent and worker pids, once every node's agent and worker are up."""
+    worker = _worker_of_node(run_dir, node, nodes)
+    agent = agent_pids(run_dir).get(str(node))
+    return None if worker is None or agent is None else (agent, worker)
 
 
 def _worker_of_node(run_dir: Path, node: int, nodes: int) -> int | None:

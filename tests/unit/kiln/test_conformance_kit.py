@@ -1,8 +1,8 @@
 """The conformance kit's verdicts and its refusals, without starting a trainer (fast).
 
 Each ``judge_*`` reads run directories the way the kit's runs leave them; here they are written by
-hand (sample logs, results, metrics records, fatal markers) and, where weights are compared, as real
-committed checkpoints (``trainer_fixtures.write_checkpoints``). Every guarantee has its pass and the
+hand (sample logs, results, metrics records, fatal markers, the launcher's elastic record) and, where
+weights are compared, as real committed checkpoints (``trainer_fixtures.write_checkpoints``). Every guarantee has its pass and the
 failures a trainer can commit, each named by its letter and its reason. The kit against real
 trainers: tests/integration/test_conformance.py and test_hf_trainer.py. About 4 s on 2 cores.
 """
@@ -10,6 +10,7 @@ trainers: tests/integration/test_conformance.py and test_hf_trainer.py. About 4 
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -20,15 +21,18 @@ from kiln.cli import main as kiln_main
 from kiln.conformance import KIT_KEYS, KitSpec, check_inputs
 from kiln.conformance.checks import (
     KillRecord,
+    NodeLossRecord,
     RunOutcome,
     judge_bad_manifest,
     judge_kill_resume,
+    judge_node_loss,
     judge_straggler,
     judge_world_size_resume,
     max_weight_difference,
 )
 from kiln.conformance.runs import edited_manifest, resumable_copy
 from kiln.errors import ConfigError
+from kiln.launchers.elastic import Shrink, record_shrink
 from kiln.launchers.worker import write_fatal_marker
 from kiln_trainer.contract.training_manifest import load_training_manifest
 from kiln_trainer.errors import TrainingManifestError
@@ -62,11 +66,13 @@ def _sample_log(run_dir: Path, worlds: list[int], *, ids=_ids, rank0_steps: list
         (folder / f"rank-{rank:05d}.jsonl").write_text("".join(f"{t}\n" for t in text))
 
 
-def _result(run_dir: Path, *, sha: str = "a" * 64, world: int = 2, loss: float = 2.0, checkpoint: Path | None = None) -> None:
+def _result(run_dir: Path, *, sha: str = "a" * 64, world: int = 2, loss: float = 2.0, checkpoint: Path | None = None,
+            events: tuple[dict, ...] = (), completed: bool = True) -> None:
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "result.json").write_text(json.dumps({
-        "weights_sha256": sha, "world_size": world, "step": STEPS, "completed": True,
-        "checkpoint": str(checkpoint or run_dir / "checkpoints" / "step-00000006"), "metrics": {"final_loss": loss}}))
+        "weights_sha256": sha, "world_size": world, "step": STEPS, "completed": completed,
+        "checkpoint": str(checkpoint or run_dir / "checkpoints" / "step-00000006"), "metrics": {"final_loss": loss},
+        "events": list(events)}))
 
 
 def _metrics(run_dir: Path, *records: dict) -> None:
@@ -268,6 +274,133 @@ def test_d_fails_a_trainer_that_trains_or_exits_0_or_1_or_gives_no_reason(tmp_pa
     assert not check.passed and "got past step 1" in check.reason and "logged steps [1]" in check.reason
 
 
+# -- (e) an elastic shrink after a node is lost mid-training ------------------------------------------------
+
+
+def _shrunk_sample_log(run_dir: Path, *, started: int, at: int, ids=_ids) -> None:
+    """The lost 2-rank group read steps 1..``started``; the rank left read ``at + 1``..STEPS again."""
+    folder = run_dir / "sample-log"
+    folder.mkdir(parents=True, exist_ok=True)
+    lines: dict[int, list[dict]] = {0: [], 1: []}
+    for step in range(started):
+        for rank in range(2):
+            lines[rank].append({"step": step, "rank": rank, "world_size": 2,
+                                "sample_ids": _ids(step)[rank * BATCH // 2:(rank + 1) * BATCH // 2]})
+    for step in range(at, STEPS):
+        lines[0].append({"step": step, "rank": 0, "world_size": 1, "sample_ids": ids(step)})
+    for rank, records in lines.items():
+        (folder / f"rank-{rank:05d}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+
+
+def _change(at: int = AT, **changes) -> dict:
+    return {"kind": "world_size_change", "from_world_size": 2, "to_world_size": 1, "at_step": at, "accum_steps": 2,
+            **changes}
+
+
+def _loss(**changes) -> NodeLossRecord:
+    return NodeLossRecord(**{"node": 0, "agent_pid": 11, "worker_pid": 12, "committed_step": AT, **changes})
+
+
+@pytest.fixture(scope="module")
+def shrunk_checkpoints(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Real checkpoints, written once: the reference's step 6 at world size 2; the shrunk run's step 2
+    at world size 2 and step 6 at 1, with the reference's step-6 weights."""
+    root = tmp_path_factory.mktemp("shrunk-checkpoints")
+    write_checkpoints(root / "reference", [6], world_size=2)
+    write_checkpoints(root / "shrunk", [AT], world_size=2)
+    write_checkpoints(root / "shrunk", [6], world_size=1)
+    return root
+
+
+@pytest.fixture
+def shrunk_pair(shrunk_checkpoints: Path, tmp_path: Path) -> tuple[RunOutcome, RunOutcome]:
+    """A 2-rank reference and a run that lost node 0 at step 3 and went on on 1 rank from step 2."""
+    reference = shutil.copytree(shrunk_checkpoints / "reference", tmp_path / "reference")
+    shrunk = shutil.copytree(shrunk_checkpoints / "shrunk", tmp_path / "shrunk")
+    _result(reference)
+    _result(shrunk, world=1, events=(_change(),))
+    _sample_log(reference, [2] * STEPS)
+    _shrunk_sample_log(shrunk, started=3, at=AT)
+    record_shrink(shrunk, Shrink(backend="local", job_id="1", lost="node 0 (agent killed by signal 9)", from_nodes=2,
+                                 to_nodes=1, timeout_s=1, no_replacement="no spare node slot left", time=0.0))
+    return _done(reference), _done(shrunk)
+
+
+def _judge_e(reference: RunOutcome, shrunk: RunOutcome, loss: NodeLossRecord | None = None, **changes):
+    return judge_node_loss(reference, shrunk, loss or _loss(), **{
+        "steps": STEPS, "every_steps": AT, "from_world": 2, "to_world": 1, "weights_atol": 1e-5, "loss_rtol": 1e-5,
+        **changes})
+
+
+def test_e_passes_on_a_recorded_shrink_resumed_from_the_newest_commit_on_the_same_batches(shrunk_pair) -> None:
+    check = _judge_e(*shrunk_pair)
+    assert check.passed, check.reason
+    facts = check.facts
+    assert (facts["resumed_at_step"], facts["last_step_started"], facts["steps_lost"], facts["steps_lost_bound"]) == (
+        2, 3, 1, 2)
+    assert facts["checkpoints"] == {"2": 2, "6": 1} and facts["max_weight_difference"] == 0.0
+    assert "shrank 2 -> 1 node(s)" in check.reason and "resumed at world size 1 from step 2" in check.reason
+
+
+def test_e_allows_one_more_interval_for_a_save_in_flight_and_no_more(shrunk_pair) -> None:
+    reference, shrunk = shrunk_pair
+    _shrunk_sample_log(shrunk.run_dir, started=5, at=AT)  # step 4 trained, its save never committed
+    check = _judge_e(reference, shrunk)
+    assert check.passed and check.facts["saves_in_flight"] == [4] and check.facts["steps_lost_bound"] == 4
+    check = _judge_e(reference, shrunk, every_steps=1)  # steps 3 and 4 due: 3 lost, over one interval's 2
+    assert not check.passed and check.line().startswith("(e) FAIL")
+    assert "3 steps lost, more than a checkpoint interval of 1 allows (2" in check.reason
+
+
+def test_e_fails_a_resume_from_an_older_checkpoint_than_the_newest(shrunk_pair) -> None:
+    reference, shrunk = shrunk_pair
+    write_checkpoints(shrunk.run_dir, [4], world_size=2)
+    check = _judge_e(reference, shrunk)
+    assert not check.passed and "resumed at step 2, not from the newest checkpoint the lost group committed (step 4" in (
+        check.reason)
+
+
+def test_e_fails_when_the_result_does_not_record_the_shrink(shrunk_pair) -> None:
+    reference, shrunk = shrunk_pair
+    _result(shrunk.run_dir, world=1)
+    check = _judge_e(reference, shrunk)
+    assert not check.passed and "events hold no world_size_change from 2 to 1 ranks" in check.reason
+    _result(shrunk.run_dir, world=2, events=(_change(),))
+    check = _judge_e(reference, shrunk)
+    assert not check.passed and "completed=True at step 6 on world size 2, not a completed 6 steps on 1" in check.reason
+
+
+def test_e_fails_naming_the_first_step_after_the_shrink_on_other_samples(shrunk_pair) -> None:
+    reference, shrunk = shrunk_pair
+    _shrunk_sample_log(shrunk.run_dir, started=3, at=AT, ids=lambda s: _ids(s) if s < 3 else _ids(s + 1))
+    check = _judge_e(reference, shrunk)
+    assert not check.passed and "step 4 trained on other samples than the uninterrupted run" in check.reason
+
+
+def test_e_fails_beyond_the_weights_tolerance(shrunk_pair, tmp_path: Path) -> None:
+    reference, shrunk = shrunk_pair
+    write_checkpoints(tmp_path / "further", [6, 8])
+    _result(shrunk.run_dir, world=1, events=(_change(),), checkpoint=tmp_path / "further" / "checkpoints" / "step-00000008")
+    check = _judge_e(reference, shrunk)
+    assert not check.passed and "after the shrink a final weight differs by" in check.reason
+
+
+def test_e_is_inconclusive_when_no_node_was_lost_mid_training_and_fails_when_the_job_does(shrunk_pair) -> None:
+    reference, shrunk = shrunk_pair
+    check = _judge_e(reference, shrunk, _loss(agent_pid=None, worker_pid=None, committed_step=None))
+    assert not check.passed and check.reason.startswith("inconclusive") and "never killed" in check.reason
+    (shrunk.run_dir / ".launch" / "elastic.json").unlink()
+    late = RunOutcome(run_dir=shrunk.run_dir, state="SUCCEEDED", reason="node 0 lost after training finished")
+    check = _judge_e(reference, late)
+    assert not check.passed and check.reason.startswith("inconclusive") and "after training had finished" in check.reason
+    check = _judge_e(reference, shrunk)
+    assert not check.passed and "kiln's launcher recorded no elastic shrink" in check.reason
+    failed = RunOutcome(run_dir=shrunk.run_dir, state="FAILED", reason="node 1: torchrun exited 1", log="x\nhung")
+    check = _judge_e(reference, failed)
+    assert not check.passed and "SIGKILLed with step 2 committed and no node to replace it, the run ended FAILED" in (
+        check.reason) and "hung" in check.reason
+
+
 # -- the runs' inputs ---------------------------------------------------------------------------------
 
 
@@ -309,8 +442,8 @@ def test_the_kit_refuses_bad_settings_naming_them(tmp_path: Path, manifest: Path
         KitSpec(**kit, world_size=1)
     with pytest.raises(ConfigError, match="resume_world_size must be >= 1 and differ"):
         KitSpec(**kit, resume_world_size=2)
-    with pytest.raises(ConfigError, match=r"some of \['a', 'b', 'c', 'd'\], got \['e'\]"):
-        KitSpec(**kit, guarantees=("e",))
+    with pytest.raises(ConfigError, match=r"some of \['a', 'b', 'c', 'd', 'e'\], got \['f'\]"):
+        KitSpec(**kit, guarantees=("f",))
 
 
 def test_the_kit_checks_its_inputs_before_any_run(tmp_path: Path, manifest: Path) -> None:
