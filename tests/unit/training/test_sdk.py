@@ -7,6 +7,7 @@ an uninterrupted run; a ddp checkpoint resumes under fsdp; a hook of the user's 
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 from typing import Any
 
@@ -175,3 +176,33 @@ def test_a_session_refuses_calls_out_of_order(corpus: Path, tmp_path: Path, in_p
         session.resume(torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1))
 
     assert sdk.run(no_wrap, _argv(corpus, tmp_path / "run")) == 2
+
+
+def test_finish_writes_the_last_metrics_before_result_json(
+    corpus: Path, tmp_path: Path, in_process: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """metrics.prom is written by a thread of its own (test_metrics); finish waits for its last write
+    before result.json, written last of all. The last write is held until result.json appears (or
+    2 s pass): a finish that did not wait for it would write result.json first."""
+    from kiln_trainer import metrics
+
+    real = metrics.atomic_write_bytes
+    run_dir = tmp_path / "run"
+    steps_written: list[int] = []
+    result_first: list[bool] = []
+
+    def held(path: Path, data: bytes, **kwargs: Any) -> Path:
+        step = int(next(line for line in data.decode().splitlines() if line.startswith("kiln_train_step{")).split()[-1])
+        if step == 12:
+            deadline = time.monotonic() + 2.0
+            while not (run_dir / "result.json").exists() and time.monotonic() < deadline:
+                time.sleep(0.01)
+            result_first.append((run_dir / "result.json").exists())
+        steps_written.append(step)
+        return real(path, data, **kwargs)
+
+    monkeypatch.setattr(metrics, "atomic_write_bytes", held)
+    assert _run(corpus, run_dir, max_steps=12) == 0
+    assert result_first == [False] and steps_written[-1] == 12
+    assert 'kiln_train_step{run_dir="' in (run_dir / "metrics.prom").read_text()
+    assert (run_dir / "metrics.prom").stat().st_mtime_ns <= (run_dir / "result.json").stat().st_mtime_ns

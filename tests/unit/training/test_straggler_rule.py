@@ -109,6 +109,7 @@ def test_prometheus_textfile_keeps_each_latest_value_and_labels_ranks(tmp_path):
     sink.log(10, {"loss": 2.5, "tokens_per_s": 100.0})
     sink.log(15, {"rank_step_times": [0.1, 0.4], "straggler_rank": 1, "scaling_efficiency": 0.25})
     sink.log(16, {"event": "straggler", "rank": 1})  # events are not series
+    sink.close()  # written by a thread of its own (test_metrics)
     text = (tmp_path / "m.prom").read_text()
     assert 'kiln_train_loss{run_dir="/r"} 2.5' in text  # from the earlier record, still there
     assert 'kiln_train_straggler_rank{run_dir="/r"} 1.0' in text

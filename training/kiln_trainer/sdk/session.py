@@ -393,6 +393,7 @@ class Session:
                 world_size=self.env.world_size, tokens_per_s=tokens_per_s,
                 checkpoint_blocking_s=self.checkpoints.blocking_s, mlflow_run_id=self.mlflow_run_id,
             )
+            self.metrics.drain()  # metrics.prom is written off the loop's thread; result.json comes last
             path = write_result(self.run_dir, result)
             log.info(
                 "result: step %d loss %s weights %s -> %s",
