@@ -90,9 +90,11 @@ class RunRecords:
 def _signer(
     *, policy: Policy, run_key: str, train: TrainResult, eval_report: EvalReport, snapshot: SnapshotRef,
     manifest: TrainingManifest, verified: dict[str, Any], decision: Decision, records: RunRecords, git_commit: str,
+    after_signing: Callable[[dict[str, Any]], None] | None = None,
 ) -> Callable[[Path], None]:
     """The call that signs the model directory for ``policy`` (``kiln.provenance.sign_artifact``) with the
-    statement of this registration."""
+    statement of this registration, then hands the signed statement to ``after_signing`` (registration
+    publishes the datasheet there: before the upload, so that a logged model always has one)."""
     from kiln.provenance import from_registration, sign_artifact
 
     inputs = from_registration(
@@ -104,9 +106,20 @@ def _signer(
     )
 
     def sign(model_dir: Path) -> None:
-        sign_artifact(model_dir, inputs)
+        signed = sign_artifact(model_dir, inputs)
+        if after_signing is not None:
+            after_signing(signed.statement)
 
     return sign
+
+
+def _publish_datasheet(client: MlflowClient, run_id: str, statement: dict[str, Any]) -> None:
+    """The datasheet of the version being registered, from its signed statement and the files the
+    statement names (the quarantine report, the snapshot copy's corpus.json), logged to the run under
+    ``datasheet/``: beside the model directory, never in it (that is the signed artifact)."""
+    from kiln.provenance.datasheet_sources import local_sources, publish_datasheet
+
+    publish_datasheet(client, run_id, statement, local_sources(statement))
 
 
 def _check_consistency(
@@ -269,7 +282,8 @@ def register_candidate(
         run_id, own_run = _find_or_start_run(client, policy, train, run_key)
         sign = _signer(policy=policy, run_key=run_key, train=train, eval_report=eval_report, snapshot=snapshot,
                        manifest=manifest, verified=verified, decision=chosen, records=records or RunRecords(),
-                       git_commit=tags[TAGS["git_sha"]])
+                       git_commit=tags[TAGS["git_sha"]],
+                       after_signing=lambda statement: _publish_datasheet(client, run_id, statement))
         model_uri = _log_into_run(client, run_id, run_key, train, eval_report, champion, chosen, version_tags, sign)
 
         import mlflow
@@ -301,7 +315,8 @@ def _refuse_version_of_other_inputs(mv: ModelVersion, tags: dict[str, str]) -> N
 
 def _finish_version(client: MlflowClient, mv: ModelVersion, decision: Decision) -> None:
     """Give the version its description (rebuilt from its tags, so a retry writes the same text)."""
-    description = _description(mv.tags, decision, mv.run_id or "")
+    experiment_id = client.get_run(mv.run_id).info.experiment_id if mv.run_id else ""
+    description = _description(mv.tags, decision, mv.run_id or "", experiment_id)
     if (mv.description or "") != description:
         client.update_model_version(mv.name, str(mv.version), description=description)
 

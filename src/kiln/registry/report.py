@@ -232,8 +232,9 @@ code{{font-size:90%}}</style></head><body>
 """
 
 
-def _description(tags: dict[str, str], decision: Decision, run_id: str) -> str:
-    """The version's description, from its tags alone (so a retry rebuilds exactly the same text)."""
+def _description(tags: dict[str, str], decision: Decision, run_id: str, experiment_id: str = "") -> str:
+    """The version's description, from its tags and run alone (so a retry rebuilds exactly the same text).
+    With the run's ``experiment_id`` it links the datasheet's page in MLflow's UI."""
     champion_bpb = tags.get(TAGS["decision_champion_bits_per_byte"], "")
     bpb = float(tags[TAGS["eval_bits_per_byte"]])
     if champion_bpb:
@@ -257,7 +258,19 @@ def _description(tags: dict[str, str], decision: Decision, run_id: str) -> str:
         f"| weights sha256 | `{tags[TAGS['weights_sha256']]}` |\n"
         f"| git | `{tags[TAGS['git_sha']]}` |\n\n"
         f"Evaluation report (loss curve, metrics against the champion, full lineage): artifacts of run "
-        f"`{run_id}`, `{REPORT_DIR}/report.html` (also `report.md`, `eval_report.json`, `decision.json`)."
+        f"`{run_id}`, `{REPORT_DIR}/report.html` (also `report.md`, `eval_report.json`, `decision.json`).\n\n"
+        f"{_datasheet_line(run_id, experiment_id)}"
     )
+
+
+def _datasheet_line(run_id: str, experiment_id: str) -> str:
+    from kiln.provenance.datasheet import DATASHEET_DIR, DATASHEET_HTML, DATASHEET_MARKDOWN
+
+    html_path = f"{DATASHEET_DIR}/{DATASHEET_HTML}"
+    shown = (f"[`{html_path}`](#/experiments/{experiment_id}/runs/{run_id}/artifacts/{html_path})" if experiment_id
+             else f"`{html_path}`")
+    return (f"Datasheet (where the training data came from, how it was cleaned, how the model was trained and "
+            f"evaluated; generated from the signed provenance statement): artifacts of run `{run_id}`, {shown} "
+            f"(also `{DATASHEET_MARKDOWN}`).")
 
 

@@ -13,7 +13,7 @@ SUBCOMMANDS = [
     ["corpus", "build"], ["corpus", "import"], ["corpus", "list"], ["corpus", "build-text"], ["snapshot", "create"],
     ["snapshot", "restore"], ["snapshot", "list"],
     ["snapshot", "show"], ["validate"], ["promote"], ["rollback"], ["stack"], ["demo"], ["train"], ["evaluate"],
-    ["signals"], ["export"], ["verify"], ["reproduce"],
+    ["signals"], ["export"], ["verify"], ["datasheet"], ["reproduce"],
 ]
 
 
