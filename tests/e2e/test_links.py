@@ -34,21 +34,12 @@ def _artifact(mlflow: str, run_id: str, path: str) -> str:
     return resp.text
 
 
-def test_task_links_lead_to_the_quarantine_report_mlflow_run_and_metrics(stack, admin):
-    from kiln import settings as kiln_settings
-    from kiln.data.corpus import build_corpus
+def test_task_links_lead_to_the_quarantine_report_mlflow_run_and_metrics(stack, admin, llama_sandbox_run):
+    """On the package's shared sandbox run (``llama_sandbox_run``: a team's own trainer; the links
+    are the DAG's, whichever trainer trains)."""
     from kiln.policy import SANDBOX
-    from kiln.stack.demo import follow_run
 
-    s = kiln_settings.load()
-    built = build_corpus(s.corpus_root / SANDBOX.corpus, shards=4, seed=21, poison=("null_text",))
-    (poisoned,) = [Path(p).name for p in built["poisoned"]]
-    admin.wait_for_dag(SANDBOX.dag_id)
-    admin.unpause(SANDBOX.dag_id)
-    dag = SANDBOX.dag_id
-    run_id = admin.trigger(dag, conf={"recipe": "tiny.toml", "max_steps": 20, "seed": 2})["dag_run_id"]
-    final = follow_run(admin, dag, run_id, timeout=780, progress=print)
-    assert final["state"] == "success", {ti["task_id"]: ti["state"] for ti in admin.task_instances(dag, run_id)}
+    dag, run_id, poisoned = SANDBOX.dag_id, llama_sandbox_run["run_id"], llama_sandbox_run["poisoned"]
 
     def links(task_id: str, map_index: int = -1) -> dict[str, str | None]:
         body = admin.request("GET", f"/dags/{dag}/dagRuns/{run_id}/taskInstances/{task_id}/links",

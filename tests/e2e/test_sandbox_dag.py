@@ -71,3 +71,52 @@ def test_sandbox_run_end_to_end(stack, admin):
     for model in (PRODUCTION_MODEL, f"{PRODUCTION_MODEL}.candidates"):  # the stack is shared with production tests
         leaked = client.search_model_versions(f"name = '{model}' AND tags.`kiln.airflow.run_id` = '{run['dag_run_id']}'")
         assert not leaked, f"a sandbox run wrote a version of {model}"
+
+
+def test_a_teams_own_hugging_face_model_through_the_sandbox_form(stack, admin, llama_sandbox_run, tmp_path):
+    """The worked example of a trainer of your own (``kiln_hf_trainer``: a ``transformers``
+    ``LlamaForCausalLM`` on kiln's trainer SDK, installed in kiln's environment as a team installs its
+    package) chosen in the form by its recipe, ``tiny-llama.toml``, and nothing else: kiln's stages
+    run it as they run kiln's GPT. The tokenize stage trains the recipe's BPE; the trainer trains
+    under FSDP2 with committed sharded checkpoints that record it and its distribution; kiln's
+    evaluation scores the checkpoint through the trainer's ``evaluate`` loader; registration
+    registers the trainer's export, a Hugging Face folder that ``transformers`` loads to the trained
+    weights, under the sandbox model only. The run is the package's shared one (``llama_sandbox_run``,
+    20 steps); about 4 min on 2 busy cores, most of it starting processes that import torch and
+    transformers."""
+    import mlflow
+    import mlflow.artifacts
+    import mlflow.pyfunc
+    from transformers import AutoModelForCausalLM
+
+    from kiln.policy import PRODUCTION_MODEL, SANDBOX
+    from kiln_trainer.checkpoint import weights_sha256
+
+    run_id = llama_sandbox_run["run_id"]
+    tokens = admin.xcom(SANDBOX.dag_id, run_id, "tokens")
+    assert tokens["tokens"]["tokenizer_kind"] == "bpe"
+    train = admin.xcom(SANDBOX.dag_id, run_id, "train")
+    assert train["completed"] and train["step"] == 20, train
+    committed = json.loads((Path(train["checkpoint"]) / "manifest.json").read_text())
+    assert committed["strategy"] == "fsdp"  # the recipe's
+    assert committed["trainer"] == {
+        "spec": "kiln_hf_trainer.train:main", "distribution": "kiln-example-hf-trainer", "version": "0.1.0",
+        "evaluate": "kiln_hf_trainer.evaluate:load_for_evaluation", "export": "kiln_hf_trainer.export:main"}
+
+    client = mlflow.MlflowClient(tracking_uri=stack["mlflow"])
+    [version] = client.search_model_versions(
+        f"name = '{SANDBOX.target_model}' AND tags.`kiln.airflow.run_id` = '{run_id}'")
+    assert (version.tags["kiln.trainer"], version.tags["kiln.trainer.distribution"],
+            version.tags["kiln.trainer.version"]) == ("kiln_hf_trainer.train:main", "kiln-example-hf-trainer", "0.1.0")
+    evaluation = admin.xcom(SANDBOX.dag_id, run_id, "evaluate")
+    assert float(version.tags["kiln.eval.bits_per_byte"]) == pytest.approx(evaluation["bits_per_byte"])
+    local = Path(mlflow.artifacts.download_artifacts(f"models:/{version.name}/{version.version}", dst_path=str(tmp_path)))
+    folder = local / "artifacts" / "hf_model"
+    assert json.loads((folder / "config.json").read_text())["architectures"] == ["LlamaForCausalLM"]
+    assert weights_sha256(AutoModelForCausalLM.from_pretrained(folder).state_dict()) == train["weights_sha256"]
+    texts = mlflow.pyfunc.load_model(f"models:/{version.name}/{version.version}").predict(
+        ["def main("], params={"max_new_tokens": 8})
+    assert isinstance(texts, list) and len(texts) == 1 and isinstance(texts[0], str), texts
+    for model in (PRODUCTION_MODEL, f"{PRODUCTION_MODEL}.candidates"):
+        leaked = client.search_model_versions(f"name = '{model}' AND tags.`kiln.airflow.run_id` = '{run_id}'")
+        assert not leaked, f"a sandbox run wrote a version of {model}"

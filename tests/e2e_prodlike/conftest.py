@@ -14,8 +14,9 @@ import pytest
 from kiln.settings import restore_environ
 from kiln.util.net import free_port
 
-PRODUCTION_CONFIG = Path(__file__).resolve().parents[1] / "e2e" / "production.toml"
-"""The test deployment's reviewed production config, as in ``tests/e2e``: the 60-step staging recipe."""
+PRODUCTION_CONFIG = Path(__file__).resolve().parent / "production.toml"
+"""The test deployment's reviewed production config: the shipped one with a team's own model pinned,
+the worked example's 60-step Hugging Face staging recipe (``tests/e2e`` deploys kiln's own)."""
 
 ENV_KEYS = ("KILN_HOME", "KILN_AIRFLOW_PORT", "KILN_AIRFLOW_URL", "KILN_MLFLOW_PORT", "KILN_SIGNALS_PORT",
             "MLFLOW_TRACKING_URI", "MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD", "KILN_DVC_REMOTE",
@@ -52,7 +53,7 @@ def prodlike(tmp_path_factory) -> Iterator[dict[str, str]]:
     os.environ["KILN_AIRFLOW_PORT"] = str(free_port())
     os.environ["KILN_MLFLOW_PORT"] = str(free_port())
     os.environ["KILN_SIGNALS_PORT"] = str(free_port())
-    os.environ["KILN_PRODUCTION_CONFIG"] = str(PRODUCTION_CONFIG)  # the staging recipe, as in tests/e2e
+    os.environ["KILN_PRODUCTION_CONFIG"] = str(PRODUCTION_CONFIG)  # the HF staging recipe
     try:
         info = prodlike_stack.up(timeout=420, quiet=True)
         os.environ.update(prodlike_stack.client_env())  # this process snapshots to the S3 remote too

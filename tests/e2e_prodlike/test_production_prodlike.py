@@ -5,10 +5,17 @@ the ``corpus-publisher`` user; the scheduler starts an ``asset_triggered`` produ
 tasks run on the production Celery worker; a sandbox user's approval is refused (403) and the
 reviewer approves through the HITL REST endpoint; the ``champion`` alias and lineage tags are then
 read through MLflow's REST API with basic-auth, and the artifacts are in S3.
+
+The deployment's reviewed config (``tests/e2e_prodlike/production.toml``) pins a team's own model:
+the worked example's Hugging Face ``LlamaForCausalLM`` on kiln's trainer SDK
+(``production/llama-staging.toml``). So this run is also a user's trainer through production's
+gate, its human approval and its promotion; the champion records which trainer, from which
+distribution at which version, made it.
 """
 
 from __future__ import annotations
 
+import json
 import time
 
 import pytest
@@ -29,7 +36,7 @@ def _asset_triggered_run(admin, dag_id: str, timeout: float = 300.0) -> dict:
 
 
 def test_asset_triggered_production_run_approved_by_reviewer(prodlike, login):
-    """About 1.5 min on 2 cores: a full production run (the test deployment's pinned 60-step staging recipe on two agents)
+    """About 1.5 min on 2 cores: a full production run (the test deployment's pinned 60-step HF staging recipe on two agents)
     on the production-like stack, which is started for this package alone."""
     from kiln import settings as kiln_settings
     from kiln.cli.snapshot import announce_snapshot
@@ -99,6 +106,9 @@ def _approve_and_check(prodlike, login, run_id: str, ref: dict) -> None:
     assert tags["kiln.dvc"] == snap["dvc"] and tags["kiln.contract"] == PRODUCTION.contract
     assert tags["kiln.airflow.run_id"] == run_id
     assert tags["kiln.promotion.approver"] == "reviewer"
+    assert (tags["kiln.trainer"], tags["kiln.trainer.distribution"]) == ("kiln_hf_trainer.train:main",
+                                                                         "kiln-example-hf-trainer")
+    assert json.loads(tags["kiln.policy.config"])["recipe"] == "production/llama-staging.toml"
     # the sandbox identity reads production but cannot move its alias
     moved = requests.post(f"{api}/registered-models/alias", auth=reader, timeout=30,
                           json={"name": PRODUCTION.target_model, "alias": "champion", "version": version["version"]})

@@ -120,15 +120,16 @@ def test_kiln_s_end_to_end_deployment_differs_from_the_shipped_config_only_in_it
 
     from kiln.policy import PRODUCTION_CONFIG, build_production_policy, load_production_config
 
-    e2e_file = Path(__file__).parents[2] / "e2e" / "production.toml"
-    shipped, e2e = tomllib.loads(PRODUCTION_CONFIG.read_text()), tomllib.loads(e2e_file.read_text())
-    assert e2e.pop("recipe") == "production/staging.toml" and e2e == shipped | {
-        "schedule": "", "champion_watch_schedule": ""}
-    config = load_production_config(e2e_file)
-    assert config.recipe == "production/staging.toml"
-    production = build_production_policy(config)  # nothing on the clock in the tests' deployment
-    assert production.schedule_cron is None and production.champion_watch_cron is None
-    assert production.schedule_on_corpus_asset and production.champion_watch_dag_id == "kiln_champion_watch"
+    # tests/e2e deploys kiln's own model; tests/e2e_prodlike a team's own (the HF worked example).
+    for folder, recipe in (("e2e", "production/staging.toml"), ("e2e_prodlike", "production/llama-staging.toml")):
+        e2e_file = Path(__file__).parents[2] / folder / "production.toml"
+        shipped, e2e = tomllib.loads(PRODUCTION_CONFIG.read_text()), tomllib.loads(e2e_file.read_text())
+        assert e2e.pop("recipe") == recipe and e2e == shipped | {"schedule": "", "champion_watch_schedule": ""}
+        config = load_production_config(e2e_file)
+        assert config.recipe == recipe
+        production = build_production_policy(config)  # nothing on the clock in the tests' deployments
+        assert production.schedule_cron is None and production.champion_watch_cron is None
+        assert production.schedule_on_corpus_asset and production.champion_watch_dag_id == "kiln_champion_watch"
 
 
 def test_the_config_sets_when_production_retrains_and_when_the_champion_is_watched(tmp_path):
@@ -171,7 +172,8 @@ def test_another_config_moves_production_and_the_sandbox_still_cannot_write_its_
     (GOOD.replace('"acme-web"', '"../etc"'), "production.toml: corpus '../etc' is not a corpus name"),
     (GOOD.replace('"acme-lm"', '"a b"'), "production.toml: model 'a b' is not a registered-model name"),
     (GOOD + 'recipe = "tiny.toml"\n', "production.toml: recipe 'tiny.toml' is not one of the reviewed production "
-                                       "recipes under training/recipes/production/ (production/small-fsdp.toml, "),
+                                       "recipes under training/recipes/production/ (production/llama-staging.toml, "
+                                       "production/small-fsdp.toml, "),
     (GOOD + 'recipe = "production/../tiny.toml"\n', "recipe 'production/../tiny.toml' is not one of the reviewed"),
     (GOOD + 'recipe = "production/none.toml"\n', "recipe 'production/none.toml' is not one of the reviewed"),
     (GOOD + 'recipe = "/etc/passwd"\n', "recipe '/etc/passwd' is not one of the reviewed"),

@@ -169,6 +169,22 @@ def test_the_staging_recipe_is_production_small_with_fewer_steps_and_checkpoints
     assert staging == small
 
 
+def test_the_llama_staging_recipe_is_tiny_llama_with_fewer_steps_and_checkpoints() -> None:
+    """What the production-like test deployment trains (a team's own model: the HF worked example)
+    is the sandbox's tiny-llama: the same trainer, model, batch and optimizer; only the run's length,
+    its checkpoints and production's evaluation window differ."""
+    tiny, staging = load_recipe(RECIPES / "tiny-llama.toml").to_dict(), load_recipe(
+        RECIPES / "production" / "llama-staging.toml").to_dict()
+    assert staging["trainer"]["train"] == "kiln_hf_trainer.train:main" and staging["parallel"]["strategy"] == "fsdp"
+    assert (tiny["train"].pop("steps"), staging["train"].pop("steps")) == (400, 60)
+    assert (tiny["checkpoint"], staging["checkpoint"]) == ({"every_steps": 100, "keep_last": 2, "async_save": True},
+                                                          {"every_steps": 20, "keep_last": 3, "async_save": True})
+    assert (tiny["eval"]["max_windows"], staging["eval"]["max_windows"]) == (64, 128)
+    for section in (tiny, staging):
+        section.pop("checkpoint"), section.pop("eval")
+    assert staging == tiny
+
+
 def test_the_production_fsdp_variant_differs_only_in_its_parallel_strategy() -> None:
     from kiln_trainer.config import resume_identity
 
