@@ -22,6 +22,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from kiln.data.corpora import METADATA_FILE
 from kiln.errors import ContractError, ProvenanceError
 from kiln.provenance.datasheet import (
     DATASHEET_DIR,
@@ -31,15 +32,16 @@ from kiln.provenance.datasheet import (
     DatasheetSources,
     render,
 )
+from kiln.runs import QUARANTINE_JSON
 from kiln_trainer.contract import canonical_json
 
 if TYPE_CHECKING:
     from mlflow import MlflowClient
 
-QUARANTINE_REPORT_FILE = "quarantine-report.json"
+QUARANTINE_REPORT_FILE = QUARANTINE_JSON
 CONTRACT_SUITE_FILE = "contract-suite.json"
-CORPUS_METADATA_FILE = "corpus.json"
-"""The names under ``datasheet/sources/``."""
+CORPUS_METADATA_FILE = METADATA_FILE
+"""The names under ``datasheet/sources/``: the run's and the corpus' own."""
 MAX_SOURCE_BYTES = 256 << 20
 """A quarantine report lists every shard of a snapshot; larger than this is not read."""
 
