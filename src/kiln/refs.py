@@ -41,6 +41,12 @@ from kiln_trainer.contract import (  # the trainer contract: one canonical JSON,
 from kiln_trainer.contract import (
     sha256_file as sha256_file,
 )
+from kiln_trainer.contract.training_manifest import (  # format 2: one reader of mixtures, both sides
+    MIXTURE_FORMAT,
+    check_training_manifest,
+    mixture_summary,
+    mixture_tokens_sha256,
+)
 
 if TYPE_CHECKING:
     from kiln.launchers.base import State
@@ -198,7 +204,8 @@ class ShardReport(Ref):
 @dataclass(frozen=True, kw_only=True, slots=True)
 class TrainingManifest(Ref):
     """What the trainer may read: a snapshot's healthy shards under one contract version, and once
-    the tokenize stage has packed them, those shards as packed tokens.
+    the tokenize stage has packed them, those shards as packed tokens; or, in format 2, several such
+    sources mixed by weight.
 
     Wire format (the trainer parses this itself, ``kiln_trainer.contract.training_manifest``)::
 
@@ -216,6 +223,20 @@ class TrainingManifest(Ref):
     ``tokens`` or ``trainer`` is not in it, so a manifest without them keeps the hash it always had. Kind and hash
     rule are the trainer contract's (``kiln_trainer.contract.training_manifest_sha256``), which the
     trainer's reader calls too.
+
+    Format 2, a mixture (``build_mixture``)::
+
+        {"kind": "kiln.TrainingManifest", "format": 2, "trainer": {...},
+         "sources": [{"name": "web", "weight": 0.7, "corpus", "snapshot_id", "contract", "shards",
+                      "eval_shards", "quarantined",
+                      "tokens": {"manifest", "sha256", "tokenizer_sha256", "block_size"}}, ...],
+         "sha256": "<hex>"}
+
+    Only those keys are on its wire; its ``snapshot_id``, ``corpus``, ``contract``, ``shards``,
+    ``eval_shards``, ``quarantined`` and ``tokens`` answer for all its sources, as the contract's
+    ``mixture_summary`` says (``"web=<id>,code=<id>"``, the lists concatenated, ``tokens`` only for one
+    source). It is checked by the contract's own reader when built or read, so kiln refuses what the
+    trainer would, naming the field.
     """
 
     snapshot_id: str
@@ -224,29 +245,101 @@ class TrainingManifest(Ref):
     shards: list[dict[str, Any]]
     eval_shards: list[dict[str, Any]]
     quarantined: list[str] = field(default_factory=list)
-    tokens: dict[str, str] | None = None
+    tokens: dict[str, Any] | None = None
     trainer: dict[str, str] | None = None
     """The trainer the run's recipe names: ``{"spec", "distribution", "version"}`` (``trainer_record``)."""
+    format: int | None = None
+    """``2`` for a mixture; None (absent from the wire, as on every manifest issued before) for format 1."""
+    sources: list[dict[str, Any]] | None = None
+    """Format 2's sources, as on the wire, in declared order."""
     sha256: str = ""
 
-    _absent_when_none = frozenset({"tokens", "trainer"})
+    _absent_when_none = frozenset({"tokens", "trainer", "format", "sources"})
+
+    def _wire(self) -> dict[str, Any]:
+        """What is on the wire (``sha256`` too, outside the hash), without ``kind``."""
+        if self.format != MIXTURE_FORMAT:
+            return Ref.to_json(self)
+        wire: dict[str, Any] = {"format": self.format, "sources": _json_value(self.sources)}
+        if self.trainer is not None:
+            wire["trainer"] = dict(self.trainer)
+        return wire | {"sha256": self.sha256}
 
     def content_hash(self) -> str:
-        return training_manifest_sha256(Ref.to_json(self))
+        return training_manifest_sha256(self._wire())
 
     @classmethod
     def build(cls, **kwargs: Any) -> TrainingManifest:
         unsigned = cls(**kwargs)
         return dataclasses.replace(unsigned, sha256=unsigned.content_hash())
 
+    @classmethod
+    def build_mixture(cls, sources: list[dict[str, Any]], *, trainer: dict[str, str] | None = None) -> TrainingManifest:
+        """A format-2 manifest of ``sources`` (each ``{"name", "weight", "corpus", "snapshot_id",
+        "contract", "shards", "eval_shards", "quarantined", "tokens"}``), checked by the contract's
+        reader (``ManifestError`` naming the field), under its hash."""
+        wire: dict[str, Any] = {"format": MIXTURE_FORMAT, "sources": sources}
+        if trainer is not None:
+            wire["trainer"] = dict(trainer)
+        return cls._mixture(wire, "TrainingManifest.build_mixture", sha256=training_manifest_sha256(wire))
+
+    @classmethod
+    def _mixture(cls, wire: dict[str, Any], where: str, *, sha256: str) -> TrainingManifest:
+        from kiln_trainer.contract import TrainingManifestError
+
+        try:
+            check_training_manifest(wire, where)
+        except TrainingManifestError as exc:
+            raise ManifestError(str(exc)) from None
+        sources = json.loads(json.dumps(wire["sources"]))  # a copy: the caller's lists stay theirs
+        summary = mixture_summary(sources)
+        return cls(
+            snapshot_id=summary["snapshot_id"], corpus=summary["corpus"], contract=summary["contract"],
+            shards=summary["shards"], eval_shards=summary["eval_shards"], quarantined=summary["quarantined"],
+            tokens=dict(sources[0]["tokens"]) if len(sources) == 1 else None, trainer=wire.get("trainer"),
+            format=MIXTURE_FORMAT, sources=sources, sha256=sha256,
+        )
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> TrainingManifest:
+        if isinstance(data, dict) and data.get("format") == MIXTURE_FORMAT:
+            sha256 = data.get("sha256")
+            if not isinstance(sha256, str):
+                raise ManifestError(f"TrainingManifest: 'sha256' must be a string, got {sha256!r:.80}")
+            return cls._mixture({k: v for k, v in data.items() if k != "sha256"}, "TrainingManifest", sha256=sha256)
+        return super(TrainingManifest, cls).from_json(data)
+
+    def tokens_sha256(self) -> str | None:
+        """What names the packed tokens a run of this manifest reads, as its checkpoints record it
+        (``token_manifest_sha256``): the one token manifest's sha256 (None before packing), or for a
+        mixture the contract's ``mixture_tokens_sha256`` of its sources."""
+        if self.format == MIXTURE_FORMAT and self.sources is not None and len(self.sources) > 1:
+            return mixture_tokens_sha256([(s["name"], s["weight"], s["tokens"]["sha256"]) for s in self.sources])
+        return None if self.tokens is None else str(self.tokens["sha256"])
+
     def with_tokens(self, token_manifest: str, token_manifest_sha256: str | None) -> TrainingManifest:
         """This manifest naming its packed tokens (``None``: naming none), under its new hash."""
+        if self.format == MIXTURE_FORMAT:
+            raise ManifestError("a format-2 TrainingManifest names packed tokens per source: with_source_tokens")
         tokens = None if token_manifest_sha256 is None else {"manifest": token_manifest, "sha256": token_manifest_sha256}
         unsigned = dataclasses.replace(self, tokens=tokens, sha256="")
         return dataclasses.replace(unsigned, sha256=unsigned.content_hash())
 
+    def with_source_tokens(self, name: str, tokens: dict[str, Any]) -> TrainingManifest:
+        """This mixture with source ``name``'s packed tokens (``{"manifest", "sha256",
+        "tokenizer_sha256", "block_size"}``) replaced, checked and under its new hash."""
+        if self.format != MIXTURE_FORMAT or self.sources is None:
+            raise ManifestError("with_source_tokens: a format-1 TrainingManifest has one source: with_tokens")
+        names = [s["name"] for s in self.sources]
+        if name not in names:
+            raise ManifestError(f"with_source_tokens: unknown source {name!r}; the manifest's sources are {names}")
+        sources = [{**s, "tokens": dict(tokens)} if s["name"] == name else s for s in self.sources]
+        return type(self).build_mixture(sources, trainer=self.trainer)
+
     def with_trainer(self, record: dict[str, str] | None) -> TrainingManifest:
         """This manifest naming the trainer that is to read it (``None``: naming none), under its new hash."""
+        if self.format == MIXTURE_FORMAT and self.sources is not None:
+            return type(self).build_mixture(self.sources, trainer=None if record is None else dict(record))
         unsigned = dataclasses.replace(self, trainer=None if record is None else dict(record), sha256="")
         return dataclasses.replace(unsigned, sha256=unsigned.content_hash())
 
@@ -256,7 +349,7 @@ class TrainingManifest(Ref):
         return self
 
     def to_json(self) -> dict[str, Any]:
-        return {"kind": TRAINING_MANIFEST_KIND, **Ref.to_json(self)}  # not super(): slots=True makes a new class
+        return {"kind": TRAINING_MANIFEST_KIND, **self._wire()}
 
     def write(self, path: str | Path) -> Path:
         from kiln.util.fs import atomic_write_text
