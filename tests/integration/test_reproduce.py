@@ -114,6 +114,24 @@ def test_the_statement_records_what_reproducing_needs(on_stack: Registered) -> N
     assert snapshot["annotations"]["path"] == str(on_stack.home / "snapshots" / snapshot["digest"]["md5"])
 
 
+def test_the_registered_version_s_datasheet_describes_the_pipeline_run(
+        on_stack: Registered, client: Any, tmp_path: Path) -> None:
+    """The datasheet registration logged for a version made by the pipeline's stages (docs/provenance.md):
+    the corpus' import record, the real quarantine report and contract rules, every source at hand."""
+    import mlflow
+
+    run_id = client.get_model_version(on_stack.model, on_stack.version).run_id
+    folder = Path(mlflow.artifacts.download_artifacts(run_id=run_id, artifact_path="datasheet", dst_path=str(tmp_path)))
+    markdown = (folder / "datasheet.md").read_text()
+    assert f"| corpus | `{CORPUS}` | statement |" in markdown
+    assert "| written by | kiln corpus build | corpus.json |" in markdown  # the import record of the snapshot
+    assert "| data gate outcome | pass: 1 of 3 shards quarantined" in markdown
+    assert "| no\\_secrets (expect\\_column\\_values\\_to\\_not\\_match\\_regex\\_list on text):" in markdown
+    assert "not at hand" not in markdown and "not shown" not in markdown
+    assert sorted(p.name for p in (folder / "sources").iterdir()) == ["contract-suite.json", "corpus.json",
+                                                                       "quarantine-report.json"]
+
+
 def test_an_untouched_version_reproduces_with_the_same_weights_and_the_verdict_is_signed(
         on_stack: Registered, client: Any, capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     ref = f"{on_stack.model}/{on_stack.version}"
