@@ -24,6 +24,7 @@ back)::
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import hashlib
 import json
@@ -291,7 +292,7 @@ class TrainingManifest(Ref):
             check_training_manifest(wire, where)
         except TrainingManifestError as exc:
             raise ManifestError(str(exc)) from None
-        sources = json.loads(json.dumps(wire["sources"]))  # a copy: the caller's lists stay theirs
+        sources = copy.deepcopy(wire["sources"])  # the caller's lists stay theirs
         summary = mixture_summary(sources)
         return cls(
             snapshot_id=summary["snapshot_id"], corpus=summary["corpus"], contract=summary["contract"],
