@@ -9,7 +9,12 @@ register (signed) -- and the registered version is re-derived from its signed st
 * installed code other than the recorded code (a copy of kiln with one line added, run in its own
   process) is refused, and with ``--allow-code-drift`` goes on, reports the drift and, with a changed
   contract, stops at ``validate`` naming the contract and both digests;
-* a tampered object on the DVC remote stops it at ``snapshot``, naming the file and both md5s.
+* a tampered object on the DVC remote stops it at ``snapshot``, naming the file and both md5s;
+* at another world size (2 ranks; the version trained on 1) every step before training gives the recorded
+  digest, the ranks read the global batches seed and step give, and the weights are within the default
+  bound of the registered ones (not bitwise); the verdict, the world size and the largest difference are
+  in the tags and the signed attestation, and a weight perturbed past the bound is caught; a world size
+  the recorded global batch cannot be split to is refused before anything is derived.
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ from kiln import stages
 from kiln.cli import main as kiln_main
 from kiln.policy import SANDBOX
 from kiln.provenance.attestation import REPRODUCER_POLICY, verify_attestation
+from kiln.provenance.reproduce import DEFAULT_TOLERANCE, compare_weights, load_folder_weights
 
 pytestmark = pytest.mark.slow
 
@@ -168,6 +174,73 @@ def test_an_untouched_version_reproduces_with_the_same_weights_and_the_verdict_i
     assert kiln_main(["verify", ref, "--policy", "sandbox"]) == 0, capsys.readouterr().err
 
 
+def test_at_another_world_size_the_weights_reproduce_within_tolerance_and_say_so(
+        on_stack: Registered, client: Any, capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    ref = f"{on_stack.model}/{on_stack.version}"
+    recorded = on_stack.statement["predicate"]["buildDefinition"]["externalParameters"]["world_size"]
+    assert recorded == 1, "the version this module registers trains on one rank"
+    work = tmp_path / "r"
+    assert kiln_main(["reproduce", ref, "--policy", "sandbox", "--world-size", "2", "--workdir", str(work),
+                      "--json"]) == 0, capsys.readouterr().err
+    captured = capsys.readouterr()
+    outcome = json.loads(captured.out)
+    assert "[reproduce] train: weights at world size 2 (the version was trained at 1): largest absolute" in captured.err
+    assert outcome["verdict"] == "reproduced", outcome["reason"]
+    assert (outcome["world_size"], outcome["recorded_world_size"], outcome["weights_compared"], outcome["tolerance"]) \
+        == (2, 1, "tolerance", DEFAULT_TOLERANCE)
+    # every step before training is bitwise the recorded one; then the data order, not the weights' sha256
+    steps = [(c["step"], c["input"].split(" (")[0]) for c in outcome["comparisons"]]
+    assert [s for s, _ in steps] == ["snapshot", "validate", "validate", "tokenize", "tokenize", "tokenize",
+                                     "training-manifest", "train"]
+    assert steps[-1] == ("train", "data order") and all(c["same"] for c in outcome["comparisons"])
+    weights = outcome["weights"]
+    assert weights["within"] and 0.0 <= weights["max_abs_diff"] <= DEFAULT_TOLERANCE and not weights["problem"]
+    assert weights["tensors"] > 0 and weights["values"] > 100_000
+    print(f"world size 2 against 1: largest |difference| {weights['max_abs_diff']:.3g} in {weights['tensor']}")
+    trained = json.loads((work / "derived" / "train" / "result.json").read_text())
+    assert trained["world_size"] == 2 and trained["step"] == PARAMS["max_steps"]
+    assert weights["derived_weights_sha256"] == trained["weights_sha256"]
+    assert sorted(p.name for p in (work / "derived" / "train" / "sample-log").iterdir()) == [
+        "rank-00000.jsonl", "rank-00001.jsonl"]
+
+    tags = _tags(client, on_stack)
+    assert tags["kiln.reproduction.verdict"] == "reproduced"
+    assert tags["kiln.reproduction.detail"].startswith("within tolerance at world size 2: ")
+    assert "bitwise" not in tags["kiln.reproduction.detail"]
+    assert (tags["kiln.reproduction.world_size"], tags["kiln.reproduction.weights_compared"]) == ("2", "tolerance")
+    assert float(tags["kiln.reproduction.max_abs_diff"]) == weights["max_abs_diff"]
+    assert float(tags["kiln.reproduction.tolerance"]) == DEFAULT_TOLERANCE
+    import mlflow
+
+    local = Path(mlflow.artifacts.download_artifacts(outcome["attestation_uri"], dst_path=str(tmp_path / "att")))
+    predicate = verify_attestation(local)["predicate"]
+    assert (predicate["worldSize"], predicate["recordedWorldSize"], predicate["weightsCompared"]) == (2, 1, "tolerance")
+    assert predicate["weights"] == weights and predicate["verdict"] == "reproduced"
+
+    # the comparison catches a weight perturbed past the bound: the registered folder against the re-derived one
+    registered = load_folder_weights(work / "version" / "artifacts" / "hf_model")
+    derived = load_folder_weights(work / "derived" / "train-export" / "hf_model")
+    name = "transformer.h.0.mlp.c_proj.weight"
+    derived[name] = derived[name].clone()
+    derived[name][2, 7] += 10 * DEFAULT_TOLERANCE
+    caught = compare_weights(registered, derived, tolerance=DEFAULT_TOLERANCE, world_size=2, recorded_world_size=1)
+    assert not caught.within and (caught.tensor, caught.index) == (name, (2, 7))
+    assert f"exceeds the bound {DEFAULT_TOLERANCE:g}, in {name}[2, 7]: registered " in str(caught)
+
+
+def test_a_world_size_the_global_batch_cannot_be_split_to_is_refused_before_anything_is_derived(
+        on_stack: Registered, client: Any, capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    before = _tags(client, on_stack)
+    code = kiln_main(["reproduce", f"{on_stack.model}/{on_stack.version}", "--policy", "sandbox", "--world-size", "3",
+                      "--workdir", str(tmp_path / "r")])
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert ("--world-size 3 cannot split the recorded global batch: data.global_batch_size = 16 does not divide by "
+            "world size x data.micro_batch_size = 3 x 8 = 24") in err
+    assert not (tmp_path / "r" / "derived").exists(), "nothing was derived"
+    assert _tags(client, on_stack) == before, "a request the recipe cannot serve says nothing about the version"
+
+
 def _drifted_code(into: Path) -> Path:
     """A copy of the installed kiln and kiln_trainer with one line added: other code than the recorded."""
     ignore = shutil.ignore_patterns("__pycache__")
@@ -201,7 +274,11 @@ def test_code_drift_is_refused_and_with_the_flag_goes_on_to_a_changed_contract(
     assert "refused: the installed code is not the recorded code" in refused.stderr
     assert "kiln and kiln_trainer: recorded code sha256 " in refused.stderr
     assert not (tmp_path / "a" / "derived").exists(), "nothing was re-derived"
-    assert _tags(client, on_stack)["kiln.reproduction.verdict"] == "refused"
+    tags = _tags(client, on_stack)
+    assert tags["kiln.reproduction.verdict"] == "refused"
+    # the tags are the latest verdict's: the bound and difference of the reproduction at 2 ranks are gone
+    assert tags["kiln.reproduction.world_size"] == "1" and tags["kiln.reproduction.weights_compared"] == "bitwise"
+    assert "kiln.reproduction.max_abs_diff" not in tags and "kiln.reproduction.tolerance" not in tags
 
     contract = next(d["name"] for d in on_stack.statement["predicate"]["buildDefinition"]["resolvedDependencies"]
                     if d["name"].startswith("contract:")).split(":", 1)[1]

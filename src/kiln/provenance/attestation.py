@@ -30,6 +30,10 @@ REPRODUCTION_PREDICATE_TYPE = "urn:kiln:reproduction:v1"
 REPRODUCER_POLICY = "sandbox"
 """Whose key signs an attestation: reproduction runs in sandbox capacity (it writes no production name)."""
 ATTESTATION_FILE = "reproduction.dsse.json"
+SIZE_TAGS = ("reproduction_world_size", "reproduction_weights_compared", "reproduction_tolerance",
+             "reproduction_max_abs_diff")
+"""``verdict_size_tags``' tags (names in ``kiln.registry.tags.TAGS``): removed from the version when a later
+verdict does not set them, so that the tags always describe the latest verdict."""
 
 
 def attestation_statement(outcome: Reproduction, envelope_sha256: str) -> dict[str, Any]:
@@ -43,20 +47,46 @@ def attestation_statement(outcome: Reproduction, envelope_sha256: str) -> dict[s
     weights = next((c for c in outcome.comparisons if c.step == "train" and c.input.startswith("weights")), None)
     if weights is not None:
         subject.append({"name": "weights", "digest": {"sha256": weights.derived}})
+    elif outcome.weights is not None and outcome.weights.derived_weights_sha256:
+        subject.append({"name": "weights", "digest": {"sha256": outcome.weights.derived_weights_sha256}})
     return {
         "_type": STATEMENT_TYPE, "subject": subject, "predicateType": REPRODUCTION_PREDICATE_TYPE,
         "predicate": {"verdict": outcome.verdict, "reason": outcome.reason, "verifiedFor": outcome.policy,
                       "comparisons": [c.to_json() for c in outcome.comparisons], "codeDrift": list(outcome.code_drift),
                       "notes": list(outcome.notes),
                       "reproducer": {"policy": REPRODUCER_POLICY, "kiln": __version__, "code_sha256": code_sha256()},
-                      "startedOn": outcome.started_on, "finishedOn": outcome.finished_on},
+                      "startedOn": outcome.started_on, "finishedOn": outcome.finished_on,
+                      # at another world size than the recorded one: the weights within a bound, not bitwise
+                      "worldSize": outcome.world_size, "recordedWorldSize": outcome.recorded_world_size,
+                      "weightsCompared": outcome.weights_compared, "tolerance": outcome.tolerance,
+                      "weights": None if outcome.weights is None else outcome.weights.to_json()},
     }
+
+
+def verdict_size_tags(outcome: Reproduction) -> dict[str, str]:
+    """The world size a verdict was reached at and, at another world size than the recorded one, how the
+    weights compared: ``kiln.reproduction.world_size``, ``.weights_compared`` (``bitwise`` or ``tolerance``),
+    ``.tolerance`` and ``.max_abs_diff`` (each only where the verdict has it)."""
+    from kiln.registry.tags import TAGS
+
+    tags = {}
+    if outcome.world_size:
+        tags[TAGS["reproduction_world_size"]] = str(outcome.world_size)
+    if outcome.recorded_world_size:
+        tags[TAGS["reproduction_weights_compared"]] = outcome.weights_compared
+    if outcome.tolerance is not None:
+        tags[TAGS["reproduction_tolerance"]] = repr(outcome.tolerance)
+    if outcome.weights is not None and not outcome.weights.problem:
+        tags[TAGS["reproduction_max_abs_diff"]] = repr(outcome.weights.max_abs_diff)
+    return tags
 
 
 def record_verdict(mv: ModelVersion, outcome: Reproduction, model_dir: Path, run_key: str) -> Reproduction:
     """Sign the verdict as an attestation (the reproducer's key), log it to the reproduction's MLflow run
     (sandbox experiment, ``run_key``) and tag the version with the verdict and the attestation's URI and
     sha256. Returns ``outcome`` with the attestation named."""
+    from mlflow.exceptions import MlflowException
+
     from kiln import tracking
     from kiln.policy import POLICIES
     from kiln.provenance.keys import signing_key
@@ -68,7 +98,7 @@ def record_verdict(mv: ModelVersion, outcome: Reproduction, model_dir: Path, run
     envelope_file = model_dir / PROVENANCE_FILE
     envelope_sha256 = hashlib.sha256(envelope_file.read_bytes()).hexdigest() if envelope_file.is_file() else ""
     tags = {TAGS["reproduction_verdict"]: outcome.verdict, TAGS["reproduction_at"]: outcome.finished_on,
-            TAGS["reproduction_detail"]: (outcome.reason or "every step gave the recorded digest")[:4000]}
+            TAGS["reproduction_detail"]: outcome.summary[:4000]} | verdict_size_tags(outcome)
     if envelope_sha256:  # an attestation needs a subject: a version without a statement gets the tags only
         envelope = canonical_json(dsse_envelope(statement_bytes(attestation_statement(outcome, envelope_sha256)),
                                                 signing_key(REPRODUCER_POLICY))) + b"\n"
@@ -90,10 +120,19 @@ def record_verdict(mv: ModelVersion, outcome: Reproduction, model_dir: Path, run
         outcome = dataclasses.replace(outcome, attestation_uri=uri, attestation_sha256=sha)
         tags |= {TAGS["reproduction_attestation"]: uri, TAGS["reproduction_attestation_sha256"]: sha}
 
+    # the tags hold the latest verdict: a world size or bound of an earlier one that this one has not goes
+    stale = [TAGS[name] for name in SIZE_TAGS if TAGS[name] not in tags and TAGS[name] in (mv.tags or {})]
+
     def tag() -> None:
         client = mlflow_io._client()
         for key, value in tags.items():
             client.set_model_version_tag(mv.name, str(mv.version), key, value)
+        for key in stale:
+            try:
+                client.delete_model_version_tag(mv.name, str(mv.version), key)
+            except MlflowException as exc:  # gone already (a retry, or another reproducer): that is the aim
+                if exc.error_code != "RESOURCE_DOES_NOT_EXIST":
+                    raise
 
     mlflow_io._with_retries(f"recording the reproduction verdict on {mv.name}/{mv.version}", tag)
     return outcome

@@ -26,6 +26,18 @@ In order, stopping at the first that does not hold:
 
    The first comparison that differs ends it, naming the step, the input and both digests.
 
+At another world size (``world_size=N``, not the recorded one) bitwise equality cannot hold: the gradient
+reduction sums in another order. Every step before training is the same and must still give the same
+digests (none of them depends on the world size); the global batch stays the recorded one, split another
+way (the recipe's ``data.global_batch_size`` must divide by ``N x data.micro_batch_size``, else
+``ConfigError`` naming both numbers, before anything is derived). ``train`` then checks the data order
+(every global batch the ranks read is the one the seed and the step give: ``SampleOrder``, the same at
+every world size) and, instead of the weights' sha256, the largest absolute difference between the
+re-derived weights and the registered version's, each side's Hugging Face folder (the registered one as
+it was uploaded, the re-derived checkpoint exported through the same ``write_model_folder``), against a
+bound (``tolerance``, default ``DEFAULT_TOLERANCE``): ``reproduced`` within it, ``differs`` beyond it,
+naming the tensor, the element and both values.
+
 The quarantine report and the training manifest name the files they list by absolute path. The
 re-derived ones name the work directory's; before hashing, those are written as the run's (the
 recorded snapshot path and token manifest location), so the digests compare content, not where it lay.
@@ -40,6 +52,7 @@ import dataclasses
 import datetime as dt
 import hashlib
 import json
+import math
 import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -48,10 +61,12 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from kiln.errors import ConfigError, ContractError, DataGateError, ProvenanceError, RegistryError, SnapshotError
 from kiln.runs import TRAINING_MANIFEST
-from kiln.util.fs import atomic_write_text, load_json
+from kiln.util.fs import atomic_write_text, load_json, parse_own_json
 
 if TYPE_CHECKING:
     from mlflow.entities.model_registry import ModelVersion
+
+    from kiln.refs import TrainResult
 
 Verdict = Literal["reproduced", "differs", "refused"]
 STEPS = ("snapshot", "validate", "tokenize", "training-manifest", "train")
@@ -61,6 +76,12 @@ OUTCOME_FILE = "reproduction.json"
 """The outcome (``Reproduction.to_json``) in the work directory."""
 REPORT_MAX_BYTES = 512 << 20
 """The largest quarantine report read back (every shard of a large snapshot, with its reasons)."""
+DEFAULT_TOLERANCE = 1e-4
+"""The default bound on the largest absolute weight difference at another world size than the recorded
+one. Measured (docs/provenance.md, "At another world size"): the tiny recipe re-derived at 1 and 2 ranks,
+ddp and fsdp, differs by at most ~1e-6 after 24 steps and ~1e-5 after 400; the bound leaves a margin of
+about 10x over the longest run measured. Longer or larger runs drift further apart (training amplifies a
+rounding difference): state the bound with ``tolerance`` for them."""
 
 
 # ------------------------------------------------------------------------------------------- values
@@ -89,6 +110,67 @@ class Comparison:
                 "same": self.same}
 
 
+@dataclass(frozen=True, kw_only=True, slots=True)
+class WeightsDifference:
+    """The re-derived weights against the registered version's, at another world size than the recorded one:
+    the largest absolute difference of any value, where it is, and the bound it is held to.
+
+    ``problem``: the two sets of tensors are not comparable (a tensor missing on one side, another shape or
+    dtype), in words; then the weights are not within any bound. ``index`` is the element's position in
+    ``tensor`` (empty when every value is the same); ``registered`` and ``derived`` are its two values and
+    ``tensor_max_abs`` the registered tensor's largest magnitude, for scale."""
+
+    world_size: int
+    recorded_world_size: int
+    tolerance: float
+    max_abs_diff: float = 0.0
+    tensor: str = ""
+    index: tuple[int, ...] = ()
+    registered: float = 0.0
+    derived: float = 0.0
+    tensor_max_abs: float = 0.0
+    tensors: int = 0
+    values: int = 0
+    problem: str = ""
+    derived_weights_sha256: str = ""
+    """The re-derived checkpoint's weights sha256 (what the attestation names as its subject)."""
+
+    @property
+    def within(self) -> bool:
+        return not self.problem and self.max_abs_diff <= self.tolerance
+
+    def _where(self) -> str:
+        return (f"{self.tensor}[{', '.join(map(str, self.index))}]: registered {self.registered:.9g}, re-derived "
+                f"{self.derived:.9g} (the tensor's largest magnitude {self.tensor_max_abs:.3g})")
+
+    def __str__(self) -> str:
+        head = f"train: weights at world size {self.world_size} (the version was trained at {self.recorded_world_size})"
+        if self.problem:
+            return f"{head} cannot be compared with the registered weights: {self.problem}"
+        if not self.tensor:
+            return (f"{head}: every one of {self.values} values in {self.tensors} tensors is the registered one "
+                    f"(largest absolute difference 0, bound {self.tolerance:g})")
+        if self.within:
+            return (f"{head}: largest absolute difference {self.max_abs_diff:.3g}, within the bound {self.tolerance:g} "
+                    f"({self.tensors} tensors, {self.values} values), in {self._where()}")
+        return (f"{head}: largest absolute difference {self.max_abs_diff:.3g} exceeds the bound {self.tolerance:g}, "
+                f"in {self._where()}")
+
+    def to_json(self) -> dict[str, Any]:
+        finite = math.isfinite(self.max_abs_diff)
+        return {"world_size": self.world_size, "recorded_world_size": self.recorded_world_size,
+                "tolerance": self.tolerance, "max_abs_diff": self.max_abs_diff if finite else str(self.max_abs_diff),
+                "tensor": self.tensor, "index": list(self.index), "registered": _json_float(self.registered),
+                "derived": _json_float(self.derived), "tensor_max_abs": _json_float(self.tensor_max_abs),
+                "tensors": self.tensors, "values": self.values, "problem": self.problem, "within": self.within,
+                "derived_weights_sha256": self.derived_weights_sha256}
+
+
+def _json_float(value: float) -> float | str:
+    """JSON has no NaN nor infinity: those are written as strings (``float()`` reads them back)."""
+    return value if math.isfinite(value) else str(value)
+
+
 @dataclass(frozen=True, slots=True)
 class Reproduction:
     """The outcome of reproducing ``model`` version ``version`` (a value: a difference is not a fault).
@@ -96,7 +178,11 @@ class Reproduction:
     ``reason``: why it was refused, or the first comparison that differs, in words ("" when reproduced).
     ``comparisons``: every digest compared, in order (the last one differs when the verdict is ``differs``).
     ``code_drift``: the recorded code against the installed one, one line each (empty: none).
-    ``notes``: what differs from the recorded run without stopping it (torch, Python, the DVC remote)."""
+    ``notes``: what differs from the recorded run without stopping it (torch, Python, the DVC remote).
+    ``world_size``: the world size it trains (or would train) at, ``recorded_world_size`` the version's (0:
+    refused before the statement was read). ``weights``: at another world size than the recorded one, the
+    largest weight difference against its bound (None: the weights' sha256 is compared, or training did not
+    run)."""
 
     model: str
     version: str
@@ -111,29 +197,62 @@ class Reproduction:
     finished_on: str = ""
     attestation_uri: str = ""
     attestation_sha256: str = ""
+    world_size: int = 0
+    recorded_world_size: int = 0
+    tolerance: float | None = None
+    """The bound on the largest weight difference (None: at the recorded world size, bitwise)."""
+    weights: WeightsDifference | None = None
 
     @property
     def stopped_at(self) -> Comparison | None:
         """The comparison that differs (None: none did)."""
         return next((c for c in self.comparisons if not c.same), None)
 
+    @property
+    def weights_compared(self) -> Literal["bitwise", "tolerance"]:
+        """How the weights are held to the registered ones: their sha256 (at the recorded world size) or the
+        largest absolute difference against ``tolerance`` (at another)."""
+        return "bitwise" if self.tolerance is None else "tolerance"
+
+    @property
+    def summary(self) -> str:
+        """The verdict's reason in one line (what the version's ``kiln.reproduction.detail`` tag says)."""
+        if self.reason:
+            return self.reason
+        if self.weights is not None:
+            return f"within tolerance at world size {self.world_size}: {self.weights}"
+        return "every step gave the recorded digest"
+
     def to_json(self) -> dict[str, Any]:
         return {"model": self.model, "version": self.version, "policy": self.policy, "verdict": self.verdict,
                 "reason": self.reason, "comparisons": [c.to_json() for c in self.comparisons],
                 "code_drift": list(self.code_drift), "notes": list(self.notes), "workdir": self.workdir,
                 "started_on": self.started_on, "finished_on": self.finished_on,
-                "attestation_uri": self.attestation_uri, "attestation_sha256": self.attestation_sha256}
+                "attestation_uri": self.attestation_uri, "attestation_sha256": self.attestation_sha256,
+                "world_size": self.world_size, "recorded_world_size": self.recorded_world_size,
+                "weights_compared": self.weights_compared, "tolerance": self.tolerance,
+                "weights": None if self.weights is None else self.weights.to_json()}
 
     def write(self, path: Path) -> None:
         atomic_write_text(path, json.dumps(self.to_json(), indent=2, sort_keys=True) + "\n")
 
     def in_words(self) -> list[str]:
-        head = {"reproduced": "reproduced: every step gave the recorded digest, the weights the same sha256",
-                "differs": f"does not reproduce: {self.reason}",
-                "refused": f"refused: {self.reason}"}[self.verdict]
+        if self.tolerance is None:
+            head = {"reproduced": "reproduced: every step gave the recorded digest, the weights the same sha256",
+                    "differs": f"does not reproduce: {self.reason}",
+                    "refused": f"refused: {self.reason}"}[self.verdict]
+        else:
+            at = f"at world size {self.world_size} (the version was trained at {self.recorded_world_size})"
+            head = {"reproduced": f"reproduced within tolerance {at}: every step before training gave the recorded "
+                                  "digest, every global batch the ranks read is the one the seed and the step give, "
+                                  f"and no weight differs from the registered one by more than {self.tolerance:g}",
+                    "differs": f"does not reproduce within tolerance {at}: {self.reason}",
+                    "refused": f"refused {at}: {self.reason}"}[self.verdict]
         lines = [f"{self.model} version {self.version} (policy {self.policy}): {head}"]
         lines += [f"  code drift: {line}" for line in self.code_drift]
         lines += [f"  {c}" for c in self.comparisons]
+        if self.weights is not None:
+            lines.append(f"  {self.weights}")
         lines += [f"  note: {line}" for line in self.notes]
         if self.workdir:
             lines.append(f"  re-derived in {self.workdir}")
@@ -293,6 +412,131 @@ def environment_notes(plan: ReproductionPlan) -> list[str]:
             for name, value in pairs if value != plan.environment[name]]
 
 
+# ------------------------------------------------------------------------------- at another world size
+
+
+def check_world_size(recipe: Mapping[str, Any], world_size: int) -> None:
+    """``ConfigError`` naming both numbers unless the recorded (resolved) ``recipe``'s global batch splits
+    into whole micro-batches on ``world_size`` ranks: the global batch stays the recorded one, only how it
+    is split changes (``accum_steps = global_batch_size / (world_size x micro_batch_size)``)."""
+    data = recipe.get("data") or {}
+    try:
+        global_batch, micro = int(data["global_batch_size"]), int(data["micro_batch_size"])
+    except (KeyError, TypeError, ValueError) as exc:
+        raise ProvenanceError(f"the recorded recipe's [data] has no usable batch sizes ({exc!r})") from exc
+    if world_size < 1:
+        raise ConfigError(f"--world-size {world_size}: must be >= 1")
+    share = world_size * micro
+    if global_batch % share:
+        raise ConfigError(
+            f"--world-size {world_size} cannot split the recorded global batch: data.global_batch_size = {global_batch} "
+            f"does not divide by world size x data.micro_batch_size = {world_size} x {micro} = {share} (the global "
+            "batch stays the recorded one and each rank must run a whole number of micro-batches per step; a world "
+            f"size N works where {global_batch} divides by N x {micro})")
+
+
+def load_folder_weights(folder: Path) -> dict[str, Any]:
+    """Every tensor of a Hugging Face model folder's safetensors files (``model.safetensors``, or the shards
+    of a larger model), by name; ``ProvenanceError`` when it holds none or two files name one tensor.
+    safetensors holds plain tensors: reading them runs no code."""
+    from safetensors.torch import load_file
+
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise ProvenanceError(f"{folder} holds no safetensors weights")
+    tensors: dict[str, Any] = {}
+    for path in files:
+        for name, tensor in load_file(str(path)).items():
+            if name in tensors:
+                raise ProvenanceError(f"{folder}: tensor {name!r} is in two safetensors files")
+            tensors[name] = tensor
+    return tensors
+
+
+def compare_weights(registered: Mapping[str, Any], derived: Mapping[str, Any], *, tolerance: float, world_size: int,
+                    recorded_world_size: int) -> WeightsDifference:
+    """The largest absolute difference between two sets of tensors of the same names (torch tensors), in
+    float64 whatever their dtype: where it is, both values, and whether it is within ``tolerance``. A
+    tensor on one side only, or of another shape or dtype, is a ``problem``; a NaN or infinity where the
+    other side has another value is an infinite difference."""
+    import torch
+
+    bound: dict[str, Any] = {"tolerance": tolerance, "world_size": world_size, "recorded_world_size": recorded_world_size}
+    missing, extra = sorted(set(registered) - set(derived)), sorted(set(derived) - set(registered))
+    if missing or extra:
+        return WeightsDifference(**bound, problem=f"tensors only in the registered weights: {missing[:5]}; only in "
+                                                  f"the re-derived: {extra[:5]}")
+    worst: WeightsDifference | None = None
+    values = 0
+    for name in sorted(registered):
+        a, b = registered[name].detach().to("cpu"), derived[name].detach().to("cpu")
+        if a.shape != b.shape or a.dtype != b.dtype:
+            return WeightsDifference(**bound, problem=f"{name} is {a.dtype} {list(a.shape)} registered, {b.dtype} "
+                                                      f"{list(b.shape)} re-derived")
+        values += a.numel()
+        if a.numel() == 0:
+            continue
+        x, y = a.double(), b.double()
+        diff = (x - y).abs()
+        same = (x == y) | (x.isnan() & y.isnan())
+        diff = torch.where(same, torch.zeros_like(diff), torch.nan_to_num(diff, nan=math.inf, posinf=math.inf))
+        flat = int(torch.argmax(diff.reshape(-1)))
+        largest = float(diff.reshape(-1)[flat])
+        if largest > 0 and (worst is None or largest > worst.max_abs_diff):
+            index = tuple(int(i) for i in torch.unravel_index(torch.tensor(flat), a.shape)) if a.dim() else ()
+            worst = WeightsDifference(**bound, max_abs_diff=largest, tensor=name, index=index,
+                                      registered=float(x.reshape(-1)[flat]), derived=float(y.reshape(-1)[flat]),
+                                      tensor_max_abs=float(torch.nan_to_num(x.abs(), nan=math.inf).max()))
+    if worst is None:
+        return WeightsDifference(**bound, tensors=len(registered), values=values)
+    return dataclasses.replace(worst, tensors=len(registered), values=values)
+
+
+def shard_samples(token_manifest: Path) -> list[int]:
+    """The samples of each packed shard a token manifest lists, in its order (the order ``SampleOrder`` numbers
+    samples in)."""
+    doc = load_json(token_manifest, "the re-derived token manifest", ProvenanceError)
+    try:
+        return [int(shard["samples"]) for shard in doc["shards"]]
+    except (KeyError, TypeError, ValueError) as exc:
+        raise ProvenanceError(f"{token_manifest}: its shards do not say how many samples they hold ({exc!r})") from exc
+
+
+def data_order(run_dir: Path, *, shard_samples: list[int], seed: int, window_shards: int, global_batch_size: int,
+               steps: int, world_size: int) -> tuple[Comparison, str]:
+    """The global batches the ranks of a run at ``world_size`` read (their sample logs, every rank's ids of a
+    step in rank order) against the ones the seed and the step give (``SampleOrder`` over the packed shards'
+    sample counts: what one rank reads, the same at every world size), as sha256s of the id lists; and
+    where they first differ, in words ("" when they do not)."""
+    from kiln_trainer.contract import SAMPLE_LOG_SUBDIR
+    from kiln_trainer.sample_order import SampleOrder
+
+    order = SampleOrder(shard_samples, seed=seed, window_shards=window_shards)
+    expected = [order.ids_range(step * global_batch_size, global_batch_size).tolist() for step in range(steps)]
+    what = (f"data order ({steps} global batches of {global_batch_size} sample ids, read by {world_size} ranks; "
+            f"recorded: the ids seed {seed} and the step give)")
+    by_step: dict[int, dict[int, list[int]]] = {}
+    for path in sorted((run_dir / SAMPLE_LOG_SUBDIR).glob("rank-*.jsonl")):
+        for line in path.read_text(encoding="utf-8").splitlines():
+            if line.strip():
+                entry = parse_own_json(line, str(path))
+                if int(entry["world_size"]) == world_size:  # a rank's last reading of a step counts
+                    by_step.setdefault(int(entry["step"]), {})[int(entry["rank"])] = [int(i) for i in entry["sample_ids"]]
+    recorded = _sha256_text(json.dumps(expected, separators=(",", ":")))
+    if not by_step:
+        return (Comparison("train", what, recorded, "none: the trainer logged no sample ids (KILN_SAMPLE_LOG=1)"),
+                "the data order at another world size could not be checked: the trainer wrote no sample log")
+    read, first = [], ""
+    for step in range(steps):
+        ranks = by_step.get(step, {})
+        batch = [i for rank in range(world_size) for i in ranks.get(rank, [])]
+        read.append(batch)
+        if not first and (sorted(ranks) != list(range(world_size)) or batch != expected[step]):
+            first = (f"the global batch of step {step + 1} was read by ranks {sorted(ranks)} as ids {batch[:8]}..., "
+                     f"seed {seed} and the step give {expected[step][:8]}...")
+    return Comparison("train", what, recorded, _sha256_text(json.dumps(read, separators=(",", ":")))), first
+
+
 # ------------------------------------------------------------------------------------------- helpers
 
 
@@ -372,9 +616,14 @@ def _now() -> str:
 
 
 def rederive(plan: ReproductionPlan, workdir: Path, *, run_key: str,
-             log: Callable[[str], None] = lambda _line: None) -> tuple[list[Comparison], list[str]]:
+             log: Callable[[str], None] = lambda _line: None, world_size: int | None = None,
+             tolerance: float = DEFAULT_TOLERANCE, registered_weights: Path | None = None,
+             ) -> tuple[list[Comparison], list[str], WeightsDifference | None]:
     """Re-derive ``plan`` step by step in ``workdir`` (fresh: nothing of the stack's caches is read) and
-    compare each digest, stopping at the first that differs. Returns the comparisons and notes."""
+    compare each digest, stopping at the first that differs. Returns the comparisons, the notes and, at a
+    ``world_size`` other than the recorded one, the weights' difference from ``registered_weights`` (the
+    registered version's Hugging Face folder) against ``tolerance`` (None when training did not run or the
+    weights' sha256 was compared)."""
     from kiln import settings as kiln_settings
     from kiln.data.contracts import load_contract
     from kiln.data.snapshot import _public_remote, restore_snapshot
@@ -408,7 +657,7 @@ def rederive(plan: ReproductionPlan, workdir: Path, *, run_key: str,
     except SnapshotError as exc:
         compare("snapshot", f"snapshot {plan.snapshot_id} from the DVC remote {remote}",
                 plan.snapshot_id, f"bytes that do not restore to it: {exc}")
-        return out, notes
+        return out, notes, None
     compare("snapshot", f"snapshot {plan.snapshot_id} from the DVC remote {remote}", plan.snapshot_id, plan.snapshot_id)
     moves = {str(root): plan.snapshot_path}
 
@@ -419,7 +668,7 @@ def rederive(plan: ReproductionPlan, workdir: Path, *, run_key: str,
     except ContractError as exc:
         contract, suite = None, f"none: {exc}"
     if not compare("validate", f"contract {plan.contract} (its suite's sha256)", plan.contract_suite_sha256, suite):
-        return out, notes
+        return out, notes, None
     assert contract is not None
     shards = [p.relative_to(root).as_posix() for p in train_shards(root)]
     signatures = workdir / "validation" / "signatures"
@@ -438,7 +687,7 @@ def rederive(plan: ReproductionPlan, workdir: Path, *, run_key: str,
                        max_bytes=REPORT_MAX_BYTES)
     derived = _sha256_text(quarantine_report_text(relocated(report, moves)))
     if not compare("validate", "quarantine report", plan.quarantine_report_sha256, derived) or gated is None:
-        return out, notes
+        return out, notes, None
 
     # tokenize: the recorded recipe written back (the same sha256, or nothing is derived from it), the
     # recipe's tokenizer built afresh, every shard packed
@@ -450,15 +699,15 @@ def rederive(plan: ReproductionPlan, workdir: Path, *, run_key: str,
         raise ProvenanceError(f"the signed statement's recipe does not resolve here: {exc}") from exc
     if plan.recipe_sha256:
         if not compare("tokenize", "resolved recipe", plan.recipe_sha256, recipe.sha256):
-            return out, notes
+            return out, notes, None
     else:
         notes.append("the artifact holds no signed checkpoint manifest: the recipe's sha256 was not compared")
     log(f"tokenize: {plan.tokenizer_kind} tokenizer, {len(gated.manifest.shards)} shard(s)")
     manifest, packed = pack_afresh(gated.manifest, recipe, recipe_path, workdir)
     if not compare("tokenize", f"tokenizer ({plan.tokenizer_kind})", plan.tokenizer_sha256, packed.tokenizer_sha256):
-        return out, notes
+        return out, notes, None
     if not compare("tokenize", "token manifest", plan.token_manifest_sha256, packed.token_manifest_sha256):
-        return out, notes
+        return out, notes, None
 
     # training-manifest: the one the trainer reads, in the run's paths
     manifest_path = workdir / TRAINING_MANIFEST
@@ -466,29 +715,56 @@ def rederive(plan: ReproductionPlan, workdir: Path, *, run_key: str,
     moves[packed.token_manifest] = plan.token_manifest_uri
     as_recorded = TrainingManifest.from_json(relocated(manifest.to_json(), moves)).content_hash()
     if not compare("training-manifest", "training manifest", plan.training_manifest_sha256, as_recorded):
-        return out, notes
+        return out, notes, None
 
-    # train: the recorded recipe, seed, world size and strategy with kiln's local launcher
-    weights = _train(plan, recipe, recipe_path, manifest_path, workdir / "train", run_key, log)
-    compare("train", f"weights ({plan.steps} steps, seed {plan.seed}, world size {plan.world_size}, {plan.strategy})",
-            plan.weights_sha256, weights)
-    return out, notes
+    # train: the recorded recipe, seed and strategy with kiln's local launcher, at the recorded world size
+    # (the weights' sha256) or at another (the data order, then the weights within a bound)
+    at = world_size or plan.world_size
+    if at == plan.world_size:
+        result = _train(plan, recipe, recipe_path, manifest_path, workdir / "train", run_key, log)
+        compare("train", f"weights ({plan.steps} steps, seed {plan.seed}, world size {plan.world_size}, {plan.strategy})",
+                plan.weights_sha256, result.weights_sha256)
+        return out, notes, None
+    if registered_weights is None:
+        raise ProvenanceError("a reproduction at another world size needs the registered version's weights folder")
+    from kiln_trainer.export import write_model_folder
+
+    result = _train(plan, recipe, recipe_path, manifest_path, workdir / "train", run_key, log, world_size=at)
+    order, first = data_order(workdir / "train", shard_samples=shard_samples(Path(packed.token_manifest)),
+                              seed=plan.seed, window_shards=recipe.data.window_shards,
+                              global_batch_size=recipe.data.global_batch_size, steps=plan.steps, world_size=at)
+    if first:
+        notes.append(first)
+    if not compare("train", order.input, order.recorded, order.derived):
+        return out, notes, None
+    # the re-derived checkpoint through the export registration ran (kiln's GPT as GPT-2's tensors, or the
+    # trainer's own export), so that both sides are the same tensors under the same names
+    exported = workdir / "train-export" / "hf_model"
+    log(f"train: exporting the re-derived checkpoint {result.checkpoint} to compare with the registered weights")
+    write_model_folder(result.checkpoint, exported)
+    weights = compare_weights(load_folder_weights(registered_weights), load_folder_weights(exported),
+                              tolerance=tolerance, world_size=at, recorded_world_size=plan.world_size)
+    weights = dataclasses.replace(weights, derived_weights_sha256=result.weights_sha256)
+    log(str(weights))
+    return out, notes, weights
 
 
 def _train(plan: ReproductionPlan, recipe: Any, recipe_path: Path, manifest: Path, run_dir: Path, run_key: str,
-           log: Callable[[str], None]) -> str:
-    """Train as recorded on this machine's local launcher (one torchrun agent per rank); the weights' sha256."""
+           log: Callable[[str], None], *, world_size: int | None = None) -> TrainResult:
+    """Train as recorded on this machine's local launcher (one torchrun agent per rank), at the recorded world
+    size or ``world_size``; at another one every rank logs the sample ids it read (the data order check)."""
     from kiln.launchers import LaunchSpec, launch_local
     from kiln_trainer.contract import MLFLOW_RUN_ID_ENV
+    from kiln_trainer.contract.entrypoint import SAMPLE_LOG_ENV
 
+    at = world_size or plan.world_size
     steps = None if plan.steps == recipe.train.steps else plan.steps
-    log(f"train: {plan.steps} steps at world size {plan.world_size} ({plan.strategy}) with the local launcher")
-    spec = LaunchSpec(run_dir=run_dir, manifest=manifest, recipe=recipe_path, run_key=run_key, nodes=plan.world_size,
-                      nproc_per_node=1, max_steps=steps,
-                      # no MLflow run to log into: the reproduction's record is its verdict and attestation
-                      env={MLFLOW_RUN_ID_ENV: ""})
-    result = launch_local(spec, log=log)
-    return result.weights_sha256
+    log(f"train: {plan.steps} steps at world size {at} ({plan.strategy}) with the local launcher")
+    # no MLflow run to log into: the reproduction's record is its verdict and attestation
+    env = {MLFLOW_RUN_ID_ENV: ""} | ({SAMPLE_LOG_ENV: "1"} if at != plan.world_size else {})
+    spec = LaunchSpec(run_dir=run_dir, manifest=manifest, recipe=recipe_path, run_key=run_key, nodes=at,
+                      nproc_per_node=1, max_steps=steps, env=env)
+    return launch_local(spec, log=log)
 
 
 # ------------------------------------------------------------------------------------------- the whole
@@ -496,16 +772,30 @@ def _train(plan: ReproductionPlan, recipe: Any, recipe_path: Path, manifest: Pat
 
 def reproduce(model: str, name: str, *, by: Literal["alias", "version"], policy: str,
               allow_code_drift: bool = False, workdir: Path | None = None, record: bool = True,
+              world_size: int | None = None, tolerance: float | None = None,
               log: Callable[[str], None] = lambda _line: None) -> Reproduction:
     """Reproduce ``model`` version ``name`` (``by="version"``) or the version holding alias ``name``,
     verifying it for ``policy`` first (module docstring). ``workdir``: where to re-derive (must not exist
     or be empty; default ``KILN_HOME/reproductions/<model>-v<version>-<time>``), kept for inspection.
-    ``record``: the verdict on the version (tags) and a signed attestation. ``RegistryError`` when the
-    registry cannot be read; a training that cannot run raises its ``LaunchError``."""
+    ``record``: the verdict on the version (tags) and a signed attestation. ``world_size``: train at that
+    many ranks (None: the recorded world size); at another than the recorded one the weights are held to
+    the registered ones within ``tolerance`` (default ``DEFAULT_TOLERANCE``) instead of by sha256.
+    ``ConfigError`` for a world size the recorded global batch cannot be split to, or a tolerance without
+    one; ``RegistryError`` when the registry cannot be read; a training that cannot run raises its
+    ``LaunchError``."""
     from kiln import settings as kiln_settings
     from kiln.registry import mlflow_io
+    from kiln.registry.export import HF_FOLDER
     from kiln.registry.verify import check_model_dir, download_model_dir
 
+    if world_size is not None and (isinstance(world_size, bool) or world_size < 1):
+        raise ConfigError(f"--world-size {world_size}: must be a whole number >= 1")
+    if tolerance is not None:
+        if world_size is None:
+            raise ConfigError("--tolerance bounds the weights' difference at another world size: give --world-size N "
+                              "(at the recorded world size the weights' sha256 is compared)")
+        if not math.isfinite(tolerance) or tolerance < 0:
+            raise ConfigError(f"--tolerance {tolerance}: must be a finite number >= 0")
     started = _now()
 
     def find() -> ModelVersion:
@@ -525,10 +815,11 @@ def reproduce(model: str, name: str, *, by: Literal["alias", "version"], policy:
         raise ConfigError(f"work directory {where} is not empty: a reproduction re-derives everything afresh")
     where.mkdir(parents=True, exist_ok=True)
     run_key = f"{REPRODUCE_DAG_ID}/{_safe(model)}-v{version}-{stamp}"
+    sizes: dict[str, Any] = {"world_size": world_size or 0}
 
     def done(verdict: Verdict, reason: str = "", **fields: Any) -> Reproduction:
         outcome = Reproduction(model=mv.name, version=version, policy=policy, verdict=verdict, reason=reason,
-                               workdir=str(where), started_on=started, finished_on=_now(), **fields)
+                               workdir=str(where), started_on=started, finished_on=_now(), **sizes, **fields)
         outcome.write(where / OUTCOME_FILE)  # before the registry is asked to record it: kept if that fails
         if record:
             from kiln.provenance.attestation import record_verdict
@@ -549,18 +840,38 @@ def reproduce(model: str, name: str, *, by: Literal["alias", "version"], policy:
         plan = plan_from_statement(verified.statement, model_dir)
     except ProvenanceError as exc:
         return done("refused", str(exc))
+    at = world_size or plan.world_size
+    other = at != plan.world_size
+    bound = (DEFAULT_TOLERANCE if tolerance is None else tolerance) if other else None
+    sizes = {"world_size": at, "recorded_world_size": plan.world_size, "tolerance": bound}
+    registered = model_dir / HF_FOLDER
+    pre_notes = []
+    if other:
+        check_world_size(plan.recipe, at)  # a request the recipe cannot serve: nothing derived, nothing recorded
+        if not any(registered.glob("*.safetensors")):
+            return done("refused", f"the version holds no registered weights to compare with at another world size "
+                                   f"({HF_FOLDER}/*.safetensors)")
+    elif world_size is not None:
+        pre_notes.append(f"world size {at} is the recorded one: the weights are compared bitwise (their sha256)"
+                         + (f", the tolerance {tolerance:g} is not used" if tolerance is not None else ""))
     drift = tuple(code_drift(plan))
     if drift and not allow_code_drift:
         return done("refused", "the installed code is not the recorded code (--allow-code-drift goes on and reports "
                                "it): " + "; ".join(drift), code_drift=drift)
     for line in drift:
         log(f"code drift (allowed): {line}")
-    comparisons, notes = rederive(plan, where / "derived", run_key=run_key, log=log)
-    notes = environment_notes(plan) + notes
+    comparisons, notes, weights = rederive(plan, where / "derived", run_key=run_key, log=log, world_size=at,
+                                           tolerance=bound if bound is not None else DEFAULT_TOLERANCE,
+                                           registered_weights=registered if other else None)
+    notes = environment_notes(plan) + pre_notes + notes
+    fields: dict[str, Any] = {"comparisons": tuple(comparisons), "code_drift": drift, "notes": tuple(notes),
+                              "weights": weights}
     first = next((c for c in comparisons if not c.same), None)
     if first is not None:
-        return done("differs", str(first), comparisons=tuple(comparisons), code_drift=drift, notes=tuple(notes))
-    return done("reproduced", comparisons=tuple(comparisons), code_drift=drift, notes=tuple(notes))
+        return done("differs", str(first), **fields)
+    if weights is not None and not weights.within:
+        return done("differs", str(weights), **fields)
+    return done("reproduced", **fields)
 
 
 def _safe(text: str) -> str:

@@ -84,6 +84,11 @@ TAGS = {
     "reproduction_at": "kiln.reproduction.at",
     "reproduction_attestation": "kiln.reproduction.attestation",
     "reproduction_attestation_sha256": "kiln.reproduction.attestation_sha256",
+    # the world size it trained at; at another than the recorded one, the bound and the largest weight difference
+    "reproduction_world_size": "kiln.reproduction.world_size",
+    "reproduction_weights_compared": "kiln.reproduction.weights_compared",
+    "reproduction_tolerance": "kiln.reproduction.tolerance",
+    "reproduction_max_abs_diff": "kiln.reproduction.max_abs_diff",
     "promotion_approval": "kiln.promotion.approval",
     "review": "kiln.review",
     "reviewer": "kiln.review.by",

@@ -1,6 +1,9 @@
 """kiln reproduce's pure parts: what a statement lacks is named, the recorded recipe written back as a
 file resolves to the same recipe, paths are moved only where they occur, the installed code against the
-recorded one, and the attestation verifies only with the reproducer's key.
+recorded one, and the attestation verifies only with the reproducer's key. At another world size: the
+world sizes the recorded global batch splits to, the weights compared through the export's mapping
+(a perturbed weight caught, named with both values), the data order against the one seed and step give,
+and the verdict in words, tags and attestation.
 
 The whole reproduction, against a real MLflow server and DVC remote: tests/integration/test_reproduce.py."""
 
@@ -13,17 +16,25 @@ from pathlib import Path
 import pytest
 from provenance_fixtures import H, inputs, make_artifact
 
-from kiln.errors import ProvenanceError
-from kiln.provenance.attestation import attestation_statement, verify_attestation
+from kiln.cli import main as kiln_main
+from kiln.errors import ConfigError, ProvenanceError
+from kiln.provenance.attestation import attestation_statement, verdict_size_tags, verify_attestation
 from kiln.provenance.keys import signing_key
 from kiln.provenance.reproduce import (
+    DEFAULT_TOLERANCE,
     Comparison,
     Reproduction,
+    WeightsDifference,
+    check_world_size,
     code_drift,
+    compare_weights,
+    data_order,
+    load_folder_weights,
     missing_records,
     plan_from_statement,
     recipe_toml,
     relocated,
+    reproduce,
 )
 from kiln.provenance.sign import dsse_envelope
 from kiln.provenance.statement import build_statement, code_sha256, statement_bytes
@@ -137,3 +148,190 @@ def test_the_outcome_in_words_names_the_step_and_both_digests():
     text = "\n".join(outcome.in_words())
     assert f"does not reproduce: train: weights differs: recorded {'a' * 64}, re-derived {'b' * 64}" in text
     assert "code drift: kiln: x" in text
+
+
+# ------------------------------------------------------------------------------- at another world size
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_a_world_size_that_splits_the_recorded_global_batch_is_accepted(world_size):
+    check_world_size(RECIPE, world_size)  # tiny: 16 samples per step, micro-batches of 8
+
+
+@pytest.mark.parametrize(("world_size", "share"), [(3, 24), (4, 32)])
+def test_a_world_size_that_does_not_split_the_global_batch_is_refused_naming_both_numbers(world_size, share):
+    with pytest.raises(ConfigError, match=rf"--world-size {world_size} cannot split the recorded global batch: "
+                                          rf"data.global_batch_size = 16 does not divide by world size x "
+                                          rf"data.micro_batch_size = {world_size} x 8 = {share}"):
+        check_world_size(RECIPE, world_size)
+
+
+def _gpt_folder(folder: Path, state: dict) -> Path:
+    """kiln's GPT state as a registered version's Hugging Face folder holds it (kiln_trainer.hf's mapping)."""
+    from safetensors.torch import save_file
+
+    from kiln_trainer.hf import gpt2_state_dict
+
+    folder.mkdir(parents=True)
+    save_file(gpt2_state_dict(state, RECIPE["model"]), str(folder / "model.safetensors"))
+    return folder
+
+
+def _gpt_state() -> dict:
+    import torch
+
+    from kiln_trainer.config import ModelConfig
+    from kiln_trainer.model import build_model
+
+    torch.manual_seed(0)
+    model = {k: v for k, v in RECIPE["model"].items() if k in {f.name for f in dataclasses.fields(ModelConfig)}}
+    return {k: v.detach().clone() for k, v in build_model(ModelConfig(**model)).state_dict().items()}
+
+
+def test_the_same_weights_through_the_export_differ_by_nothing(tmp_path):
+    state = _gpt_state()
+    same = compare_weights(load_folder_weights(_gpt_folder(tmp_path / "a", state)),
+                           load_folder_weights(_gpt_folder(tmp_path / "b", state)),
+                           tolerance=0.0, world_size=2, recorded_world_size=1)
+    assert same.within and same.max_abs_diff == 0.0 and same.tensor == ""
+    # every GPT-2 tensor of the folder (the zero biases of a bias-free GPT included), the tied head once
+    assert same.tensors == len(load_folder_weights(tmp_path / "a")) and same.values > 100_000
+    assert "every one of" in str(same) and "largest absolute difference 0" in str(same)
+
+
+def test_a_perturbed_weight_is_caught_and_named_with_both_values(tmp_path):
+    state = _gpt_state()
+    perturbed = {k: v.clone() for k, v in state.items()}
+    name = "transformer.h.1.mlp.c_fc.weight"  # a Linear weight: [out, in] here, transposed in the folder
+    before = float(perturbed[name][5, 3])
+    perturbed[name][5, 3] += 4 * DEFAULT_TOLERANCE
+    registered = load_folder_weights(_gpt_folder(tmp_path / "registered", state))
+    derived = load_folder_weights(_gpt_folder(tmp_path / "derived", perturbed))
+    caught = compare_weights(registered, derived, tolerance=DEFAULT_TOLERANCE, world_size=2, recorded_world_size=1)
+    assert not caught.within
+    assert (caught.tensor, caught.index) == (name, (3, 5))  # GPT-2's Conv1D holds it as [in, out]
+    assert caught.max_abs_diff == pytest.approx(4 * DEFAULT_TOLERANCE, rel=1e-3)
+    assert caught.registered == pytest.approx(before) and caught.derived == pytest.approx(before + 4 * DEFAULT_TOLERANCE)
+    text = str(caught)
+    assert text.startswith("train: weights at world size 2 (the version was trained at 1): largest absolute difference ")
+    assert f"exceeds the bound {DEFAULT_TOLERANCE:g}, in {name}[3, 5]: registered " in text and "re-derived " in text
+    # the same difference under a looser bound reproduces
+    loose = compare_weights(registered, derived, tolerance=1e-2, world_size=2, recorded_world_size=1)
+    assert loose.within and loose.tensor == name and "within the bound 0.01" in str(loose)
+
+
+def test_weights_that_cannot_be_compared_never_reproduce():
+    import torch
+
+    a = {"w": torch.zeros(2, 3), "b": torch.zeros(3)}
+    for derived, problem in (({"w": torch.zeros(2, 3)}, "tensors only in the registered weights: ['b']"),
+                             ({"w": torch.zeros(3, 2), "b": torch.zeros(3)}, "w is torch.float32 [2, 3] registered"),
+                             ({"w": torch.zeros(2, 3, dtype=torch.float64), "b": torch.zeros(3)}, "torch.float64")):
+        found = compare_weights(a, derived, tolerance=1.0, world_size=2, recorded_world_size=1)
+        assert not found.within and problem in found.problem and "cannot be compared" in str(found)
+
+
+def test_a_nan_where_the_registered_weight_is_a_number_is_an_infinite_difference():
+    import torch
+
+    nan = compare_weights({"w": torch.tensor([1.0, 2.0])}, {"w": torch.tensor([1.0, float("nan")])}, tolerance=1e6,
+                          world_size=2, recorded_world_size=1)
+    assert not nan.within and nan.max_abs_diff == float("inf") and nan.index == (1,)
+    # the record (and the attestation's canonical JSON) holds no NaN nor infinity: JSON has neither
+    assert json.loads(json.dumps(nan.to_json(), allow_nan=False))["max_abs_diff"] == "inf"
+    assert canonical_json(nan.to_json())
+    both = compare_weights({"w": torch.tensor([float("nan")])}, {"w": torch.tensor([float("nan")])}, tolerance=0.0,
+                           world_size=2, recorded_world_size=1)
+    assert both.within
+
+
+def _sample_logs(run_dir: Path, batches: list[list[int]], world_size: int) -> None:
+    logs = run_dir / "sample-log"
+    logs.mkdir(parents=True)
+    share = len(batches[0]) // world_size
+    for rank in range(world_size):
+        lines = [json.dumps({"step": step, "rank": rank, "world_size": world_size,
+                             "sample_ids": ids[rank * share:(rank + 1) * share]}) for step, ids in enumerate(batches)]
+        (logs / f"rank-{rank:05d}.jsonl").write_text("".join(line + "\n" for line in lines))
+
+
+def test_the_data_order_at_another_world_size_is_checked_against_the_one_seed_and_step_give(tmp_path):
+    from kiln_trainer.sample_order import SampleOrder
+
+    shards, seed, steps = [30, 25, 40], 1337, 9  # 144 samples read of 95: the batches cross an epoch
+    expected = [SampleOrder(shards, seed=seed).ids_range(s * 16, 16).tolist() for s in range(steps)]
+    order = {"shard_samples": shards, "seed": seed, "window_shards": 0, "global_batch_size": 16, "steps": steps,
+             "world_size": 2}
+    _sample_logs(tmp_path / "same", expected, 2)
+    same, where = data_order(tmp_path / "same", **order)
+    assert same.same and where == "" and same.step == "train" and same.input.startswith("data order (9 global batches")
+    swapped = [*expected[:4], expected[4][8:] + expected[4][:8], *expected[5:]]  # step 5's two halves swapped
+    _sample_logs(tmp_path / "swapped", swapped, 2)
+    differs, where = data_order(tmp_path / "swapped", **order)
+    assert not differs.same and differs.recorded == same.recorded
+    assert where.startswith("the global batch of step 5 was read by ranks [0, 1]")
+    nothing, where = data_order(tmp_path / "none", **order)
+    assert not nothing.same and nothing.derived.startswith("none: the trainer logged no sample ids")
+
+
+def _at_two(verdict, weights, reason=""):
+    return Reproduction(model="m", version="3", policy="sandbox", verdict=verdict, reason=reason,
+                        comparisons=(Comparison("snapshot", "snapshot x", "a", "a"),
+                                     Comparison("train", "data order (...)", "b", "b")),
+                        world_size=2, recorded_world_size=1, tolerance=weights.tolerance, weights=weights)
+
+
+def test_a_reproduction_within_tolerance_says_so_in_words_tags_and_attestation():
+    weights = WeightsDifference(world_size=2, recorded_world_size=1, tolerance=1e-4, max_abs_diff=2e-7,
+                                tensor="transformer.h.0.attn.c_attn.weight", index=(3, 4), registered=0.5,
+                                derived=0.5000002, tensor_max_abs=0.9, tensors=28, values=120640,
+                                derived_weights_sha256="f" * 64)
+    outcome = _at_two("reproduced", weights)
+    text = "\n".join(outcome.in_words())
+    assert "reproduced within tolerance at world size 2 (the version was trained at 1)" in text
+    assert "largest absolute difference 2e-07, within the bound 0.0001" in text and "bitwise" not in text
+    assert outcome.summary.startswith("within tolerance at world size 2: train: weights at world size 2")
+    assert verdict_size_tags(outcome) == {"kiln.reproduction.world_size": "2", "kiln.reproduction.weights_compared":
+                                          "tolerance", "kiln.reproduction.tolerance": "0.0001",
+                                          "kiln.reproduction.max_abs_diff": "2e-07"}
+    statement = attestation_statement(outcome, "d" * 64)
+    assert {"name": "weights", "digest": {"sha256": "f" * 64}} in statement["subject"]
+    predicate = statement["predicate"]
+    assert (predicate["worldSize"], predicate["recordedWorldSize"], predicate["weightsCompared"],
+            predicate["tolerance"]) == (2, 1, "tolerance", 1e-4)
+    assert predicate["weights"]["max_abs_diff"] == 2e-7 and predicate["weights"]["within"] is True
+    assert predicate["verdict"] == "reproduced" and predicate["comparisons"][1]["input"].startswith("data order")
+    assert json.loads(json.dumps(outcome.to_json()))["weights"]["tensor"] == "transformer.h.0.attn.c_attn.weight"
+
+
+def test_a_reproduction_beyond_tolerance_names_the_tensor_and_both_values():
+    weights = WeightsDifference(world_size=2, recorded_world_size=1, tolerance=1e-4, max_abs_diff=3e-3,
+                                tensor="lm_head.weight", index=(7, 1), registered=0.25, derived=0.253,
+                                tensor_max_abs=1.5, tensors=3, values=99)
+    outcome = _at_two("differs", weights, reason=str(weights))
+    text = "\n".join(outcome.in_words())
+    assert "does not reproduce within tolerance at world size 2 (the version was trained at 1)" in text
+    assert "largest absolute difference 0.003 exceeds the bound 0.0001, in lm_head.weight[7, 1]: registered 0.25, " \
+           "re-derived 0.253 (the tensor's largest magnitude 1.5)" in text
+
+
+def test_a_bitwise_reproduction_keeps_its_words_and_tags_no_bound():
+    outcome = Reproduction(model="m", version="3", policy="sandbox", verdict="reproduced", world_size=1,
+                           recorded_world_size=1)
+    assert outcome.in_words()[0].endswith("reproduced: every step gave the recorded digest, the weights the same sha256")
+    assert verdict_size_tags(outcome) == {"kiln.reproduction.world_size": "1",
+                                          "kiln.reproduction.weights_compared": "bitwise"}
+    predicate = attestation_statement(outcome, "d" * 64)["predicate"]
+    assert predicate["weightsCompared"] == "bitwise" and predicate["tolerance"] is None and predicate["weights"] is None
+
+
+def test_a_tolerance_without_another_world_size_is_refused_before_the_registry_is_asked(capsys):
+    with pytest.raises(ConfigError, match="--tolerance bounds the weights' difference at another world size"):
+        reproduce("m", "3", by="version", policy="sandbox", tolerance=1e-3)
+    assert kiln_main(["reproduce", "m/3", "--tolerance", "1e-3"]) == 2
+    assert "give --world-size N" in capsys.readouterr().err
+    for bad in (["--world-size", "0"], ["--world-size", "two"], ["--world-size", "2", "--tolerance", "nan"],
+                ["--world-size", "2", "--tolerance", "-1"]):
+        with pytest.raises(SystemExit) as exc:
+            kiln_main(["reproduce", "m/3", *bad])
+        assert exc.value.code == 2
