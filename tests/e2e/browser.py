@@ -216,6 +216,12 @@ def mlflow_open_artifact(browser: Browser, run_id: str, path: str) -> Any:
     (``dir/file``); returns the preview iframe for HTML artifacts."""
     browser.css(f"a[href*='/runs/{run_id}']").click()
     browser.css("[role=tab][id$='-trigger-artifacts']").click()
+    return mlflow_select_artifact(browser, path)
+
+
+def mlflow_select_artifact(browser: Browser, path: str) -> Any:
+    """On a run's Artifacts tab (the main document, not a preview frame): select ``path`` (``dir/file``)
+    in the artifact tree; returns the preview iframe for HTML artifacts."""
     *folders, name = path.split("/")
     for folder in folders:
         browser.css(f"[data-testid=artifact-tree-node][artifact-name='{folder}']").click()

@@ -5,7 +5,8 @@
 2. A production run is started through REST (pinned inputs, as its schedule would); the reviewer
    opens Required Actions, reads the approval request and clicks Approve on the run's HITL page; the
    run continues to promotion. Then the MLflow UI's model version page of the new champion shows the
-   lineage tags, and the source run's artifacts show the evaluation report.
+   lineage tags, and the source run's artifacts show the evaluation report and the version's
+   datasheet (made from its signed provenance statement).
 
 Every step leaves a screenshot in ``test-artifacts/browser/<test>/`` (printed; ignored by git);
 a failure leaves ``failure.png`` + ``failure.html`` there. State is confirmed through REST too: the
@@ -26,6 +27,7 @@ from .browser import (
     chromium_unavailable,
     fill,
     mlflow_open_artifact,
+    mlflow_select_artifact,
     mlflow_show_lineage,
 )
 
@@ -213,6 +215,14 @@ def test_production_approval_and_mlflow_lineage(stack, admin, login):
             b.css_with_text("h1", f"Evaluation report — {PRODUCTION.dag_id}/{run_id}")
             b.driver.switch_to.default_content()
             b.step("evaluation-report")
+
+            # --- and the datasheet made from the version's signed provenance statement, beside it
+            b.driver.switch_to.frame(mlflow_select_artifact(b, "datasheet/datasheet.html"))
+            b.css_with_text("h1", "Datasheet of")
+            b.page_text(run_id)  # the Airflow run that made it
+            b.page_text(PRODUCTION.contract)  # how the data was cleaned: the contract it was held to
+            b.driver.switch_to.default_content()
+            b.step("datasheet")
         assert admin.get_run(PRODUCTION.dag_id, run_id)["state"] == "success"
     finally:
         _end_if_running(admin, PRODUCTION.dag_id, run_id)
