@@ -104,11 +104,13 @@ def _recipe_tokenizer(manifest: TrainingManifest, cfg: TokenizerConfig, root: Pa
 
 
 def open_run_tokens(
-    ref: TokensRef, recipe: Recipe, *, run_dir: str | Path, rank: int, recipe_path: str | Path | None = None
+    ref: TokensRef, recipe: Recipe, *, run_dir: str | Path, rank: int, recipe_path: str | Path | None = None,
+    cache_name: str = "",
 ) -> RunTokens:
-    """The token shards ``ref`` names, checked against it and against the recipe (see the module docstring)."""
+    """The token shards ``ref`` names, checked against it and against the recipe (see the module docstring).
+    ``cache_name``: a mixture's source name, so each source's S3 cache has a folder of its own."""
     if ref.remote:
-        return _open_remote(ref, recipe, run_dir=Path(run_dir), rank=rank, recipe_path=recipe_path)
+        return _open_remote(ref, recipe, run_dir=Path(run_dir), rank=rank, recipe_path=recipe_path, cache_name=cache_name)
     manifest = load_token_manifest(ref.manifest)
     _check_named_sha256(manifest, ref)
     tokenizer = _shards_tokenizer(manifest, Path(manifest.path) / manifest.tokenizer_file, recipe.tokenizer)
@@ -116,14 +118,16 @@ def open_run_tokens(
     return RunTokens(PackedTokens(manifest, vocab_size=tokenizer.vocab_size), tokenizer)
 
 
-def _open_remote(ref: TokensRef, recipe: Recipe, *, run_dir: Path, rank: int, recipe_path: str | Path | None) -> RunTokens:
+def _open_remote(ref: TokensRef, recipe: Recipe, *, run_dir: Path, rank: int, recipe_path: str | Path | None,
+                 cache_name: str = "") -> RunTokens:
     from kiln_trainer.remote import S3ShardCache, cache_bytes_from_env, open_remote_tokens
 
     prefix = ref.manifest.removesuffix("/" + TOKEN_MANIFEST_NAME)
     cache_root = Path(os.environ.get(CACHE_DIR_ENV) or run_dir / TOKEN_CACHE_SUBDIR)
     remote = open_remote_tokens(
         prefix,
-        cache_dir=cache_root / f"rank-{rank:05d}",  # one cache per process: its accounting is in-process
+        # One cache per process and source: its accounting is in-process.
+        cache_dir=cache_root / (f"rank-{rank:05d}" + (f"-{cache_name}" if cache_name else "")),
         cache_bytes=cache_bytes_from_env(recipe.data.cache_bytes),
         expected_manifest_sha256=ref.sha256,
     )

@@ -27,6 +27,19 @@ State: ``{"consumed_samples", "seed", "global_batch_size", "num_samples", "windo
 world size continues the same global sequence; a state from other shards, seed, batch size or
 order is refused (``ResumeMismatchError``).
 
+Mixtures: given several ``LoaderSource`` (name, weight, ``PackedTokens``) instead of one
+``PackedTokens``, the loader draws each position through ``kiln_trainer.mixture.Mixture`` (seed,
+weights, the sources' shard sizes): ``draw(rank_positions(...))`` says which source and which of its
+samples each of this rank's positions is; each source's rows are read from its own ``PackedTokens``
+and put back in position order. The ids (``sample_ids``, the sample log) are the mixture's global
+ids (the sources' samples concatenated in declared order), the same at every world size. The state
+adds ``sources`` (name, weight and token manifest sha256 of each: part of the identity a resume
+checks; ``token_manifest_sha256`` is then ``mixture_tokens_sha256`` of them) and ``mixture``
+(``Mixture.state_dict``: per source the draws made and the epoch reached), and a resume checks it
+with ``Mixture.resume``. ``mixture_report`` and ``mixture_metrics`` give each source's draws,
+epoch and realized share. One source (one ``PackedTokens``, or one ``LoaderSource``) is the plain
+order above, unchanged.
+
 Prefetch: a background thread reads the next ``prefetch_steps`` steps into a bounded queue;
 ``state_dict`` counts only the steps handed out by ``next_step``. ``sample_log`` (a path) makes
 the loader append one JSON line per step with the global sample ids this rank read -- the record
@@ -38,17 +51,20 @@ from __future__ import annotations
 import json
 import queue
 import threading
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from kiln_trainer.errors import RecipeError, ResumeMismatchError
+from kiln_trainer.contract.training_manifest import metric_name, mixture_tokens_sha256
+from kiln_trainer.errors import BlockSizeMismatchError, RecipeError, ResumeMismatchError
+from kiln_trainer.mixture import QUOTA_DENOMINATOR, Mixture, MixtureSource
 from kiln_trainer.packed import PackedTokens
 from kiln_trainer.sample_order import SampleOrder
 
-__all__ = ["LOADER_STATE_KIND", "StepBatch", "TokenLoader", "rank_positions"]
+__all__ = ["LOADER_STATE_KIND", "LoaderSource", "StepBatch", "TokenLoader", "rank_positions"]
 
 LOADER_STATE_KIND = "kiln.LoaderState"
 _STATE_IDENTITY = ("seed", "global_batch_size", "num_samples", "window_shards", "token_manifest_sha256")
@@ -68,6 +84,17 @@ class StepBatch:
     """int64 ``[accum_steps * b]``: the global sample ids this rank read, micro-batch after micro-batch."""
     micro_batches: tuple[np.ndarray, ...]
     """``accum_steps`` int64 arrays ``[b, block_size+1]``."""
+    sources: np.ndarray | None = None
+    """A mixture's: int64 ``[accum_steps * b]``, the source (declared index) of each sample; None for one source."""
+
+
+@dataclass(frozen=True, slots=True)
+class LoaderSource:
+    """One source of a mixed loader: its name and weight in the mixture, and its packed tokens."""
+
+    name: str
+    weight: float
+    tokens: PackedTokens
 
 
 def rank_positions(consumed: int, *, global_batch_size: int, rank: int, world_size: int) -> np.ndarray:
@@ -93,11 +120,12 @@ def _check_geometry(global_batch_size: int, micro_batch_size: int, rank: int, wo
 
 
 class TokenLoader:
-    """Steps of one rank over ``PackedTokens`` in ``SampleOrder``; the state is a few integers."""
+    """Steps of one rank over ``PackedTokens`` in ``SampleOrder`` (or over a mixture of sources, each
+    in its own order, drawn by weight); the state is a few integers."""
 
     def __init__(
         self,
-        tokens: PackedTokens,
+        tokens: PackedTokens | Sequence[LoaderSource],
         *,
         global_batch_size: int,
         micro_batch_size: int,
@@ -111,12 +139,27 @@ class TokenLoader:
         self.accum_steps = _check_geometry(global_batch_size, micro_batch_size, rank, world_size)
         if prefetch_steps < 1:
             raise RecipeError(f"prefetch_steps = {prefetch_steps}: must be >= 1")
-        self.tokens = tokens
+        self.sources: tuple[LoaderSource, ...] = (
+            (LoaderSource("", 1.0, tokens),) if isinstance(tokens, PackedTokens) else tuple(tokens))
+        """Every source, in declared order (one nameless source for a plain ``PackedTokens``)."""
+        if not self.sources:
+            raise RecipeError("a loader needs packed tokens: no source given")
         self.global_batch_size = global_batch_size
         self.micro_batch_size = micro_batch_size
         self.rank = rank
         self.world_size = world_size
-        self.order = SampleOrder(tokens.shard_samples, seed=seed, window_shards=window_shards)
+        self.order = SampleOrder(self.sources[0].tokens.shard_samples, seed=seed, window_shards=window_shards)
+        """The plain order (one source); a mixture draws through ``mixture`` instead."""
+        self.mixture: Mixture | None = None
+        if len(self.sources) > 1:
+            first = self.sources[0]
+            for source in self.sources[1:]:
+                if source.tokens.sample_tokens != first.tokens.sample_tokens:
+                    raise BlockSizeMismatchError(
+                        f"source {source.name!r}'s samples are {source.tokens.sample_tokens} tokens, {first.name!r}'s "
+                        f"{first.tokens.sample_tokens}: a mixture's sources must be packed with one block size")
+            self.mixture = Mixture([MixtureSource(s.name, s.weight, s.tokens.shard_samples) for s in self.sources],
+                                   seed=seed, window_shards=window_shards)
         self.prefetch_steps = prefetch_steps
         self.sample_log = Path(sample_log) if sample_log is not None else None
         self.consumed_samples = 0
@@ -124,61 +167,152 @@ class TokenLoader:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
+    @property
+    def tokens(self) -> PackedTokens:
+        """The packed tokens of a one-source loader (a mixture has ``sources``)."""
+        if self.mixture is not None:
+            raise RecipeError("a mixture's loader reads several packed token sets: see its sources")
+        return self.sources[0].tokens
+
+    @property
+    def num_samples(self) -> int:
+        """Samples of every source together."""
+        return sum(s.tokens.num_samples for s in self.sources)
+
+    @property
+    def token_manifest_sha256(self) -> str:
+        """What names the packed tokens read: the token manifest's sha256, or for a mixture
+        ``mixture_tokens_sha256`` of every source's name, weight and token manifest sha256."""
+        if self.mixture is None:
+            return self.sources[0].tokens.manifest.sha256
+        return mixture_tokens_sha256([(s.name, s.weight, s.tokens.manifest.sha256) for s in self.sources])
+
     # ------------------------------------------------------------------ state
 
     def _identity(self) -> dict[str, Any]:
-        return {
+        identity: dict[str, Any] = {
             "seed": self.order.seed,
             "global_batch_size": self.global_batch_size,
-            "num_samples": self.order.num_samples,
+            "num_samples": self.order.num_samples if self.mixture is None else self.num_samples,
             "window_shards": self.order.window_shards,
-            "token_manifest_sha256": self.tokens.manifest.sha256,
+            "token_manifest_sha256": self.token_manifest_sha256,
         }
+        if self.mixture is not None:
+            identity["sources"] = [{"name": s.name, "weight": float(s.weight),
+                                    "token_manifest_sha256": s.tokens.manifest.sha256} for s in self.sources]
+        return identity
 
     def state_dict(self) -> dict[str, Any]:
-        return {"kind": LOADER_STATE_KIND, "format": 1, "consumed_samples": self.consumed_samples, **self._identity()}
+        state = {"kind": LOADER_STATE_KIND, "format": 1, "consumed_samples": self.consumed_samples, **self._identity()}
+        if self.mixture is not None:
+            state["mixture"] = self.mixture.state_dict(self.consumed_samples)
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if not isinstance(state, dict) or state.get("kind") != LOADER_STATE_KIND:
             raise ResumeMismatchError(f"loader state is not a {LOADER_STATE_KIND!r}: {state!r:.200}")
         mine = self._identity()
-        differs = [f"{k}: checkpoint {state.get(k)!r}, now {mine[k]!r}" for k in _STATE_IDENTITY if state.get(k) != mine[k]]
+        keys = _STATE_IDENTITY if self.mixture is None else (*_STATE_IDENTITY, "sources")
+        differs = [f"{k}: checkpoint {state.get(k)!r:.300}, now {mine[k]!r:.300}" for k in keys if state.get(k) != mine[k]]
         if differs:
             raise ResumeMismatchError("the checkpoint's data order cannot continue here: " + "; ".join(differs))
         consumed = state.get("consumed_samples")
         if not isinstance(consumed, int) or isinstance(consumed, bool) or consumed < 0:
             raise ResumeMismatchError(f"loader state consumed_samples = {consumed!r}: must be an int >= 0")
+        if self.mixture is not None:
+            mixed = self.mixture.resume(state.get("mixture") or {})  # a missing or malformed one is refused there
+            if mixed != consumed:
+                raise ResumeMismatchError(f"loader state consumed_samples = {consumed}, but its mixture state "
+                                          f"says {mixed}: the state was edited")
         self._stop_prefetch()
         self.consumed_samples = consumed
 
     @property
     def epoch(self) -> int:
-        return self.order.epoch_of(self.consumed_samples)
+        """The epoch of the next sample (a mixture's: within the source that sample is drawn from)."""
+        return self._epoch_at(self.consumed_samples)
+
+    def _epoch_at(self, position: int) -> int:
+        if self.mixture is None:
+            return self.order.epoch_of(position)
+        source, draw = self.mixture.split(np.array([position], dtype=np.int64))  # no permutation needed
+        return int(draw[0]) // self.mixture.num_samples[int(source[0])]
 
     @property
     def step(self) -> int:
         """Global batches consumed so far."""
         return self.consumed_samples // self.global_batch_size
 
+    # ------------------------------------------------------------------ what a mixture drew
+
+    def mixture_report(self, skipped_batches: Sequence[int] = ()) -> list[dict[str, Any]] | None:
+        """Per source of a mixture (None for one source), after ``consumed_samples``: ``name``,
+        ``weight`` (declared) and ``weight_share`` (its share of the weights, as drawn: quota / 2**24),
+        ``drawn`` (positions drawn from it, skipped batches included), ``epoch`` (of its next draw),
+        ``share`` (realized: ``drawn / consumed_samples``), ``trained_samples`` and ``tokens`` (the
+        predicted tokens of those samples, ``block_size`` each) without the global batches in
+        ``skipped_batches`` (the guard's), and ``token_manifest_sha256``."""
+        if self.mixture is None:
+            return None
+        mix, consumed, g = self.mixture, self.consumed_samples, self.global_batch_size
+        drawn = np.array(mix.drawn(consumed), dtype=np.int64)
+        skipped = np.zeros_like(drawn)
+        for batch in sorted({int(b) for b in skipped_batches}):
+            if (batch + 1) * g <= consumed:
+                skipped += np.array(mix.drawn((batch + 1) * g), dtype=np.int64) - np.array(mix.drawn(batch * g), dtype=np.int64)
+        block = self.sources[0].tokens.sample_tokens - 1
+        return [
+            {"name": s.name, "weight": float(s.weight), "weight_share": q / QUOTA_DENOMINATOR, "drawn": int(d),
+             "epoch": int(d) // n, "share": int(d) / consumed if consumed else 0.0, "trained_samples": int(d - k),
+             "tokens": int(d - k) * block, "token_manifest_sha256": s.tokens.manifest.sha256}
+            for s, q, n, d, k in zip(self.sources, mix.quotas, mix.num_samples, drawn, skipped, strict=True)
+        ]
+
+    def mixture_metrics(self) -> dict[str, float]:
+        """A mixture's per-source counts as metric series (empty for one source):
+        ``mixture_share_<name>`` (realized), ``mixture_drawn_<name>`` and ``mixture_epoch_<name>``, the
+        name in Prometheus' alphabet (``metric_name``)."""
+        report = self.mixture_report()
+        if report is None:
+            return {}
+        out: dict[str, float] = {}
+        for entry in report:
+            key = metric_name(entry["name"])
+            out |= {f"mixture_share_{key}": entry["share"], f"mixture_drawn_{key}": entry["drawn"],
+                    f"mixture_epoch_{key}": entry["epoch"]}
+        return out
+
     # ------------------------------------------------------------------ order
 
     def global_batch_ids(self, consumed_before: int | None = None) -> np.ndarray:
         """The G sample ids of the global batch that starts at ``consumed_before`` (default: the next)."""
         start = self.consumed_samples if consumed_before is None else consumed_before
+        if self.mixture is not None:
+            return self.mixture.draw_range(start, self.global_batch_size).global_ids
         return self.order.ids_range(start, self.global_batch_size)
 
     def _build(self, consumed: int) -> StepBatch:
         positions = rank_positions(consumed, global_batch_size=self.global_batch_size, rank=self.rank, world_size=self.world_size)
-        ids = self.order.ids(positions)
-        rows = self.tokens.read(ids)
+        sources = None
+        if self.mixture is None:
+            ids = self.order.ids(positions)
+            rows = self.tokens.read(ids)
+        else:
+            drawn = self.mixture.draw(positions)
+            ids, sources = drawn.global_ids, drawn.sources
+            rows = np.empty((positions.size, self.sources[0].tokens.sample_tokens), dtype=np.int64)
+            for j in np.unique(sources):
+                mine = np.flatnonzero(sources == j)  # ascending: each source's rows go back to their positions
+                rows[mine] = self.sources[int(j)].tokens.read(drawn.samples[mine])
         b = self.micro_batch_size
         micro = tuple(rows[m * b : (m + 1) * b] for m in range(self.accum_steps))
         return StepBatch(
             step=consumed // self.global_batch_size,
             consumed_before=consumed,
-            epoch=self.order.epoch_of(consumed),
+            epoch=self._epoch_at(consumed),
             sample_ids=ids,
             micro_batches=micro,
+            sources=sources,
         )
 
     # ------------------------------------------------------------------ stepping

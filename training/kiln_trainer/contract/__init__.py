@@ -39,7 +39,7 @@ import statistics
 import tempfile
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, Final, TypedDict
+from typing import Any, Final, NotRequired, TypedDict
 
 from kiln_trainer.errors import (
     STORAGE_ERRNOS,
@@ -342,6 +342,11 @@ class TrainResultRecord(TypedDict):
     events: list[dict[str, Any]]
     """Notable events, in order: ``{"kind": ROLLBACK_EVENT, ...}``, ``{"kind": WORLD_SIZE_CHANGE_EVENT, ...}``."""
     mlflow_run_id: str
+    mixture: NotRequired[list[dict[str, Any]]]
+    """A run of several sources only (a format-2 TrainingManifest): per source, in declared order, ``name``,
+    ``weight``, ``weight_share`` (its share of the weights), ``drawn`` (samples drawn from it, the guard's
+    skipped batches included), ``epoch`` (of its next draw), ``share`` (realized: drawn over all drawn),
+    ``trained_samples`` and ``tokens`` (without the skipped batches), ``token_manifest_sha256``."""
 
 
 # -- writing and hashing files ----------------------------------------------------------------------

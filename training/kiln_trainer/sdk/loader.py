@@ -1,7 +1,13 @@
 """A session's streaming loader: the packed tokens the TrainingManifest names (or rank 0 packs them),
 checked on every rank before step 1, read through ``TokenLoader`` -- global batches whose sample ids
 depend only on the seed, the shards and the step, never on the world size; each rank reads its
-contiguous ``1/W`` of each."""
+contiguous ``1/W`` of each.
+
+A manifest of several sources (format 2) opens each source's packed tokens, checked as one
+source's are and against what the manifest says of them (tokenizer, block size), and mixes them
+by weight (``TokenLoader`` over ``LoaderSource``s, ``kiln_trainer.mixture``). Its ``RunTokens`` is
+then the first source's: the tokenizer is every source's; the loader holds every source's tokens
+(``loader.sources``) and names the set (``loader.token_manifest_sha256``)."""
 
 from __future__ import annotations
 
@@ -12,9 +18,17 @@ from kiln_trainer.checkpoint_manifest import SAMPLE_LOG_SUBDIR
 from kiln_trainer.config import Recipe
 from kiln_trainer.data import RunTokens, open_run_tokens, pack_run_tokens
 from kiln_trainer.distributed import DistEnv, broadcast_object
-from kiln_trainer.errors import STORAGE_ERRNOS, StorageError, TrainerError, os_error_text
-from kiln_trainer.loader import TokenLoader
-from kiln_trainer.training_manifest import TokensRef, TrainingManifest
+from kiln_trainer.errors import (
+    STORAGE_ERRNOS,
+    BlockSizeMismatchError,
+    StorageError,
+    TokenizerMismatchError,
+    TrainerError,
+    os_error_text,
+)
+from kiln_trainer.loader import LoaderSource, TokenLoader
+from kiln_trainer.packed import PackedTokens
+from kiln_trainer.training_manifest import ManifestSource, TokensRef, TrainingManifest
 
 
 def open_loader(
@@ -23,11 +37,19 @@ def open_loader(
 ) -> tuple[RunTokens, TokenLoader]:
     """Every rank opens and checks the same packed tokens (rank 0 packs them first if the manifest
     names none), then reads only its part of each global batch."""
-    ref = manifest.tokens or _pack_on_rank0(manifest, recipe, env, run_dir=run_dir, recipe_path=recipe_path)
-    data = open_run_tokens(ref, recipe, run_dir=run_dir, rank=env.rank, recipe_path=recipe_path)
     log_path = run_dir / SAMPLE_LOG_SUBDIR / f"rank-{env.rank:05d}.jsonl" if sample_log else None
+    tokens: PackedTokens | list[LoaderSource]
+    if manifest.is_mixture:
+        opened = [_open_source(source, recipe, run_dir=run_dir, rank=env.rank, recipe_path=recipe_path)
+                  for source in manifest.data_sources]
+        data = opened[0]
+        tokens = [LoaderSource(s.name, s.weight, d.tokens) for s, d in zip(manifest.data_sources, opened, strict=True)]
+    else:
+        ref = manifest.tokens or _pack_on_rank0(manifest, recipe, env, run_dir=run_dir, recipe_path=recipe_path)
+        data = open_run_tokens(ref, recipe, run_dir=run_dir, rank=env.rank, recipe_path=recipe_path)
+        tokens = data.tokens
     loader = TokenLoader(
-        data.tokens,
+        tokens,
         global_batch_size=recipe.data.global_batch_size,
         micro_batch_size=recipe.data.micro_batch_size,
         rank=env.rank,
@@ -38,6 +60,24 @@ def open_loader(
         sample_log=log_path,
     )
     return data, loader
+
+
+def _open_source(source: ManifestSource, recipe: Recipe, *, run_dir: Path, rank: int, recipe_path: Path | None) -> RunTokens:
+    """One source of a mixture: its packed tokens, checked as one source's are (the named sha256, the
+    recipe's tokenizer and block size), and against the tokenizer and block size its entry names."""
+    ref = source.tokens
+    assert ref is not None, "a format-2 manifest names every source's tokens (the contract checks it)"
+    data = open_run_tokens(ref, recipe, run_dir=run_dir, rank=rank, recipe_path=recipe_path, cache_name=source.name)
+    packed = data.manifest
+    if packed.tokenizer["sha256"] != ref.tokenizer_sha256:
+        raise TokenizerMismatchError(
+            f"source {source.name!r}: its token manifest {ref.manifest} was packed with tokenizer sha256 "
+            f"{packed.tokenizer['sha256']}, but the training manifest says {ref.tokenizer_sha256}")
+    if packed.block_size != ref.block_size:
+        raise BlockSizeMismatchError(
+            f"source {source.name!r}: its token manifest {ref.manifest} has block size {packed.block_size}, but the "
+            f"training manifest says {ref.block_size}")
+    return data
 
 
 def _pack_on_rank0(

@@ -57,10 +57,12 @@ def open_metrics(run_dir: Path, recipe: Recipe, identity: CheckpointIdentity, *,
 def train_result(
     *, run_dir: Path, last_dir: Path, recipe: Recipe, identity: CheckpointIdentity, state: TrainState,
     world_size: int, tokens_per_s: float, checkpoint_blocking_s: float, mlflow_run_id: str,
+    mixture: list[dict[str, Any]] | None = None,
 ) -> TrainResultRecord:
-    """The ``kiln.TrainResult`` of this invocation, naming its newest committed checkpoint."""
+    """The ``kiln.TrainResult`` of this invocation, naming its newest committed checkpoint; with
+    ``mixture`` (``TokenLoader.mixture_report``: what each source gave) for a run of several sources."""
     ck_manifest = read_own_json(last_dir / MANIFEST_NAME)
-    return {
+    result: TrainResultRecord = {
         "kind": TRAIN_RESULT_KIND,
         "run_dir": str(run_dir),
         "checkpoint": str(last_dir.resolve()),
@@ -86,6 +88,9 @@ def train_result(
         "events": state.events,
         "mlflow_run_id": mlflow_run_id,
     }
+    if mixture is not None:
+        result["mixture"] = mixture
+    return result
 
 
 def write_result(run_dir: Path, result: TrainResultRecord | dict[str, Any]) -> Path:

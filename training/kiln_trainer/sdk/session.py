@@ -107,7 +107,7 @@ class Session:
             recipe_sha256=cfg.sha256,
             snapshot_id=self.manifest.snapshot_id,
             training_manifest_sha256=self.manifest.sha256,
-            token_manifest_sha256=self.data.manifest.sha256,
+            token_manifest_sha256=self.loader.token_manifest_sha256,  # one source's, or a mixture's set
             tokenizer=self.data.tokenizer,
         )
         """What every checkpoint of this session records besides the state itself."""
@@ -246,6 +246,10 @@ class Session:
     def log_plan(self) -> None:
         """One log line: where this rank runs, the data, the batch geometry, the steps ahead."""
         cfg, tokens = self.recipe, self.data.manifest
+        if self.loader.mixture is not None:
+            log.info("mixture of %d sources: %s", len(self.loader.sources), ", ".join(
+                f"{s.name} weight {s.weight:g} ({s.tokens.num_samples} samples, token manifest "
+                f"{s.tokens.manifest.sha256[:12]})" for s in self.loader.sources))
         log.info(
             "rank %d/%d device %s threads %d | %.2fM params | %d samples of %d tokens (%s tokenizer %s, token "
             "manifest %s) | global batch %d = %d ranks x %d micro x %d accum | recipe %s | steps %d -> %d",
@@ -254,11 +258,11 @@ class Session:
             self.env.device,
             self.threads,
             sum(p.numel() for p in self.model.parameters()) / 1e6,
-            tokens.samples,
+            self.loader.num_samples,
             tokens.sample_tokens,
             self.data.tokenizer.kind,
             self.data.tokenizer.sha256[:12],
-            tokens.sha256[:12],
+            self.loader.token_manifest_sha256[:12],
             cfg.data.global_batch_size,
             self.env.world_size,
             cfg.data.micro_batch_size,
@@ -392,6 +396,7 @@ class Session:
                 run_dir=self.run_dir, last_dir=last_dir, recipe=self.recipe, identity=self.identity, state=st,
                 world_size=self.env.world_size, tokens_per_s=tokens_per_s,
                 checkpoint_blocking_s=self.checkpoints.blocking_s, mlflow_run_id=self.mlflow_run_id,
+                mixture=self.loader.mixture_report(st.skipped_batches),
             )
             self.metrics.drain()  # metrics.prom is written off the loop's thread; result.json comes last
             path = write_result(self.run_dir, result)

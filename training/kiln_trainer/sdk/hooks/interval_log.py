@@ -81,6 +81,7 @@ class IntervalLog(StepHook):
             "checkpoint_lag_steps": step - (committed or 0),
             "world_size": session.world_size,
             "train_tokens": session.state.train_tokens,
+            **session.loader.mixture_metrics(),  # a mixture's per-source draws, epochs and realized shares
         }
         if self.peak:
             record["mfu"] = mfu(self.flops_per_token, tokens_per_s, self.peak, session.world_size)
