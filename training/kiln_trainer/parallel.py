@@ -20,11 +20,13 @@ place, and the optimizer has to hold those.
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Iterable
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
 
 from kiln_trainer.config import Recipe
 from kiln_trainer.distributed import DistEnv
@@ -109,6 +111,41 @@ def _timed_collectives(wait: CollectiveWait) -> tuple[Any, Any]:
                 wait.add(time.perf_counter() - started)
 
     return TimedAllGather(), TimedReduceScatter()
+
+
+class TimedBufferSyncDDP(DistributedDataParallel):
+    """``DistributedDataParallel`` whose buffer broadcast adds the seconds it took to ``wait``.
+
+    DDP broadcasts rank 0's buffers (a norm layer's running statistics, a rotary embedding's
+    frequencies: every ``register_buffer``) at the start of the forward of each step that will
+    all-reduce its gradients (``_sync_buffers``). On the CPU (gloo) the broadcast returns only once
+    every rank joined it, so a rank waiting there for a slow peer is blocked, not computing; untimed,
+    that wait counted as compute, every rank's window held the slowest rank's time, and no straggler
+    was flagged under ddp for a model with buffers. Timed, it is blocked (``StepMarks.collective_s``),
+    as FSDP2's all-gathers and reduce-scatters are. The broadcast itself is DDP's, unchanged (the same
+    bits). The gradient all-reduce needs nothing of this: its wait lies after the last bucket's
+    ready mark (``GradReadyMark``), which ``StepMarks`` counts as blocked already.
+
+    ``wait=None``: DDP as it is (on CUDA the broadcast is queued on the stream and returns at once;
+    the strategy times nothing there). ``_sync_buffers`` is DDP's own method: a torch that renamed it
+    would leave the broadcast untimed, which test_straggler_ddp_buffers catches."""
+
+    _kiln_wait: CollectiveWait | None = None
+
+    def __init__(self, module: torch.nn.Module, *args: Any, wait: CollectiveWait | None = None, **kwargs: Any) -> None:
+        super().__init__(module, *args, **kwargs)
+        self._kiln_wait = wait
+
+    def _sync_buffers(self) -> None:
+        wait = self._kiln_wait
+        if wait is None:
+            super()._sync_buffers()
+            return
+        started = time.perf_counter()
+        try:
+            super()._sync_buffers()
+        finally:
+            wait.add(time.perf_counter() - started)
 
 
 def training_autocast(recipe: Recipe, device: torch.device) -> contextlib.AbstractContextManager[Any]:

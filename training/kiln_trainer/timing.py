@@ -50,7 +50,8 @@ class StepMarks:
 
     compute = wall - blocked; blocked in collectives = (reduced - ready) + ``collective_s``: after
     the last bucket is handed to the all-reduce a rank only waits for its peers and the transfer, and
-    under fsdp a rank also waits for them inside every all-gather and reduce-scatter of the step."""
+    under fsdp a rank also waits for them inside every all-gather and reduce-scatter of the step,
+    under ddp inside the broadcast of the model's buffers at the forward (if it has any)."""
 
     start: Any
     ready: Any
@@ -65,11 +66,12 @@ class StepMarks:
 
 
 class CollectiveWait:
-    """Seconds this rank spent inside FSDP2's all-gathers and reduce-scatters since ``reset`` (the
-    step's start). On the CPU (gloo) each call returns only once every rank has joined it, so a
-    rank that waits there for a slow peer is blocked, not computing; without this, every rank's
-    compute time held the slowest rank's and no straggler stood out. (On CUDA the calls are queued
-    on their own stream and return at once: ``parallel.shard_model`` does not time them there.)"""
+    """Seconds this rank spent inside FSDP2's all-gathers and reduce-scatters, or DDP's broadcast of
+    the model's buffers, since ``reset`` (the step's start). On the CPU (gloo) each call returns only
+    once every rank has joined it, so a rank that waits there for a slow peer is blocked, not
+    computing; without this, every rank's compute time held the slowest rank's and no straggler
+    stood out. (On CUDA the calls are queued on their own stream and return at once:
+    ``parallel.shard_model`` and ``parallel.TimedBufferSyncDDP`` do not time them there.)"""
 
     def __init__(self) -> None:
         self.seconds = 0.0

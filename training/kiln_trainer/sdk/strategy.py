@@ -3,10 +3,12 @@ micro-batches reach it.
 
 ``ddp``: the model (compiled when ``train.compile``) inside ``DistributedDataParallel`` across ranks,
 whose gradient all-reduce runs as a comm hook that marks when the last bucket was ready (the
-straggler window's compute time). ``fsdp``: FSDP2 in place (``kiln_trainer.parallel.shard_model``:
-each of ``blocks``, then the root), its all-gathers and reduce-scatters timed on the CPU (the time a
-rank waits there for its peers is blocked, not compute); the caller builds the optimizer after
-this, over the sharded parameters. Any ``torch.nn.Module`` works: the strategy never looks inside the model except at the
+straggler window's compute time), and whose broadcast of a model's buffers at the forward is timed
+on the CPU (``parallel.TimedBufferSyncDDP``: a rank waiting there for a slow peer is blocked).
+``fsdp``: FSDP2 in place (``kiln_trainer.parallel.shard_model``: each of ``blocks``, then the
+root), its all-gathers and reduce-scatters timed on the CPU (the time a rank waits there for its
+peers is blocked, not compute); the caller builds the optimizer after this, over the sharded
+parameters. Any ``torch.nn.Module`` works: the strategy never looks inside the model except at the
 ``blocks`` it is handed.
 """
 
@@ -26,7 +28,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from kiln_trainer.config import Recipe
 from kiln_trainer.distributed import DistEnv
 from kiln_trainer.loader import StepBatch
-from kiln_trainer.parallel import shard_model, training_autocast, uses_fsdp
+from kiln_trainer.parallel import TimedBufferSyncDDP, shard_model, training_autocast, uses_fsdp
 from kiln_trainer.timing import CollectiveWait, GradReadyMark, StepClock
 
 log = logging.getLogger(__name__)
@@ -45,7 +47,8 @@ class Strategy:
         self.accum_steps = recipe.data.accum_steps(env.world_size)
         self.grad_ready = GradReadyMark(clock)
         self.collective_wait = CollectiveWait()
-        """Seconds in fsdp's all-gathers and reduce-scatters this step (on the CPU; the session resets it)."""
+        """Seconds in fsdp's all-gathers and reduce-scatters, or ddp's buffer broadcast, this step (on
+        the CPU; the session resets it)."""
         self.ddp: DDP | None = None
         self.train_model: torch.nn.Module = model
         """What the loop calls: the model, or DDP around it (compiled under ddp when asked)."""
@@ -60,7 +63,8 @@ class Strategy:
             ddp_kwargs: dict[str, Any] = {}
             if env.device.type == "cuda":
                 ddp_kwargs["device_ids"] = [env.local_rank]
-            self.ddp = DDP(self.train_model, **ddp_kwargs)
+            wait = self.collective_wait if env.device.type == "cpu" else None
+            self.ddp = TimedBufferSyncDDP(self.train_model, wait=wait, **ddp_kwargs)
             self.ddp.register_comm_hook(state=None, hook=self.grad_ready.hook)
             self.train_model = self.ddp
 
