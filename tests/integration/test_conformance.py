@@ -2,12 +2,15 @@
 trainer that breaks a guarantee. (The worked example's trainer passes it in test_hf_trainer.py.)
 
 One run of the command on the ``tiny`` recipe (kiln's GPT under ddp, 6 steps, a checkpoint every 2)
-makes the kit's five runs: the uninterrupted reference on 2 one-rank nodes (rank 1 slowed), shared
-by (a), (b) and (c); a SIGKILL of node 0's worker during the save of step 4 and torchrun's restart
-(a); the reference's step-2 checkpoint resumed on 1 rank (b); an edited manifest (d). Each test
-below reads one guarantee's verdict from the report the command wrote. Cost on 2 shared cores
-(niced, 2026-12-07): the command 23-26 s (the reference alone, about 9 s, then the other three runs
-side by side), the broken trainer's check 2-3 s: about 25 s for this file.
+makes the kit's runs: the uninterrupted reference on 2 one-rank nodes (rank 1 slowed), shared by
+(a), (b), (c) and (e); a SIGKILL of node 0's worker during the save of step 4 and torchrun's restart
+(a); the reference's step-2 checkpoint resumed on 1 rank (b); an edited manifest (d); an elastic
+2-node run whose node 0 (agent and worker) is SIGKILLed after the step-2 commit and which goes on
+on node 1 (e). Each test below reads one guarantee's verdict from the report the command wrote.
+Cost on 2 shared cores (niced, 2026-12-07): quiet, before (e), the command 23-26 s (the reference
+alone, about 9 s, then the other runs side by side), the broken trainer's check 2-3 s; (e) adds
+about 26 s of CPU and, its run waiting 16 s for torch's rendezvous to drop the dead node, about
+10 s of wall (estimated; measured at load 6-14: 121-124 s -> 135-142 s, docs/trainer-contract.md).
 """
 
 from __future__ import annotations

@@ -15,9 +15,10 @@ folder into a site directory (``pip install --target``: the package and its ``.d
 reaches kiln's command, its launcher and every rank on ``PYTHONPATH`` (as
 ``test_user_trainer.py``'s package does). One reference training, and one evaluation of its last
 checkpoint, are shared by the checks; the kit makes its own runs (one reference shared by its
-checks). Cost on 2 shared cores (niced, 2026-12-07): the kit 33 s (its reference alone, then its
-other three runs side by side), in place of the SIGKILL test it replaced (25 s the same hour): about
-8 s more for this file.
+checks). Cost on 2 shared cores (niced, 2026-12-07): the kit 33 s quiet before (e) (its reference
+alone, then its other runs side by side), in place of the SIGKILL test it replaced (25 s the same
+hour); (e)'s node-loss run adds about 26 s of CPU (measured at load 6-14, the kit 178-194 s ->
+215-234 s there; docs/trainer-contract.md).
 """
 
 from __future__ import annotations

@@ -25,9 +25,9 @@ Runs, each in its folder under the work dir: ``reference`` (uninterrupted, 2 one
 last rank slowed for (c): sleeping changes no weight, so it is also the reference of (a), (b) and
 (e)), ``kill-mid-save`` (a), ``world-size-1`` (b: a copy of the reference's first checkpoint,
 resumed on one rank), ``bad-manifest`` (d) and ``node-loss`` (e: the elastic launch of kiln's local
-launcher, ``min_nodes`` one fewer than the nodes, no spare node). The kit sets ``train.steps``, ``checkpoint.*`` and
-``stragglers.*`` itself; ``--set`` shrinks the rest (a smaller model, a shorter BPE training) and
-must leave those alone. A trainer on kiln's SDK honours the switches the kit uses (the sample log,
+launcher, ``min_nodes`` one fewer than the nodes, no spare node). The kit sets ``train.steps``,
+``checkpoint.*`` and ``stragglers.*`` itself; ``--set`` shrinks the rest (a smaller model, a shorter
+BPE training) and must leave those alone. A trainer on kiln's SDK honours the switches the kit uses (the sample log,
 the save delay, the slow rank); a trainer of its own must honour them too (the contract names them).
 
 Exit 0 when the trainer keeps every guarantee asked for, 1 naming each one it broke and why, 2 for
@@ -205,8 +205,9 @@ def run_kit(kit: KitSpec, *, log: Callable[[str], None] = print) -> KitReport:
     run for a bad input.
 
     The reference runs alone (its straggler windows time the ranks); the runs of (a), (b), (d) and
-    (e) then run side by side: none of them is timed, and each checks bits or states that do not depend
-    on the machine's load (one thread a rank), so they share the cores rather than wait in turn."""
+    (e) then run side by side: none of them is timed, and each checks bits or states that do not
+    depend on the machine's load (one thread a rank), so they share the cores rather than wait in
+    turn ((e)'s run spends 16 s waiting for torch's rendezvous to drop the lost node)."""
     started = time.monotonic()
     trainer = check_inputs(kit)
     kit.work_dir.mkdir(parents=True, exist_ok=True)
