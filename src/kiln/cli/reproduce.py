@@ -6,7 +6,7 @@
     kiln reproduce kiln-stdlib-lm.candidates/7 --policy sandbox
     kiln reproduce kiln-stdlib-lm/3 --allow-code-drift             # report the code drift and go on
     kiln reproduce kiln-stdlib-lm/3 --workdir /scratch/r3 --json
-    kiln reproduce kiln-stdlib-lm/3 --world-size 2 [--tolerance 1e-4]   # at another world size: within a bound
+    kiln reproduce kiln-stdlib-lm/3 --world-size 2 [--tolerance 1e-2]   # at another world size: within a bound
 
 First verifies the version for the policy (as ``kiln verify``) and refuses one that does not verify;
 then, from the signed statement alone plus the DVC remote, restores the snapshot, validates it against
