@@ -19,8 +19,6 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from kiln.errors import RegistryError
-
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
@@ -50,13 +48,7 @@ def handler(args: argparse.Namespace) -> int:
     policy = verifying_policy(model, args.policy).name
 
     def attempt() -> tuple[Any, VerifiedVersion]:
-        client = mlflow_io._client()
-        if kind == "alias":
-            mv = mlflow_io._version_by_alias(client, model, name)
-            if mv is None:
-                raise RegistryError(f"{model} has no version with alias {name!r}")
-        else:
-            mv = client.get_model_version(model, name)
+        mv = mlflow_io.version_by_ref(mlflow_io._client(), model, kind, name)
         return mv, check_version(mv, policy).require_verified()
 
     mv, verified = mlflow_io._with_retries(f"verifying {args.ref}", attempt)

@@ -26,7 +26,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from kiln.errors import ConfigError, RegistryError
+from kiln.errors import ConfigError
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -80,12 +80,7 @@ def handler(args: argparse.Namespace) -> int:
 
         def attempt() -> tuple[Any, VerifiedVersion]:
             client = mlflow_io._client()
-            if kind == "alias":
-                mv = mlflow_io._version_by_alias(client, model, name)
-                if mv is None:
-                    raise RegistryError(f"{model} has no version with alias {name!r}")
-            else:
-                mv = client.get_model_version(model, name)
+            mv = mlflow_io.version_by_ref(client, model, kind, name)
             return mv, verify_version(client, mv, policy)
 
         mv, version = mlflow_io._with_retries(f"verifying {args.ref}", attempt)

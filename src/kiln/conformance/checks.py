@@ -261,6 +261,24 @@ def max_weight_difference(checkpoint: Path, reference: Path) -> float:
 # -- the verdicts ----------------------------------------------------------------------------------
 
 
+def _final_difference(result: dict[str, Any], ref_result: dict[str, Any], *, weights_atol: float, loss_rtol: float,
+                      facts: dict[str, Any], after: str) -> str | None:
+    """Compare a run's final weights and loss with the uninterrupted reference's (recorded in ``facts``):
+    None when both are within the tolerances, else why not (``after``: what happened to the run)."""
+    try:
+        worst = max_weight_difference(Path(result["checkpoint"]), Path(ref_result["checkpoint"]))
+        loss, ref_loss = float(result["metrics"]["final_loss"]), float(ref_result["metrics"]["final_loss"])
+    except (CheckpointError, ValueError, KeyError, TypeError, OSError) as exc:
+        return f"cannot compare the final weights and loss: {type(exc).__name__}: {exc}"
+    facts.update(max_weight_difference=worst, final_loss=loss, reference_final_loss=ref_loss)
+    if not worst <= weights_atol:
+        return (f"{after} a final weight differs by {worst:.3g} from the uninterrupted run's, more than the tolerance "
+                f"{weights_atol:g}")
+    if not (math.isfinite(loss) and abs(loss - ref_loss) <= loss_rtol * abs(ref_loss)):
+        return f"the final loss {loss!r} differs from the uninterrupted run's {ref_loss!r} by more than {loss_rtol:g} of it"
+    return None
+
+
 def judge_kill_resume(reference: RunOutcome, killed: RunOutcome, kill: KillRecord) -> Check:
     """(a): the kill landed while the save was in flight, the group restarted from the newest
     committed checkpoint, every committed checkpoint verifies, and the weights are bitwise the
@@ -342,21 +360,14 @@ def judge_world_size_resume(
     if not changes or changes[-1].get("from_world_size") != from_world or changes[-1].get("at_step") != at_step:
         return fail(f"no {WORLD_SIZE_CHANGE_EVENT} event ({from_world} -> {to_world} ranks at step {at_step}) in "
                     f"{METRICS_JSONL}: a resume at another world size must be recorded")
-    try:
-        worst = max_weight_difference(Path(result["checkpoint"]), Path(ref_result["checkpoint"]))
-        loss, ref_loss = float(result["metrics"]["final_loss"]), float(ref_result["metrics"]["final_loss"])
-    except (CheckpointError, ValueError, KeyError, TypeError, OSError) as exc:
-        return fail(f"cannot compare the final weights and loss: {type(exc).__name__}: {exc}")
-    facts.update(max_weight_difference=worst, final_loss=loss, reference_final_loss=ref_loss)
-    if not worst <= weights_atol:
-        return fail(f"after resuming at world size {to_world} a weight differs by {worst:.3g} from the uninterrupted "
-                    f"run's, more than the tolerance {weights_atol:g}")
-    if not (math.isfinite(loss) and abs(loss - ref_loss) <= loss_rtol * abs(ref_loss)):
-        return fail(f"the final loss {loss!r} differs from the uninterrupted run's {ref_loss!r} by more than "
-                    f"{loss_rtol:g} of it")
+    why = _final_difference(result, ref_result, weights_atol=weights_atol, loss_rtol=loss_rtol, facts=facts,
+                            after=f"after resuming at world size {to_world}")
+    if why is not None:
+        return fail(why)
     return Check(guarantee="b", passed=True, facts=facts,
                  reason=f"{from_world} -> {to_world} ranks at step {at_step}: the same {steps} global batches, "
-                        f"max |dw| {worst:.2g} <= {weights_atol:g}, final loss within {loss_rtol:g}")
+                        f"max |dw| {facts['max_weight_difference']:.2g} <= {weights_atol:g}, final loss within "
+                        f"{loss_rtol:g}")
 
 
 def judge_straggler(reference: RunOutcome, *, slow_rank: int, slow_from_step: int) -> Check:
@@ -528,18 +539,11 @@ def judge_node_loss(
         if mine != theirs:
             return fail(f"step {step} trained on other samples than the uninterrupted run: {mine[:6]}... vs "
                         f"{theirs[:6]}...; after the shrink the ranks left must go on with the same global batches")
-    try:
-        worst = max_weight_difference(Path(result["checkpoint"]), Path(ref_result["checkpoint"]))
-        final_loss, ref_loss = float(result["metrics"]["final_loss"]), float(ref_result["metrics"]["final_loss"])
-    except (CheckpointError, ValueError, KeyError, TypeError, OSError) as exc:
-        return fail(f"cannot compare the final weights and loss: {type(exc).__name__}: {exc}")
-    facts.update(max_weight_difference=worst, final_loss=final_loss, reference_final_loss=ref_loss)
-    if not worst <= weights_atol:
-        return fail(f"after the shrink a final weight differs by {worst:.3g} from the uninterrupted run's, more than "
-                    f"the tolerance {weights_atol:g}")
-    if not (math.isfinite(final_loss) and abs(final_loss - ref_loss) <= loss_rtol * abs(ref_loss)):
-        return fail(f"the final loss {final_loss!r} differs from the uninterrupted run's {ref_loss!r} by more than "
-                    f"{loss_rtol:g} of it")
+    why = _final_difference(result, ref_result, weights_atol=weights_atol, loss_rtol=loss_rtol, facts=facts,
+                            after="after the shrink")
+    if why is not None:
+        return fail(why)
+    worst = facts["max_weight_difference"]
     return Check(guarantee="e", passed=True, facts=facts,
                  reason=f"{who} SIGKILLed at step {started}; the launcher shrank {from_world} -> {to_world} node(s); "
                         f"resumed at world size {to_world} from step {at_step} ({lost} step(s) lost, bound {bound}); "

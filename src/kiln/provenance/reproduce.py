@@ -59,12 +59,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
-from kiln.errors import ConfigError, ContractError, DataGateError, ProvenanceError, RegistryError, SnapshotError
+from kiln.errors import ConfigError, ContractError, DataGateError, ProvenanceError, SnapshotError
 from kiln.runs import TRAINING_MANIFEST
 from kiln.util.fs import atomic_write_text, load_json, parse_own_json
 
 if TYPE_CHECKING:
-    from mlflow.entities.model_registry import ModelVersion
 
     from kiln.refs import TrainResult
 
@@ -799,16 +798,8 @@ def reproduce(model: str, name: str, *, by: Literal["alias", "version"], policy:
             raise ConfigError(f"--tolerance {tolerance}: must be a finite number >= 0")
     started = _now()
 
-    def find() -> ModelVersion:
-        client = mlflow_io._client()
-        if by == "alias":
-            found = mlflow_io._version_by_alias(client, model, name)
-            if found is None:
-                raise RegistryError(f"{model} has no version with alias {name!r}")
-            return found
-        return client.get_model_version(model, name)
-
-    mv = mlflow_io._with_retries(f"reading {model} {by} {name}", find)
+    mv = mlflow_io._with_retries(f"reading {model} {by} {name}",
+                                 lambda: mlflow_io.version_by_ref(mlflow_io._client(), model, by, name))
     version = str(mv.version)
     stamp = started.replace(":", "").replace("-", "")
     where = workdir or kiln_settings.load().home / "reproductions" / f"{_safe(model)}-v{version}-{stamp}"

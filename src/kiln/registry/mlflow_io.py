@@ -213,6 +213,17 @@ def _version_by_alias(client: MlflowClient, model: str, alias: str) -> ModelVers
         raise
 
 
+def version_by_ref(client: MlflowClient, model: str, kind: str, name: str) -> ModelVersion:
+    """The version a ``MODEL@ALIAS`` (``kind`` ``"alias"``) or ``MODEL/VERSION`` reference names;
+    ``RegistryError`` when no version holds the alias (MLflow's own error for a missing version)."""
+    if kind == "alias":
+        found = _version_by_alias(client, model, name)
+        if found is None:
+            raise RegistryError(f"{model} has no version with alias {name!r}")
+        return found
+    return client.get_model_version(model, name)
+
+
 def _quote(value: str, what: str) -> str:
     # MLflow's filter grammar has no escape for quotes; refuse rather than build a wrong query.
     if "'" in value or "\\" in value:
