@@ -131,10 +131,8 @@ class Runner:
                     if pid is not None:
                         os.kill(pid, signal.SIGKILL)
                         torn = not (saving / MANIFEST_NAME).exists()  # else it committed first: inconclusive
-                        sealed = [step for step, step_dir in checkpoint_dirs(run_dir)
-                                  if (step_dir / MANIFEST_NAME).exists()]
                         kill = KillRecord(save_step=save_step, torn=torn, node=KILLED_NODE, pid=pid,
-                                          committed_step=max(sealed, default=None))
+                                          committed_step=_newest_sealed(run_dir))
                         break
                 time.sleep(POLL_S)
         except BaseException:
@@ -161,13 +159,12 @@ class Runner:
                     if pids is not None:
                         # The newest commit as the node goes (read first: a save the survivors seal
                         # after the kill only moves the resume point later).
-                        sealed = [step for step, step_dir in checkpoint_dirs(run_dir)
-                                  if (step_dir / MANIFEST_NAME).exists()]
+                        sealed = _newest_sealed(run_dir)
                         for pid in pids:
                             with contextlib.suppress(ProcessLookupError):
                                 os.kill(pid, signal.SIGKILL)
                         loss = NodeLossRecord(node=KILLED_NODE, agent_pid=pids[0], worker_pid=pids[1],
-                                              committed_step=max(sealed, default=None))
+                                              committed_step=sealed)
                         break
                 time.sleep(POLL_S)
         except BaseException:
@@ -209,6 +206,12 @@ def _node_pids(run_dir: Path, node: int, nodes: int) -> tuple[int, int] | None:
     worker = _worker_of_node(run_dir, node, nodes)
     agent = agent_pids(run_dir).get(str(node))
     return None if worker is None or agent is None else (agent, worker)
+
+
+def _newest_sealed(run_dir: Path) -> int | None:
+    """The newest step whose checkpoint manifest is written (committed), or None."""
+    return max((step for step, step_dir in checkpoint_dirs(run_dir) if (step_dir / MANIFEST_NAME).exists()),
+               default=None)
 
 
 def _worker_of_node(run_dir: Path, node: int, nodes: int) -> int | None:
