@@ -22,8 +22,9 @@ import shutil
 import signal
 import subprocess
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
+from typing import TypeVar
 
 from kiln.conformance.checks import KillRecord, NodeLossRecord, RunOutcome
 from kiln.errors import ConfigError
@@ -46,6 +47,9 @@ from kiln_trainer.contract import (
 )
 from kiln_trainer.contract.checkpoint_manifest import checkpoint_dirs
 from kiln_trainer.contract.entrypoint import SAMPLE_LOG_ENV
+
+R = TypeVar("R")
+"""The record a strike returns (``KillRecord``, ``NodeLossRecord``)."""
 
 RANK_ENV: dict[str, str] = {
     THREADS_ENV: "1",
@@ -112,65 +116,75 @@ class Runner:
         return RunOutcome(run_dir=run_dir, state=status.state, reason=reason, log=log,
                           seconds=time.monotonic() - started)
 
+    def _launch_and_strike(self, spec: LaunchSpec, strike: Callable[[], R | None]) -> tuple[RunOutcome, R | None]:
+        """Run ``spec`` with the local launcher, calling ``strike`` every ``POLL_S`` until it returns a
+        record (it has done its harm) or the job ends; then follow the job to its end."""
+        started = time.monotonic()
+        launcher = LocalLauncher()
+        handle = launcher.submit(spec)
+        struck: R | None = None
+        deadline = started + self.timeout_s
+        try:
+            while time.monotonic() < deadline and not launcher.poll(handle).done:
+                struck = strike()
+                if struck is not None:
+                    break
+                time.sleep(POLL_S)
+        except BaseException:  # the kit is going away (Ctrl-C): never leave a gang running behind it
+            launcher.cancel(handle)
+            raise
+        return self._follow(launcher, handle, spec.run_dir, started), struck
+
     def launch_and_kill_mid_save(self, spec: LaunchSpec, *, committed_step: int, save_step: int) -> tuple[RunOutcome, KillRecord]:
         """Run ``spec`` (which widens the save window and allows one restart); once step
         ``committed_step`` is committed and the save of ``save_step`` has files but no manifest,
         SIGKILL node ``KILLED_NODE``'s worker, then follow the job (torchrun's restart) to its end."""
-        started = time.monotonic()
-        launcher = LocalLauncher()
-        handle = launcher.submit(spec)
         run_dir = spec.run_dir
         committed = run_dir / CHECKPOINTS_SUBDIR / step_dir_name(committed_step) / MANIFEST_NAME
         saving = run_dir / CHECKPOINTS_SUBDIR / step_dir_name(save_step)
-        kill = KillRecord(save_step=save_step, torn=False, committed_step=None, node=KILLED_NODE, pid=None)
-        deadline = started + self.timeout_s
-        try:
-            while time.monotonic() < deadline and not launcher.poll(handle).done:
-                if committed.exists() and _holds_files(saving) and not (saving / MANIFEST_NAME).exists():
-                    pid = _worker_of_node(run_dir, KILLED_NODE, spec.nodes)
-                    if pid is not None:
-                        os.kill(pid, signal.SIGKILL)
-                        torn = not (saving / MANIFEST_NAME).exists()  # else it committed first: inconclusive
-                        kill = KillRecord(save_step=save_step, torn=torn, node=KILLED_NODE, pid=pid,
-                                          committed_step=_newest_sealed(run_dir))
-                        break
-                time.sleep(POLL_S)
-        except BaseException:
-            launcher.cancel(handle)
-            raise
-        return self._follow(launcher, handle, run_dir, started), kill
+
+        def strike() -> KillRecord | None:
+            if not (committed.exists() and _holds_files(saving) and not (saving / MANIFEST_NAME).exists()):
+                return None
+            pid = _worker_of_node(run_dir, KILLED_NODE, spec.nodes)
+            if pid is None:
+                return None
+            os.kill(pid, signal.SIGKILL)
+            torn = not (saving / MANIFEST_NAME).exists()  # else it committed first: inconclusive
+            return KillRecord(save_step=save_step, torn=torn, node=KILLED_NODE, pid=pid,
+                              committed_step=_newest_sealed(run_dir))
+
+        outcome, kill = self._launch_and_strike(spec, strike)
+        if kill is None:  # the moment never came: the judge reports it inconclusive
+            kill = KillRecord(save_step=save_step, torn=False, committed_step=None, node=KILLED_NODE, pid=None)
+        return outcome, kill
 
     def launch_and_lose_node(self, spec: LaunchSpec, *, committed_step: int) -> tuple[RunOutcome, NodeLossRecord]:
         """Run ``spec`` (an elastic one, nothing to replace a lost node, training kept going by a slowed
         rank); once every node's agent and worker are up and step ``committed_step`` is committed, while
         training goes on, SIGKILL node ``KILLED_NODE`` whole (its agent and its worker, at once), then
         follow the job (the launcher's shrink, the survivors' restart) to its end."""
-        started = time.monotonic()
-        launcher = LocalLauncher()
-        handle = launcher.submit(spec)
         run_dir = spec.run_dir
         committed = run_dir / CHECKPOINTS_SUBDIR / step_dir_name(committed_step) / MANIFEST_NAME
-        loss = NodeLossRecord(node=KILLED_NODE, agent_pid=None, worker_pid=None, committed_step=None)
-        deadline = started + self.timeout_s
-        try:
-            while time.monotonic() < deadline and not launcher.poll(handle).done:
-                if committed.exists() and not (run_dir / RESULT_FILE).exists():
-                    pids = _node_pids(run_dir, KILLED_NODE, spec.nodes)
-                    if pids is not None:
-                        # The newest commit as the node goes (read first: a save the survivors seal
-                        # after the kill only moves the resume point later).
-                        sealed = _newest_sealed(run_dir)
-                        for pid in pids:
-                            with contextlib.suppress(ProcessLookupError):
-                                os.kill(pid, signal.SIGKILL)
-                        loss = NodeLossRecord(node=KILLED_NODE, agent_pid=pids[0], worker_pid=pids[1],
-                                              committed_step=sealed)
-                        break
-                time.sleep(POLL_S)
-        except BaseException:
-            launcher.cancel(handle)
-            raise
-        return self._follow(launcher, handle, run_dir, started), loss
+
+        def strike() -> NodeLossRecord | None:
+            if not committed.exists() or (run_dir / RESULT_FILE).exists():
+                return None
+            pids = _node_pids(run_dir, KILLED_NODE, spec.nodes)
+            if pids is None:
+                return None
+            # The newest commit as the node goes (read first: a save the survivors seal after the kill
+            # only moves the resume point later).
+            sealed = _newest_sealed(run_dir)
+            for pid in pids:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+            return NodeLossRecord(node=KILLED_NODE, agent_pid=pids[0], worker_pid=pids[1], committed_step=sealed)
+
+        outcome, loss = self._launch_and_strike(spec, strike)
+        if loss is None:  # the moment never came: the judge reports it inconclusive
+            loss = NodeLossRecord(node=KILLED_NODE, agent_pid=None, worker_pid=None, committed_step=None)
+        return outcome, loss
 
     # -- torchrun directly ---------------------------------------------------------------------------
 
