@@ -122,6 +122,7 @@ def _output_inside(args: argparse.Namespace, corpus_dir: Path) -> str | None:
 
 def handler(args: argparse.Namespace) -> int:
     from kiln.data.contracts import load_contract
+    from kiln.data.layout import layout_hint
 
     problem = _unwritable_output(args)
     if problem is not None:
@@ -191,9 +192,15 @@ def handler(args: argparse.Namespace) -> int:
     }
     if contract.drops_documents:
         # What leaves training besides the quarantined shards: the healthy shards' dropped documents.
-        kept = validation.report.dropped_summary(reports)["healthy_shards"]
+        dropped = validation.report.dropped_summary(reports)
+        kept = dropped["healthy_shards"]
         summary["documents_dropped"] = {"documents": kept["documents"], "of_documents": kept["of_documents"],
                                         "by_rule": kept["by_rule"]}
+        # The quarantine report's hint (kiln.data.layout): most drops are hard-wrapped text judged line by line.
+        hint = layout_hint(dropped["all_shards"], [contract.ref])
+        if hint:
+            summary["hint"] = hint
+            print(f"hint: {hint}", file=sys.stderr)
     code = EXIT_OK
     try:
         validation.gate(reports, args.max_quarantine_share, expected_paths=shards)

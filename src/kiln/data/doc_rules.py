@@ -67,6 +67,16 @@ PII_KIND = "kiln.pii"
 SCRIPT_KIND = "kiln.script"
 DOCUMENT_RULE_KINDS = frozenset({*DATATROVE_FILTERS, PII_KIND, SCRIPT_KIND})
 
+LINES = ("stored", "unwrapped")
+"""A datatrove rule's ``lines``: ``stored`` (default) reads the text's own lines; ``unwrapped`` reads it
+with the soft line breaks of hard-wrapped paragraphs joined (``kiln.data.layout.unwrap``), so that its
+line rules judge paragraphs, not where a typesetter broke them. Words are the same either way."""
+WORDS = ("whitespace", "datatrove")
+"""A datatrove rule's ``words``: ``whitespace`` (default) splits words with ``str.split()`` and sentences
+with datatrove's regex splitter; ``datatrove`` uses datatrove's own English default, spaCy's blank
+English tokenizer with its sentencizer (no model download; needs the ``spacy`` package), so that the
+rule's verdicts are a datatrove pipeline's."""
+RULE_KEYS = frozenset({"rule", "kind", "params", "description", "source", "lines", "words"})
 _NOT_CONTRACT_PARAMS = frozenset({"self", "exclusion_writer", "language", "batch_size"})
 """datatrove constructor arguments a contract may not set: kiln writes no exclusion files, and the
 word tokenizer is kiln's (see the module docstring)."""
@@ -97,6 +107,10 @@ class DroppedDocument:
     """The contract's rule id (``document_rules[i].rule``)."""
     detail: str
     """What exactly failed, e.g. datatrove's reason ``gopher_enough_stop_words`` or ``email``."""
+    hard_wrapped_layout: bool = False
+    """A hard-wrapped document (``kiln.data.layout.hard_wrapped``) that a rule reading its stored lines
+    dropped for a layout-sensitive reason (``kiln.data.layout.LAYOUT_SENSITIVE``): likely the wrapping,
+    not the text, failed."""
 
 
 # -- checking a contract's rules (pure JSON, no datatrove import unless asked) ------------------------
@@ -114,9 +128,9 @@ def check_document_rules(rules: Any, *, where: str = "meta.kiln.document_rules",
         if not isinstance(rule, dict):
             problems.append(f"{at} must be an object with 'rule', 'kind', 'params'")
             continue
-        unknown = sorted(set(rule) - {"rule", "kind", "params", "description", "source"})
+        unknown = sorted(set(rule) - RULE_KEYS)
         if unknown:
-            problems.append(f"{at} has unknown key(s) {unknown} (allowed: rule, kind, params, description, source)")
+            problems.append(f"{at} has unknown key(s) {unknown} (allowed: {', '.join(sorted(RULE_KEYS))})")
         rule_id = rule.get("rule")
         if not isinstance(rule_id, str) or not _RULE_ID.fullmatch(rule_id):
             problems.append(f"{at}.rule must be an id like 'gopher_quality' (lowercase, digits, _ . -), got {rule_id!r}")
@@ -130,6 +144,13 @@ def check_document_rules(rules: Any, *, where: str = "meta.kiln.document_rules",
         if kind not in DOCUMENT_RULE_KINDS:
             problems.append(f"{at}.kind must be one of {sorted(DOCUMENT_RULE_KINDS)}, got {kind!r}")
             continue
+        for key, choices in (("lines", LINES), ("words", WORDS)):
+            if key not in rule:
+                continue
+            if kind not in DATATROVE_FILTERS:
+                problems.append(f"{at}.{key} applies to datatrove kinds only ({kind} does not split lines or words)")
+            elif rule[key] not in choices:
+                problems.append(f"{at}.{key} must be one of {list(choices)}, got {rule[key]!r}")
         params = rule.get("params", {})
         if not isinstance(params, dict):
             problems.append(f"{at}.params must be an object")
@@ -268,12 +289,29 @@ class _Rule:
         raise NotImplementedError
 
 
+def _datatrove_english_words() -> Any:
+    """datatrove's default English tokenizer (spaCy's blank ``en`` with a sentencizer), the very
+    instance its filters load by default; ``ContractError`` when spaCy is not installed."""
+    from datatrove.utils.word_tokenizers import load_word_tokenizer
+
+    try:
+        import spacy  # noqa: F401
+    except ImportError:
+        raise ContractError("a document rule asks for words 'datatrove' (spaCy's blank English tokenizer), but the "
+                            "spacy package is not installed: pip install -c constraints.txt spacy") from None
+    return load_word_tokenizer("en")
+
+
 class _DatatroveRule(_Rule):
-    def __init__(self, rule: str, kind: str, params: dict[str, Any]) -> None:
+    def __init__(self, rule: str, kind: str, params: dict[str, Any], *, lines: str = "stored",
+                 words: str = "whitespace") -> None:
         defaults = datatrove_parameters(kind)
         args = {k: _as_datatrove_value(defaults.get(k), v) for k, v in params.items()}
         self.rule = rule
-        self.filter = _datatrove_class(kind)(**args, language=whitespace_words())
+        self.kind = kind
+        self.lines = lines
+        tokenizer = whitespace_words() if words == "whitespace" else _datatrove_english_words()
+        self.filter = _datatrove_class(kind)(**args, language=tokenizer)
 
     def judge_one(self, row: int, text: str) -> str | None:
         """The detail this rule drops the document with, or None when it keeps it."""
@@ -423,23 +461,33 @@ class DocumentRuleSet:
             # other rule judges the shard's remaining documents at once, in Arrow.
             for step in [list(group)] if per_document else [[rule] for rule in group]:
                 failed = (_document_by_document(step, texts, remaining) if per_document
-                          else {row: (step[0].rule, detail) for row, detail in step[0].judge(texts, remaining).items()})
-                dropped.extend(DroppedDocument(row, rule_id, detail) for row, (rule_id, detail) in failed.items())
+                          else {row: (step[0].rule, detail, False) for row, detail in step[0].judge(texts, remaining).items()})
+                dropped.extend(DroppedDocument(row, rule_id, detail, layout)
+                               for row, (rule_id, detail, layout) in failed.items())
                 remaining = [i for i in remaining if i not in failed]
         return sorted(dropped, key=lambda d: d.row)
 
 
-def _document_by_document(run: Sequence[Any], texts: Any, rows: list[int]) -> dict[int, tuple[str, str]]:
-    """Row -> (rule id, detail) of the first rule of ``run`` (``_DatatroveRule``s) each document fails. Each text is converted
-    once and every rule sees the same string, so datatrove's word cache (keyed by text and tokenizer)
-    splits it once; the verdicts are those of the rules applied one after the other."""
-    failed: dict[int, tuple[str, str]] = {}
+def _document_by_document(run: Sequence[Any], texts: Any, rows: list[int]) -> dict[int, tuple[str, str, bool]]:
+    """Row -> (rule id, detail, hard-wrapped layout drop) of the first rule of ``run``
+    (``_DatatroveRule``s) each document fails. Each text is converted once (and unwrapped at most once)
+    and every rule with the same ``lines`` sees the same string, so datatrove's word cache (keyed by
+    text and tokenizer) splits it once; the verdicts are those of the rules applied one after the other."""
+    from kiln.data.layout import hard_wrapped, layout_sensitive, unwrap
+
+    failed: dict[int, tuple[str, str, bool]] = {}
     values = texts.take(rows).to_pylist() if rows else []
     for row, text in zip(rows, values, strict=True):
+        unwrapped: str | None = None
         for rule in run:
-            detail = rule.judge_one(row, text)
+            if rule.lines == "unwrapped":
+                unwrapped = unwrap(text) if unwrapped is None else unwrapped
+                detail = rule.judge_one(row, unwrapped)
+            else:
+                detail = rule.judge_one(row, text)
             if detail is not None:
-                failed[row] = (rule.rule, detail)
+                layout = rule.lines == "stored" and layout_sensitive(rule.kind, detail) and hard_wrapped(text)
+                failed[row] = (rule.rule, detail, layout)
                 break
     return failed
 
@@ -464,7 +512,8 @@ def build_rule_set(rules: Sequence[dict[str, Any]], cache_key: str | None = None
             built.append(_ScriptRule(spec["rule"], params))
         else:
             try:
-                built.append(_DatatroveRule(spec["rule"], spec["kind"], params))
+                built.append(_DatatroveRule(spec["rule"], spec["kind"], params, lines=spec.get("lines", "stored"),
+                                            words=spec.get("words", "whitespace")))
             except (TypeError, ValueError) as exc:
                 raise ContractError(f"document rule {spec['rule']} ({spec['kind']}): {exc}") from exc
     rule_set = DocumentRuleSet(rules=tuple(built))

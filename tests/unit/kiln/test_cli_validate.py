@@ -283,3 +283,29 @@ def test_a_disk_that_fills_under_the_manifest_is_a_fault_and_leaves_no_partial_m
         assert f"cannot write --manifest-out {small / 'm.json'}" in line and "No space left on device" in line
         assert sorted(p.name for p in small.iterdir()) == ["filler"]
         assert json.loads((tmp_path / "r.json").read_text())["gate"] == "pass"  # the report is true: the gate passed
+
+
+# -- hard-wrapped prose: the hint -------------------------------------------------------------------
+
+
+def test_hard_wrapped_prose_dropped_for_its_layout_gets_a_hint_naming_the_contract_that_fits(kiln_cli, tmp_path: Path,
+                                                                                             capsys) -> None:
+    """The Python reference's topics as they ship (hard-wrapped), imported as text files: web-text@1
+    drops most of them, mostly by its line rules, and says so (prose-wrapped@1's verdicts on the same text:
+    tests/unit/kiln/data/test_prose_wrapped.py)."""
+    from kiln.data.prose import pydoc_topics
+
+    src = tmp_path / "topics"
+    src.mkdir()
+    for name, text in list(pydoc_topics())[40:]:
+        (src / (name.split("/", 1)[1] + ".txt")).write_text(text, encoding="utf-8")
+    corpus = tmp_path / "wrapped"
+    assert kiln_cli(["corpus", "import", str(src), "--name", "wrapped", "--format", "text", "--root", str(tmp_path),
+                     "--eval-fraction", "0.05"]) == 0
+    capsys.readouterr()
+    kiln_cli(["validate", str(corpus), "--contract", "web-text@1", "--report", str(tmp_path / "web.json")])
+    captured = capsys.readouterr()
+    hints = [line for line in captured.err.splitlines() if line.startswith("hint: ")]
+    assert len(hints) == 1 and "--contract prose-wrapped@1" in hints[0], captured.err
+    assert json.loads(captured.out)["hint"] == hints[0].removeprefix("hint: ")
+    assert json.loads((tmp_path / "web.json").read_text())["hint"] == hints[0].removeprefix("hint: ")

@@ -41,6 +41,9 @@ NEAR_DUPLICATE_RULE = "near_duplicate"
 EVAL_SPLIT_DETAIL = "eval_split"
 """Detail of a near-duplicate whose kept copy is a document of the held-out eval split."""
 SIGNATURES_SUFFIX = ".minhash.npy"
+HARD_WRAPPED_LAYOUT = "hard_wrapped_layout"
+"""Key of ``ShardReport.dropped``: how many dropped documents are hard-wrapped text that a line rule
+dropped for its layout (``kiln.data.layout``); absent when none."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,6 +52,7 @@ class _Drop:
     rule: str
     detail: str
     sample: str
+    hard_wrapped_layout: bool = False
 
 
 def drop_rows(report: ShardReport) -> list[int]:
@@ -87,7 +91,7 @@ def judge_documents(loaded: _LoadedShard, report: ShardReport, contract: Contrac
             # A PII sample would print the address it found: the id and what kind of PII it was is enough.
             text = "" if d.rule in pii_rules else ": " + _excerpt(texts[d.row].as_py(), contract.secret_patterns)
             sample = label + text
-        drops.append(_Drop(d.row, d.rule, d.detail, sample))
+        drops.append(_Drop(d.row, d.rule, d.detail, sample, d.hard_wrapped_layout))
     return _with_drops(report, contract, drops)
 
 
@@ -97,10 +101,12 @@ def _with_drops(report: ShardReport, contract: Contract, drops: Sequence[_Drop])
     before: dict[str, dict[str, Any]] = (report.dropped or {}).get("rules") or {}
     rules: dict[str, dict[str, Any]] = {k: dict(v) for k, v in before.items()}
     rows = set(drop_rows(report))
+    layout = int((report.dropped or {}).get(HARD_WRAPPED_LAYOUT, 0))
     for drop in drops:
         if drop.row in rows:
             continue
         rows.add(drop.row)
+        layout += drop.hard_wrapped_layout
         entry = rules.setdefault(drop.rule, {"count": 0, "details": {}, "sample": []})
         entry["count"] += 1
         entry["details"] = {**entry["details"], drop.detail: entry["details"].get(drop.detail, 0) + 1}
@@ -108,6 +114,8 @@ def _with_drops(report: ShardReport, contract: Contract, drops: Sequence[_Drop])
             entry["sample"] = [*entry["sample"], drop.sample]
     share = len(rows) / report.rows if report.rows else 0.0
     body: dict[str, Any] = {"rows": sorted(rows), "share": round(share, 6), "rules": dict(sorted(rules.items()))}
+    if layout:  # absent when none: the reports of text that is not hard-wrapped keep their bytes
+        body[HARD_WRAPPED_LAYOUT] = layout
     updated = replace(report, dropped=body)
     if share <= contract.max_dropped_share or report.verdict != "healthy":
         return updated

@@ -12,7 +12,9 @@ from pathlib import Path
 from typing import Any
 
 from kiln.data.contracts import Contract
+from kiln.data.layout import layout_hint
 from kiln.data.validation.data_gate import quarantined_share
+from kiln.data.validation.dropped import HARD_WRAPPED_LAYOUT
 from kiln.data.validation.reasons import redact
 from kiln.data.validation.shards import SkippedEntry
 from kiln.data.validation.suite import _as_contract
@@ -55,6 +57,9 @@ def quarantine_report(
         body["skipped"] = [e.to_json() for e in sorted(skipped, key=lambda e: e.path)]
     if any(r.dropped is not None for r in ordered):
         body["dropped"] = dropped_summary(ordered)
+        hint = layout_hint(body["dropped"]["all_shards"], body["contract"])
+        if hint:  # absent otherwise: the other reports keep their bytes
+            body["hint"] = hint
     return body
 
 
@@ -72,9 +77,13 @@ def dropped_summary(reports: Sequence[ShardReport]) -> dict[str, Any]:
                     details.setdefault(rule, {})[detail] = details.get(rule, {}).get(detail, 0) + int(count)
         documents = sum(len((r.dropped or {}).get("rows") or []) for r in chosen)
         rows = sum(r.rows for r in chosen)
-        return {"documents": documents, "of_documents": rows, "share": round(documents / rows, 6) if rows else 0.0,
+        body = {"documents": documents, "of_documents": rows, "share": round(documents / rows, 6) if rows else 0.0,
                 "by_rule": dict(sorted(by_rule.items())),
                 "details": {k: dict(sorted(v.items())) for k, v in sorted(details.items())}}
+        layout = sum(int((r.dropped or {}).get(HARD_WRAPPED_LAYOUT, 0)) for r in chosen)
+        if layout:
+            body[HARD_WRAPPED_LAYOUT] = layout
+        return body
 
     judged = [r for r in reports if r.dropped is not None]
     return {"all_shards": tally(judged), "healthy_shards": tally([r for r in judged if r.verdict == "healthy"])}
@@ -261,7 +270,8 @@ def render_quarantine_html(
         f"<h1>Quarantine report</h1><p>Snapshot: <code>{escape(str(body.get('snapshot_id', '-')))}</code> · "
         f"contract: <code>{escape(', '.join(contract_refs))}</code> · {body['healthy']}/{body['shards']} shards healthy · "
         f"quarantined share {body['quarantined_share']:.1%}</p>{gate_line}"
-        f"<p>Shards under <code>{escape(root or '-')}</code>; a quarantined shard's bytes stay in the snapshot.</p>"
+        + (f"<p><b>Hint:</b> {escape(body['hint'])}</p>" if body.get("hint") else "")
+        + f"<p>Shards under <code>{escape(root or '-')}</code>; a quarantined shard's bytes stay in the snapshot.</p>"
         "<table><tr><th>shard</th><th>verdict</th><th>rows</th><th>sha256</th><th>reasons</th>"
         + ("<th>documents dropped</th>" if with_drops else "") + "</tr>"
         + "".join(rows)
@@ -297,11 +307,13 @@ def publish_quarantine_report(
     max_quarantine_share: float,
     mlflow_run_id: str | None = None,
     skipped: Sequence[SkippedEntry] | None = None,
+    artifact_path: str = QUARANTINE_ARTIFACT_DIR,
 ) -> dict[str, str]:
     """Write the JSON report and the HTML page to ``out_dir``; log both to an MLflow run if given.
 
     Returns ``{"json": path, "html": path}`` plus ``"json_uri"`` / ``"html_uri"`` (artifact URIs
-    under ``quarantine/`` of the run) when ``mlflow_run_id`` is given; the tracking URI comes from
+    under ``artifact_path`` of the run: ``quarantine/``, a mixture's ``quarantine/<source>/``) when
+    ``mlflow_run_id`` is given; the tracking URI comes from
     the environment (``MLFLOW_TRACKING_URI``). Idempotent: the same reports rewrite the same bytes
     and re-log the same artifact paths. An MLflow failure is a ``RegistryError`` (retryable).
     """
@@ -320,10 +332,10 @@ def publish_quarantine_report(
             # Explicit URI: mlflow's process-global one may have been set by other code in this process.
             client = MlflowClient(tracking_uri=load().mlflow_uri)
             for path in (json_path, html_path):
-                client.log_artifact(mlflow_run_id, str(path), artifact_path=QUARANTINE_ARTIFACT_DIR)
+                client.log_artifact(mlflow_run_id, str(path), artifact_path=artifact_path)
             base = client.get_run(mlflow_run_id).info.artifact_uri.rstrip("/")
         except Exception as exc:  # MlflowException, connection errors, artifact store errors
             raise RegistryError(f"cannot log the quarantine report to MLflow run {mlflow_run_id}: {exc}") from exc
-        published["json_uri"] = f"{base}/{QUARANTINE_ARTIFACT_DIR}/{json_path.name}"
-        published["html_uri"] = f"{base}/{QUARANTINE_ARTIFACT_DIR}/{html_path.name}"
+        published["json_uri"] = f"{base}/{artifact_path}/{json_path.name}"
+        published["html_uri"] = f"{base}/{artifact_path}/{html_path.name}"
     return published
