@@ -37,7 +37,19 @@ from kiln import stages
 from kiln.cli import main as kiln_main
 from kiln.policy import SANDBOX
 from kiln.provenance.attestation import REPRODUCER_POLICY, verify_attestation
-from kiln.provenance.reproduce import DEFAULT_TOLERANCE, compare_weights, load_folder_weights
+from kiln.provenance.reproduce import (
+    DEFAULT_TOLERANCE,
+    EVAL_COMPARED,
+    EXPORT_DIR,
+    after_training,
+    compare_weights,
+    load_folder_weights,
+    plan_from_statement,
+)
+from kiln.provenance.statement import subjects
+from kiln.refs import sha256_file
+from kiln.registry.export import HF_FOLDER
+from kiln.runs import TRAINING_MANIFEST
 
 pytestmark = pytest.mark.slow
 
@@ -147,17 +159,30 @@ def test_an_untouched_version_reproduces_with_the_same_weights_and_the_verdict_i
     assert outcome["verdict"] == "reproduced" and outcome["code_drift"] == []
     steps = [(c["step"], c["input"].split(" (")[0]) for c in outcome["comparisons"]]
     snapshot_id = on_stack.statement["predicate"]["buildDefinition"]["resolvedDependencies"][0]["annotations"]["dvc_id"]
+    folder = sorted(name.removeprefix(f"{HF_FOLDER}/") for name in subjects(on_stack.statement)
+                    if name.startswith(f"{HF_FOLDER}/"))
+    assert {"config.json", "model.safetensors", "generation_config.json", "tokenizer.json"} <= set(folder)
     assert steps == [("snapshot", f"snapshot {snapshot_id} from the DVC remote {on_stack.home / 'dvc-remote'}"),
                      ("validate", f"contract {SANDBOX.contract}"), ("validate", "quarantine report"),
                      ("tokenize", "resolved recipe"), ("tokenize", "tokenizer"), ("tokenize", "token manifest"),
-                     ("training-manifest", "training manifest"), ("train", "weights")]
+                     ("training-manifest", "training manifest"), ("train", "weights"),
+                     *[("evaluate", f"evaluation report {name}") for name in EVAL_COMPARED],
+                     *[("hf-folder", f"{HF_FOLDER}/{name}") for name in folder]]
     assert all(c["same"] for c in outcome["comparisons"])
-    weights = outcome["comparisons"][-1]
+    weights = outcome["comparisons"][7]
     assert weights["input"].startswith("weights") and weights["derived"] == on_stack.weights_sha256
+    # the evaluation of the re-derived weights is the signed report, bit for bit: the figures themselves
+    figures = {c["input"].rsplit(" ", 1)[1]: c["derived"] for c in outcome["comparisons"] if c["step"] == "evaluate"}
+    signed = next(b for b in on_stack.statement["predicate"]["runDetails"]["byproducts"]
+                  if b["name"] == "evaluation-report")["annotations"]["content"]
+    assert figures["bits_per_byte"] == repr(signed["bits_per_byte"]) and figures["tokens"] == str(signed["tokens"])
+    rebuilt = json.loads((tmp_path / "r" / "derived" / "evaluation" / "eval_report.json").read_text())
+    assert rebuilt["bits_per_byte"] == signed["bits_per_byte"] and rebuilt["loss"] == signed["loss"]
     # restored afresh into the work directory's own DVC cache, never the stack's; trained by torchrun there
     assert (tmp_path / "r" / "derived" / "dvc-cache").is_dir()
     trained = json.loads((tmp_path / "r" / "derived" / "train" / "result.json").read_text())
     assert trained["weights_sha256"] == on_stack.weights_sha256 and trained["step"] == PARAMS["max_steps"]
+    assert (tmp_path / "r" / "derived" / EXPORT_DIR / "config.json").is_file()
 
     tags = _tags(client, on_stack)
     assert tags["kiln.reproduction.verdict"] == "reproduced"
@@ -172,6 +197,22 @@ def test_an_untouched_version_reproduces_with_the_same_weights_and_the_verdict_i
     assert {"name": "weights", "digest": {"sha256": on_stack.weights_sha256}} in attested["subject"]
     # the version still verifies: the verdict is beside the signed files, not in them
     assert kiln_main(["verify", ref, "--policy", "sandbox"]) == 0, capsys.readouterr().err
+
+    # a registered folder that is not what these weights export to (its weights file swapped for other
+    # bytes, and signed so: a statement verify cannot fault) differs at hf-folder, naming the file
+    from safetensors.torch import save_file
+
+    derived = tmp_path / "r" / "derived"
+    plan = plan_from_statement(on_stack.statement, tmp_path / "r" / "version")
+    other = load_folder_weights(derived / EXPORT_DIR)
+    other[sorted(other)[0]] += 1e-3
+    save_file(other, str(tmp_path / "other.safetensors"), metadata={"format": "pt"})
+    swapped = dataclasses.replace(plan, hf_files={**plan.hf_files,
+                                                  "model.safetensors": sha256_file(tmp_path / "other.safetensors")})
+    caught = after_training(swapped, trained["checkpoint"], derived / TRAINING_MANIFEST, tmp_path / "again")
+    assert [str(c) for c in caught if not c.same] == [
+        f"hf-folder: {HF_FOLDER}/model.safetensors differs: recorded {sha256_file(tmp_path / 'other.safetensors')}, "
+        f"re-derived {plan.hf_files['model.safetensors']}"]
 
 
 def test_at_another_world_size_the_weights_reproduce_within_tolerance_and_say_so(

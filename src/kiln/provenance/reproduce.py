@@ -22,7 +22,12 @@ In order, stopping at the first that does not hold:
                           every shard packed: the tokenizer's and the token manifest's sha256;
    ``training-manifest``  the training manifest naming those tokens: its sha256;
    ``train``              that recipe, seed, world size and strategy, trained with kiln's local launcher
-                          (real torchrun, one agent per rank): the weights' sha256.
+                          (real torchrun, one agent per rank): the weights' sha256;
+   ``evaluate``           kiln's evaluation of those weights on the re-derived eval shards, as the evaluate
+                          stage runs it: each field of ``EVAL_COMPARED`` against the signed evaluation
+                          report, bit for bit (``EVAL_NOT_COMPARED``: what is not, and why);
+   ``hf-folder``          the checkpoint's Hugging Face folder written by the export registration ran
+                          (``write_model_folder``): each file's sha256 against the statement's subject.
 
    The first comparison that differs ends it, naming the step, the input and both digests.
 
@@ -60,6 +65,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 from kiln.errors import ConfigError, ContractError, DataGateError, ProvenanceError, SnapshotError
+from kiln.provenance.statement import artifact_files
 from kiln.runs import TRAINING_MANIFEST
 from kiln.util.fs import atomic_write_text, load_json, parse_own_json
 
@@ -68,11 +74,25 @@ if TYPE_CHECKING:
     from kiln.refs import TrainResult
 
 Verdict = Literal["reproduced", "differs", "refused"]
-STEPS = ("snapshot", "validate", "tokenize", "training-manifest", "train")
+STEPS = ("snapshot", "validate", "tokenize", "training-manifest", "train", "evaluate", "hf-folder")
+EVAL_COMPARED = ("weights_sha256", "step", "snapshot_id", "training_manifest_sha256", "split", "windows", "tokens",
+                 "loss", "bits_per_byte")
+"""The fields of the signed evaluation report the ``evaluate`` step compares, each bit for bit: which weights,
+at which step, on which data and split (the training manifest as the run named it), and what evaluation
+computed (windows, tokens, loss, bits per byte; a float compared by its shortest round-trip text, which is
+one string for one float). kiln's evaluation is deterministic on the CPU (float32, fixed windows)."""
+EVAL_NOT_COMPARED = {
+    "checkpoint": "a path: the run's checkpoint directory there, the work directory's here",
+    "checkpoint_manifest_sha256": "the checkpoint manifest records when its step was sealed (created_at), so it "
+                                  "differs at every training; its weights, recipe and data hashes are compared",
+}
+"""The fields of the signed evaluation report that are not compared, and why."""
 REPRODUCE_DAG_ID = "kiln_reproduce"
 """The dag id part of a reproduction's run key (its MLflow run, its torchrun rendezvous)."""
 OUTCOME_FILE = "reproduction.json"
 """The outcome (``Reproduction.to_json``) in the work directory."""
+EXPORT_DIR = "train-export/hf_model"
+"""Where, in the work directory's ``derived/``, the re-derived checkpoint's Hugging Face folder is written."""
 REPORT_MAX_BYTES = 512 << 20
 """The largest quarantine report read back (every shard of a large snapshot, with its reasons)."""
 DEFAULT_TOLERANCE = 1e-3
@@ -238,7 +258,8 @@ class Reproduction:
 
     def in_words(self) -> list[str]:
         if self.tolerance is None:
-            head = {"reproduced": "reproduced: every step gave the recorded digest, the weights the same sha256",
+            head = {"reproduced": "reproduced: every step gave the recorded digest, the weights the same sha256, the "
+                                  "evaluation the same report bit for bit and the Hugging Face folder the same files",
                     "differs": f"does not reproduce: {self.reason}",
                     "refused": f"refused: {self.reason}"}[self.verdict]
         else:
@@ -291,6 +312,11 @@ class ReproductionPlan:
     weights_sha256: str
     environment: Mapping[str, str]
     """torch, Python and platform of the recorded run."""
+    eval_report: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    """The signed evaluation report (the statement's ``evaluation-report`` byproduct)."""
+    hf_files: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    """The registered Hugging Face folder's files (their names inside it) and the sha256 the statement's subjects
+    give each."""
 
 
 def missing_records(statement: Mapping[str, Any]) -> list[str]:
@@ -333,14 +359,40 @@ def missing_records(statement: Mapping[str, Any]) -> list[str]:
         missing.append("kiln's code digest")
     if not _weights(statement):
         missing.append("the weights' sha256 (the evaluation report byproduct)")
+    report = _eval_report(statement)
+    absent = [name for name in EVAL_COMPARED if name != "weights_sha256" and report.get(name) in (None, "")]
+    if report and absent:
+        missing.append(f"the evaluation report's {', '.join(absent)}")
+    if not _hf_files(statement):
+        missing.append(f"the Hugging Face folder's files (subjects under {_hf_folder()}/)")
     return missing
 
 
-def _weights(statement: Mapping[str, Any]) -> str:
+def _eval_report(statement: Mapping[str, Any]) -> dict[str, Any]:
+    """The signed evaluation report (the ``evaluation-report`` byproduct's content; empty: none)."""
     for byproduct in statement["predicate"]["runDetails"].get("byproducts", []):
         if byproduct.get("name") == "evaluation-report":
-            return str((byproduct.get("annotations", {}).get("content") or {}).get("weights_sha256") or "")
-    return ""
+            content = byproduct.get("annotations", {}).get("content")
+            return dict(content) if isinstance(content, dict) else {}
+    return {}
+
+
+def _weights(statement: Mapping[str, Any]) -> str:
+    return str(_eval_report(statement).get("weights_sha256") or "")
+
+
+def _hf_folder() -> str:
+    from kiln.registry.export import HF_FOLDER
+
+    return HF_FOLDER
+
+
+def _hf_files(statement: Mapping[str, Any]) -> dict[str, str]:
+    """The statement's subjects inside the Hugging Face folder: their names inside it, and their sha256."""
+    from kiln.provenance.statement import subjects
+
+    prefix = _hf_folder() + "/"
+    return {name.removeprefix(prefix): sha for name, sha in subjects(statement).items() if name.startswith(prefix)}
 
 
 def plan_from_statement(statement: Mapping[str, Any], model_dir: Path | None = None) -> ReproductionPlan:
@@ -382,6 +434,7 @@ def plan_from_statement(statement: Mapping[str, Any], model_dir: Path | None = N
         trainer_sha256=str(trainer.get("digest", {}).get("sha256", "")), weights_sha256=_weights(statement),
         environment={"torch": deps["torch"]["annotations"]["version"], "python": deps["python"]["annotations"]["version"],
                      "platform": deps["platform"]["annotations"]["description"]},
+        eval_report=_eval_report(statement), hf_files=_hf_files(statement),
     )
 
 
@@ -535,6 +588,65 @@ def data_order(run_dir: Path, *, shard_samples: list[int], seed: int, window_sha
             first = (f"the global batch of step {step + 1} was read by ranks {sorted(ranks)} as ids {batch[:8]}..., "
                      f"seed {seed} and the step give {expected[step][:8]}...")
     return Comparison("train", what, recorded, _sha256_text(json.dumps(read, separators=(",", ":")))), first
+
+
+# ------------------------------------- after training: the evaluation and the Hugging Face folder
+
+
+def _eval_value(report: Mapping[str, Any], name: str) -> str:
+    """A report field as compared: a float by its shortest round-trip text (one string for one float, so equal
+    texts are equal bits), anything else by its JSON; a field the report lacks as such."""
+    if name not in report:
+        return "none: not in the report"
+    value = report[name]
+    if isinstance(value, float):
+        return repr(value)
+    return value if isinstance(value, str) else json.dumps(value)
+
+
+def compare_eval_report(recorded: Mapping[str, Any], derived: Mapping[str, Any], *,
+                        training_manifest: tuple[str, str] = ("", "")) -> list[Comparison]:
+    """The re-derived evaluation report against the signed one, field by field (``EVAL_COMPARED``, bit for bit;
+    ``EVAL_NOT_COMPARED`` says what is left out and why), as ``evaluate`` comparisons. ``training_manifest``:
+    (the sha256 of the training manifest the re-derived evaluation read, the same manifest's sha256 in the run's
+    paths): the re-derived report names the work directory's copy, which is the run's once its paths are the
+    run's (the ``training-manifest`` step compared that)."""
+    here, as_recorded = training_manifest
+    derived = dict(derived)
+    if here and derived.get("training_manifest_sha256") == here:
+        derived["training_manifest_sha256"] = as_recorded
+    return [Comparison("evaluate", f"evaluation report {name}", _eval_value(recorded, name), _eval_value(derived, name))
+            for name in EVAL_COMPARED]
+
+
+def compare_folder(recorded: Mapping[str, str], derived: Mapping[str, str], *, prefix: str) -> list[Comparison]:
+    """Each file of the registered folder (``recorded``: its name inside the folder -> the sha256 the signed
+    statement's subject gives) against the re-derived one's (``derived``), as ``hf-folder`` comparisons named
+    ``prefix/name``, in name order; a file on one side only differs."""
+    return [Comparison("hf-folder", f"{prefix}/{name}", recorded.get(name, "none: not a file of the registered folder"),
+                       derived.get(name, "none: the re-derived export did not write it"))
+            for name in sorted(set(recorded) | set(derived))]
+
+
+def evaluate_checkpoint_afresh(checkpoint: str, manifest: Path, out: Path, log: Callable[[str], None]) -> dict[str, Any]:
+    """kiln's evaluation of ``checkpoint`` on ``manifest``'s eval shards, as the evaluate stage runs it
+    (``python -m kiln_trainer.evaluate`` in a process of its own, so that nothing of this one, its torch
+    threads included, changes a float), written to ``out``; the report. ``LaunchError`` when it fails."""
+    import subprocess
+    import sys
+
+    from kiln.errors import LaunchError
+
+    log(f"evaluate: {checkpoint} on the eval shards of {manifest}")
+    proc = subprocess.run([sys.executable, "-m", "kiln_trainer.evaluate", "--checkpoint", checkpoint,
+                           "--manifest", str(manifest), "--out", str(out)], capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise LaunchError(f"the re-derived evaluation of {checkpoint} failed (exit {proc.returncode}): "
+                          f"{proc.stderr[-1500:]}")
+    report = load_json(out, "the re-derived evaluation report", ProvenanceError)
+    if not isinstance(report, dict):
+        raise ProvenanceError(f"{out}: the re-derived evaluation report is not a JSON object")
+    return report
 
 
 # ------------------------------------------------------------------------------------------- helpers
@@ -722,11 +834,16 @@ def rederive(plan: ReproductionPlan, workdir: Path, *, run_key: str,
     at = world_size or plan.world_size
     if at == plan.world_size:
         result = _train(plan, recipe, recipe_path, manifest_path, workdir / "train", run_key, log)
-        compare("train", f"weights ({plan.steps} steps, seed {plan.seed}, world size {plan.world_size}, {plan.strategy})",
-                plan.weights_sha256, result.weights_sha256)
+        if compare("train", f"weights ({plan.steps} steps, seed {plan.seed}, world size {plan.world_size}, {plan.strategy})",
+                   plan.weights_sha256, result.weights_sha256):
+            for comparison in after_training(plan, result.checkpoint, manifest_path, workdir, log=log):
+                out.append(comparison)
+                log(str(comparison))
         return out, notes, None
     if registered_weights is None:
         raise ProvenanceError("a reproduction at another world size needs the registered version's weights folder")
+    notes.append(f"at world size {at} the evaluation and the Hugging Face folder are not re-derived: they follow from "
+                 "weights that are held to a bound, not to the recorded bits")
     from kiln_trainer.export import write_model_folder
 
     result = _train(plan, recipe, recipe_path, manifest_path, workdir / "train", run_key, log, world_size=at)
@@ -739,7 +856,7 @@ def rederive(plan: ReproductionPlan, workdir: Path, *, run_key: str,
         return out, notes, None
     # the re-derived checkpoint through the export registration ran (kiln's GPT as GPT-2's tensors, or the
     # trainer's own export), so that both sides are the same tensors under the same names
-    exported = workdir / "train-export" / "hf_model"
+    exported = workdir / EXPORT_DIR
     log(f"train: exporting the re-derived checkpoint {result.checkpoint} to compare with the registered weights")
     write_model_folder(result.checkpoint, exported)
     weights = compare_weights(load_folder_weights(registered_weights), load_folder_weights(exported),
@@ -747,6 +864,29 @@ def rederive(plan: ReproductionPlan, workdir: Path, *, run_key: str,
     weights = dataclasses.replace(weights, derived_weights_sha256=result.weights_sha256)
     log(str(weights))
     return out, notes, weights
+
+
+def after_training(plan: ReproductionPlan, checkpoint: str, manifest: Path, workdir: Path, *,
+                   log: Callable[[str], None] = lambda _line: None) -> list[Comparison]:
+    """The steps after training, on the re-derived ``checkpoint`` (its weights the recorded ones) and the
+    re-derived training ``manifest`` (the recorded one once its paths are the run's: the ``training-manifest``
+    step compared that): ``evaluate``, kiln's evaluation on the manifest's eval shards, each field of its
+    report against the signed one (``compare_eval_report``); then, when every field is the same, ``hf-folder``:
+    the checkpoint's Hugging Face folder written by the export registration ran (``write_model_folder``) into
+    ``workdir/EXPORT_DIR``, each file's sha256 against the statement's subject (``compare_folder``). Returns the
+    comparisons; the first that differs is the verdict's reason."""
+    from kiln_trainer.export import write_model_folder
+    from kiln_trainer.contract.training_manifest import load_training_manifest
+
+    report = evaluate_checkpoint_afresh(checkpoint, manifest, workdir / "evaluation" / "eval_report.json", log)
+    here = load_training_manifest(manifest).sha256  # what the trainer's report names: this copy, in its paths
+    compared = compare_eval_report(plan.eval_report, report, training_manifest=(here, plan.training_manifest_sha256))
+    if not all(c.same for c in compared):
+        return compared
+    folder = workdir / EXPORT_DIR
+    log(f"hf-folder: exporting {checkpoint} into {folder}")
+    write_model_folder(checkpoint, folder)
+    return compared + compare_folder(plan.hf_files, artifact_files(folder), prefix=_hf_folder())
 
 
 def _train(plan: ReproductionPlan, recipe: Any, recipe_path: Path, manifest: Path, run_dir: Path, run_key: str,

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
+import shutil
 from pathlib import Path
 
 import pytest
@@ -22,11 +24,15 @@ from kiln.provenance.attestation import attestation_statement, verdict_size_tags
 from kiln.provenance.keys import signing_key
 from kiln.provenance.reproduce import (
     DEFAULT_TOLERANCE,
+    EVAL_COMPARED,
+    EVAL_NOT_COMPARED,
     Comparison,
     Reproduction,
     WeightsDifference,
     check_world_size,
     code_drift,
+    compare_eval_report,
+    compare_folder,
     compare_weights,
     data_order,
     load_folder_weights,
@@ -37,7 +43,8 @@ from kiln.provenance.reproduce import (
     reproduce,
 )
 from kiln.provenance.sign import dsse_envelope
-from kiln.provenance.statement import build_statement, code_sha256, statement_bytes
+from kiln.provenance.statement import artifact_files, build_statement, code_sha256, statement_bytes
+from kiln.refs import sha256_file
 from kiln.shipped import RECIPES_DIR
 from kiln_trainer.config import load_recipe
 from kiln_trainer.contract import canonical_json
@@ -45,9 +52,16 @@ from kiln_trainer.contract import canonical_json
 RECIPE = load_recipe(RECIPES_DIR / "tiny.toml").to_dict()
 
 
+EVAL_REPORT = {"checkpoint": "/kiln/runs/r/checkpoints/step-00000012", "weights_sha256": "e" * 64, "split": "eval",
+               "bits_per_byte": 2.4805891062331396, "loss": 1.719386672973633, "tokens": 8192, "step": 12,
+               "windows": 64, "snapshot_id": "0123456789abcdef0123456789abcdef.dir", "training_manifest_sha256": H,
+               "checkpoint_manifest_sha256": "c" * 64}
+"""An evaluation report as the register stage signs it (``EvalReport.to_json``)."""
+
+
 def _statement(tmp_path: Path, **changes):
     fields = {"recipe": RECIPE, "seed": RECIPE["train"]["seed"], "strategy": "ddp", "snapshot_path": "/kiln/snapshots/x",
-              "max_quarantine_share": 0.5, "eval_report": {"bits_per_byte": 2.5, "weights_sha256": "e" * 64}}
+              "max_quarantine_share": 0.5, "eval_report": EVAL_REPORT}
     return build_statement(make_artifact(tmp_path / "a"), inputs(**{**fields, **changes}))
 
 
@@ -68,6 +82,8 @@ def test_a_statement_with_every_record_plans_a_reproduction(tmp_path):
     ({"token_manifest_sha256": "", "token_manifest_uri": ""}, "the token manifest (a run of the byte stream"),
     ({"token_manifest_uri": ""}, "the token manifest's location"),
     ({"eval_report": {"bits_per_byte": 2.5}}, "the weights' sha256"),
+    ({"eval_report": {k: v for k, v in EVAL_REPORT.items() if k not in ("loss", "windows")}},
+     "the evaluation report's windows, loss"),
 ])
 def test_what_the_statement_lacks_is_named_and_refused(tmp_path, change, named):
     statement = _statement(tmp_path, **change)
@@ -148,6 +164,90 @@ def test_the_outcome_in_words_names_the_step_and_both_digests():
     text = "\n".join(outcome.in_words())
     assert f"does not reproduce: train: weights differs: recorded {'a' * 64}, re-derived {'b' * 64}" in text
     assert "code drift: kiln: x" in text
+
+
+# ---------------------------------------------------- after training: the evaluation, the Hugging Face folder
+
+
+def _signed_plan(tmp_path: Path, **changes):
+    """The plan of a statement as a verifier reads it: through its signed bytes (canonical JSON) and back."""
+    return plan_from_statement(json.loads(statement_bytes(_statement(tmp_path, **changes))))
+
+
+def test_the_plan_carries_the_signed_evaluation_report_and_the_folder_s_files(tmp_path):
+    plan = _signed_plan(tmp_path)
+    assert plan.eval_report == EVAL_REPORT  # every float the same bits after the signed JSON
+    assert plan.hf_files == {"config.json": sha256_file(tmp_path / "a" / "artifacts/hf_model/config.json"),
+                             "model.safetensors": sha256_file(tmp_path / "a" / "artifacts/hf_model/model.safetensors")}
+
+
+def test_a_statement_without_the_folder_s_files_is_refused_naming_them(tmp_path):
+    bare = tmp_path / "bare"
+    (bare / "artifacts").mkdir(parents=True)
+    (bare / "MLmodel").write_text("flavors: {}\n")
+    statement = build_statement(bare, inputs(recipe=RECIPE, seed=RECIPE["train"]["seed"], snapshot_path="/s",
+                                             max_quarantine_share=0.5, eval_report=EVAL_REPORT))
+    assert missing_records(statement) == ["the Hugging Face folder's files (subjects under artifacts/hf_model/)"]
+
+
+def test_the_same_evaluation_report_compares_field_by_field_and_leaves_out_the_paths(tmp_path):
+    plan = _signed_plan(tmp_path)
+    derived = {**EVAL_REPORT, "checkpoint": "/work/derived/train/checkpoints/step-00000012",
+               "checkpoint_manifest_sha256": "d" * 64, "training_manifest_sha256": "9" * 64, "bytes": 8133,
+               "kind": "kiln.EvalReport"}
+    compared = compare_eval_report(plan.eval_report, derived, training_manifest=("9" * 64, H))
+    assert [c.input for c in compared] == [f"evaluation report {name}" for name in EVAL_COMPARED]
+    assert all(c.same and c.step == "evaluate" for c in compared), [str(c) for c in compared if not c.same]
+    assert set(EVAL_COMPARED).isdisjoint(EVAL_NOT_COMPARED) and set(EVAL_COMPARED) | set(EVAL_NOT_COMPARED) == set(
+        EVAL_REPORT)
+    bits = next(c for c in compared if c.input.endswith("bits_per_byte"))
+    assert bits.recorded == repr(EVAL_REPORT["bits_per_byte"])
+
+
+@pytest.mark.parametrize(("field", "value", "shown"), [
+    ("bits_per_byte", math.nextafter(EVAL_REPORT["bits_per_byte"], 0.0), "2.4805891062331393"),  # one float apart
+    ("loss", math.nextafter(EVAL_REPORT["loss"], 2.0), "1.7193866729736331"),
+    ("tokens", 8191, "8191"),
+    ("split", "train", "train"),
+])
+def test_a_report_one_bit_apart_differs_naming_the_field_and_both_values(tmp_path, field, value, shown):
+    plan = _signed_plan(tmp_path)
+    compared = compare_eval_report(plan.eval_report, {**EVAL_REPORT, field: value})
+    [differs] = [c for c in compared if not c.same]
+    recorded = EVAL_REPORT[field]
+    assert str(differs) == (f"evaluate: evaluation report {field} differs: recorded "
+                            f"{recorded if isinstance(recorded, str) else repr(recorded)}, re-derived {shown}")
+
+
+def test_a_report_of_another_training_manifest_or_lacking_a_field_differs(tmp_path):
+    plan = _signed_plan(tmp_path)
+    other = compare_eval_report(plan.eval_report, {**EVAL_REPORT, "training_manifest_sha256": "8" * 64},
+                                training_manifest=("9" * 64, H))
+    assert [str(c) for c in other if not c.same] == [
+        f"evaluate: evaluation report training_manifest_sha256 differs: recorded {H}, re-derived {'8' * 64}"]
+    lacking = compare_eval_report(plan.eval_report, {k: v for k, v in EVAL_REPORT.items() if k != "windows"})
+    assert [c.derived for c in lacking if not c.same] == ["none: not in the report"]
+
+
+def test_the_folder_compares_every_file_with_its_signed_subject(tmp_path):
+    plan = _signed_plan(tmp_path)
+    copy = tmp_path / "derived"
+    shutil.copytree(tmp_path / "a" / "artifacts" / "hf_model", copy)
+    same = compare_folder(plan.hf_files, artifact_files(copy), prefix="artifacts/hf_model")
+    assert [(c.step, c.input, c.same) for c in same] == [("hf-folder", "artifacts/hf_model/config.json", True),
+                                                          ("hf-folder", "artifacts/hf_model/model.safetensors", True)]
+    weights = copy / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-1] + bytes([weights.read_bytes()[-1] ^ 1]))
+    (copy / "generation_config.json").write_text("{}")
+    (copy / "config.json").unlink()
+    found = {c.input.rsplit("/", 1)[1]: c for c in compare_folder(plan.hf_files, artifact_files(copy),
+                                                                   prefix="artifacts/hf_model")}
+    assert str(found["model.safetensors"]) == (
+        f"hf-folder: artifacts/hf_model/model.safetensors differs: recorded {plan.hf_files['model.safetensors']}, "
+        f"re-derived {sha256_file(weights)}")
+    assert found["config.json"].derived == "none: the re-derived export did not write it"
+    assert found["generation_config.json"].recorded == "none: not a file of the registered folder"
+    assert not any(c.same for c in found.values())
 
 
 # ------------------------------------------------------------------------------- at another world size
@@ -318,7 +418,9 @@ def test_a_reproduction_beyond_tolerance_names_the_tensor_and_both_values():
 def test_a_bitwise_reproduction_keeps_its_words_and_tags_no_bound():
     outcome = Reproduction(model="m", version="3", policy="sandbox", verdict="reproduced", world_size=1,
                            recorded_world_size=1)
-    assert outcome.in_words()[0].endswith("reproduced: every step gave the recorded digest, the weights the same sha256")
+    assert outcome.in_words()[0].endswith("reproduced: every step gave the recorded digest, the weights the same sha256, "
+                                          "the evaluation the same report bit for bit and the Hugging Face folder the "
+                                          "same files")
     assert verdict_size_tags(outcome) == {"kiln.reproduction.world_size": "1",
                                           "kiln.reproduction.weights_compared": "bitwise"}
     predicate = attestation_statement(outcome, "d" * 64)["predicate"]
