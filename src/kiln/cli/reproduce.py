@@ -11,11 +11,13 @@
 First verifies the version for the policy (as ``kiln verify``) and refuses one that does not verify;
 then, from the signed statement alone plus the DVC remote, restores the snapshot, validates it against
 the recorded contract, tokenizes, rebuilds the training manifest and trains with the recorded recipe,
-seed, world size and strategy (kiln's local launcher), comparing each step's digest with the recorded
-one (``kiln.provenance.reproduce``). The first that differs stops it. Refused: a version that does not
-verify, a statement that lacks what a step needs (named), or installed code other than the recorded
-code (unless ``--allow-code-drift``). The verdict is recorded on the version (``kiln.reproduction.*``
-tags) with a signed attestation (``--no-record``: neither).
+seed, world size and strategy (kiln's local launcher), then evaluates the weights and exports their
+Hugging Face folder as registration did, comparing each step's digest (the evaluation report field by
+field, the folder file by file) with the recorded one (``kiln.provenance.reproduce``). The first that
+differs stops it. Refused: a version that does not verify, a statement that lacks what a step needs
+(named), or installed code other than the recorded code (unless ``--allow-code-drift``). The verdict
+is recorded on the version (``kiln.reproduction.*`` tags) with a signed attestation (``--no-record``:
+neither).
 
 ``--world-size N`` trains at ``N`` ranks instead of the recorded number. The steps before training must
 still give the recorded digests; the weights cannot be bit-identical (the gradients sum in another
@@ -47,7 +49,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "reproduce",
         help="re-derive a registered version from its signed provenance statement (same sha256) or refuse",
         description="Verify a registered version, then re-derive it step by step from its signed provenance "
-        "statement and the DVC remote (snapshot, contract, tokens, training manifest, training) and compare "
+        "statement and the DVC remote (snapshot, contract, tokens, training manifest, training, evaluation, the "
+        "Hugging Face folder) and compare "
         "each digest with the recorded one; the first that differs stops it.",
     )
     p.add_argument("ref", metavar="MODEL@ALIAS|MODEL/VERSION", help="a registered version")
