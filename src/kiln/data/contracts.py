@@ -101,11 +101,15 @@ class Contract:
 
     @property
     def secret_patterns(self) -> tuple[str, ...]:
-        """Regexes of every ``expect_column_values_to_not_match_regex_list``: also used to redact."""
+        """Regexes of every ``expect_column_values_to_not_match_regex_list`` and of every ``kiln.secrets``
+        document rule: also used to redact samples."""
         patterns: list[str] = []
         for exp in self.suite["expectations"]:
             if exp["type"] == "expect_column_values_to_not_match_regex_list":
                 patterns.extend(exp["kwargs"].get("regex_list", []))
+        for rule in self.document_rules:
+            if rule.get("kind") == "kiln.secrets":
+                patterns.extend(p for p in (rule.get("params") or {}).get("patterns", []) if p not in patterns)
         return tuple(patterns)
 
 
@@ -238,6 +242,7 @@ def contract_problems(suite: Any, *, name: str | None = None, version: int | Non
     """Every structural problem of a contract suite, each naming its field (``kiln contract check``
     lists them all; ``load_contract`` refuses a contract with any). ``name`` / ``version``: what the
     file's place says they must be (unchecked when None). Pure JSON: no GE, no datatrove import."""
+    from kiln.data.code_rules import rule_column
     from kiln.data.doc_rules import check_document_rules
     from kiln.data.near_duplicates import check_near_duplicate_settings
 
@@ -306,6 +311,12 @@ def contract_problems(suite: Any, *, name: str | None = None, version: int | Non
         if kiln["document_rules"] and DOCUMENT_RULES_COLUMN not in required:
             problems.append(f"meta.kiln.document_rules judge the {DOCUMENT_RULES_COLUMN!r} column, which the contract does "
                             f"not require (required: {sorted(required)}): the rules would never run")
+        for i, rule in enumerate(kiln["document_rules"] if isinstance(kiln["document_rules"], list) else []):
+            column = (rule_column(rule.get("kind", ""), rule.get("params") or {})
+                      if isinstance(rule, dict) and isinstance(rule.get("params", {}), dict) else None)
+            if column is not None and column not in required:
+                problems.append(f"meta.kiln.document_rules[{i}] reads the {column!r} column, which the contract does not "
+                                f"require (required: {sorted(required)}): the rule would never run")
     if "near_duplicates" in kiln:
         problems.extend(check_near_duplicate_settings(kiln["near_duplicates"]))
         near = kiln["near_duplicates"]

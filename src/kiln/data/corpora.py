@@ -18,7 +18,10 @@ find it. ``list_corpora`` is one directory listing plus one small JSON read per 
 the sandbox trigger form costs when Airflow parses the DAG file (``form_choices``).
 
 Which contracts fit which corpus: a corpus names its kind of text (``TEXT_KINDS``) and the contract
-it was made for (``NAME@VERSION``); every version of that contract's family fits it.
+it was made for (``NAME@VERSION``); every version of that contract's family fits it, and so does every
+family made for its kind of text (``KIND_FAMILIES``: web text and hard-wrapped prose are both
+natural language; the stdlib sample is Python source, which the general source-code contract also
+fits). Any other family is refused: its rules would quarantine the corpus for the wrong reasons.
 """
 
 from __future__ import annotations
@@ -46,8 +49,15 @@ MAX_METADATA_BYTES = 1 << 20
 TEXT_KINDS: dict[str, str] = {
     "python-source": "stdlib-py",
     "natural-language": "web-text",
+    "source-code": "source-code",
 }
 """Kind of text → the contract family made for it (the default contract of an import of that kind)."""
+KIND_FAMILIES: dict[str, tuple[str, ...]] = {
+    "python-source": ("stdlib-py", "source-code"),
+    "natural-language": ("web-text", "prose-wrapped"),
+    "source-code": ("source-code",),
+}
+"""Kind of text → every contract family made for it (the first is ``TEXT_KINDS``' default)."""
 FORM_MAX_CORPORA = 200
 """The sandbox form lists at most this many corpora (by name); any other is still typed by hand."""
 
@@ -103,11 +113,13 @@ class CorpusMetadata:
         return parse_contract_ref(self.contract)[0]
 
     def fits(self, contract: str) -> bool:
-        """Whether ``contract`` (``NAME[@VERSION]``) is of the family this corpus was made for."""
+        """Whether ``contract`` (``NAME[@VERSION]``) is of the family this corpus was made for, or of a
+        family made for its kind of text (``KIND_FAMILIES``)."""
         try:
-            return parse_contract_ref(contract)[0] == self.contract_family
+            family = parse_contract_ref(contract)[0]
         except ContractError:
             return False
+        return family == self.contract_family or family in KIND_FAMILIES.get(self.kind, ())
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -283,8 +295,9 @@ def run_contract(requested: str | None, metadata: CorpusMetadata | None, fallbac
     ``requested`` is the run's own choice (``""``/None: none). A pinned policy (production) takes only
     ``fallback``, its reviewed contract, and refuses a corpus whose record says it was made for
     another family. Otherwise: the requested contract, else the corpus' own, else ``fallback`` for a
-    corpus without a record. A contract of another family than the corpus' own is refused
-    (``ConfigError`` naming both): its rules would quarantine every shard for the wrong reasons.
+    corpus without a record. A contract that does not fit the corpus (``CorpusMetadata.fits``: neither
+    its own family nor one made for its kind of text) is refused (``ConfigError`` naming both and the
+    families that fit): its rules would quarantine every shard for the wrong reasons.
     """
     chosen = (requested or "").strip()
     if pinned:
@@ -294,8 +307,9 @@ def run_contract(requested: str | None, metadata: CorpusMetadata | None, fallbac
     elif not chosen:
         chosen = metadata.contract if metadata is not None else fallback
     if metadata is not None and not metadata.fits(chosen):
+        fitting = sorted({metadata.contract_family, *KIND_FAMILIES.get(metadata.kind, ())})
         raise ConfigError(
             f"contract {chosen!r} does not fit corpus {corpus!r}: its corpus.json says it is {metadata.kind} text, "
-            f"made for {metadata.contract} (family {metadata.contract_family!r})"
+            f"made for {metadata.contract} (family {metadata.contract_family!r}; families that fit: {', '.join(fitting)})"
         )
     return chosen

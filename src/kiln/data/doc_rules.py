@@ -53,6 +53,7 @@ from dataclasses import dataclass
 from itertools import groupby
 from typing import Any
 
+from kiln.data.code_rules import CODE_RULE_KINDS, CodeRule, code_rule_problems
 from kiln.data.re2_patterns import compiled_exact, compiled_search, pattern_problem
 from kiln.errors import ContractError
 
@@ -65,7 +66,7 @@ DATATROVE_FILTERS: dict[str, tuple[str, str]] = {
 """Contract kind -> (module, class) of the datatrove 0.10 filter it runs."""
 PII_KIND = "kiln.pii"
 SCRIPT_KIND = "kiln.script"
-DOCUMENT_RULE_KINDS = frozenset({*DATATROVE_FILTERS, PII_KIND, SCRIPT_KIND})
+DOCUMENT_RULE_KINDS = frozenset({*DATATROVE_FILTERS, PII_KIND, SCRIPT_KIND, *CODE_RULE_KINDS})
 
 LINES = ("stored", "unwrapped")
 """A datatrove rule's ``lines``: ``stored`` (default) reads the text's own lines; ``unwrapped`` reads it
@@ -159,6 +160,8 @@ def check_document_rules(rules: Any, *, where: str = "meta.kiln.document_rules",
             problems.extend(_pii_problems(params, f"{at}.params"))
         elif kind == SCRIPT_KIND:
             problems.extend(_script_problems(params, f"{at}.params"))
+        elif kind in CODE_RULE_KINDS:
+            problems.extend(code_rule_problems(kind, params, f"{at}.params"))
         elif deep:
             problems.extend(_datatrove_problems(kind, params, f"{at}.params"))
     return problems
@@ -285,7 +288,7 @@ def _as_datatrove_value(default: Any, value: Any) -> Any:
 class _Rule:
     rule: str
 
-    def judge(self, texts: Any, candidates: list[int]) -> dict[int, str]:  # row -> detail
+    def judge(self, texts: Any, candidates: list[int], columns: Any = None) -> dict[int, str]:  # row -> detail
         raise NotImplementedError
 
 
@@ -326,7 +329,7 @@ class _DatatroveRule(_Rule):
             return None
         return verdict[1] if isinstance(verdict, tuple) else "dropped"
 
-    def judge(self, texts: Any, candidates: list[int]) -> dict[int, str]:
+    def judge(self, texts: Any, candidates: list[int], columns: Any = None) -> dict[int, str]:
         values = texts.take(candidates).to_pylist() if candidates else []
         failed: dict[int, str] = {}
         for row, text in zip(candidates, values, strict=True):
@@ -369,7 +372,7 @@ class _PiiRule(_Rule):
             self.checks.append(("phone", compiled_search(params["phone_pattern"]), None))
             self.needs.append(None)
 
-    def judge(self, texts: Any, candidates: list[int]) -> dict[int, str]:
+    def judge(self, texts: Any, candidates: list[int], columns: Any = None) -> dict[int, str]:
         import pyarrow.compute as pc
 
         failed: dict[int, str] = {}
@@ -407,7 +410,7 @@ class _ScriptRule(_Rule):
         self.min_letters = int(params.get("min_letters", 1))
         self.scripts = list(params["scripts"])
 
-    def judge(self, texts: Any, candidates: list[int]) -> dict[int, str]:
+    def judge(self, texts: Any, candidates: list[int], columns: Any = None) -> dict[int, str]:
         import pyarrow as pa
         import pyarrow.compute as pc
 
@@ -436,15 +439,22 @@ class _ScriptRule(_Rule):
 class DocumentRuleSet:
     """A contract's document rules, built once per process and contract."""
 
-    rules: tuple[_Rule, ...]
+    rules: tuple[_Rule | CodeRule, ...]
 
     @property
     def rule_ids(self) -> tuple[str, ...]:
         return tuple(r.rule for r in self.rules)
 
-    def judge(self, texts: Any) -> list[DroppedDocument]:
+    @property
+    def columns(self) -> frozenset[str]:
+        """Columns besides ``text`` that some rule reads (the extension rule's path column)."""
+        return frozenset(r.column for r in self.rules if isinstance(r, CodeRule) and r.column)
+
+    def judge(self, texts: Any, columns: Any = None) -> list[DroppedDocument]:
         """The dropped documents of one shard's text column (an Arrow string array; nulls are left to
-        the not-null rule), each with the first rule it failed, in row order."""
+        the not-null rule), each with the first rule it failed, in row order. ``columns``: name ->
+        Arrow array of the shard's other columns that ``self.columns`` names (a rule whose column is
+        not given keeps every document)."""
         import pyarrow as pa
         import pyarrow.compute as pc
 
@@ -461,7 +471,8 @@ class DocumentRuleSet:
             # other rule judges the shard's remaining documents at once, in Arrow.
             for step in [list(group)] if per_document else [[rule] for rule in group]:
                 failed = (_document_by_document(step, texts, remaining) if per_document
-                          else {row: (step[0].rule, detail, False) for row, detail in step[0].judge(texts, remaining).items()})
+                          else {row: (step[0].rule, detail, False)
+                                for row, detail in step[0].judge(texts, remaining, columns).items()})
                 dropped.extend(DroppedDocument(row, rule_id, detail, layout)
                                for row, (rule_id, detail, layout) in failed.items())
                 remaining = [i for i in remaining if i not in failed]
@@ -503,10 +514,12 @@ def build_rule_set(rules: Sequence[dict[str, Any]], cache_key: str | None = None
     problems = check_document_rules(list(rules), deep=True)
     if problems:
         raise ContractError("bad document rules: " + "; ".join(problems))
-    built: list[_Rule] = []
+    built: list[_Rule | CodeRule] = []
     for spec in rules:
         params = dict(spec.get("params", {}))
-        if spec["kind"] == PII_KIND:
+        if spec["kind"] in CODE_RULE_KINDS:
+            built.append(CodeRule(spec["rule"], spec["kind"], params))
+        elif spec["kind"] == PII_KIND:
             built.append(_PiiRule(spec["rule"], params))
         elif spec["kind"] == SCRIPT_KIND:
             built.append(_ScriptRule(spec["rule"], params))

@@ -77,7 +77,8 @@ def judge_documents(loaded: _LoadedShard, report: ShardReport, contract: Contrac
     from kiln.data.validation.frames import _valid_text
 
     texts = _valid_text(loaded.table.column("text"))
-    found = _rule_set(contract).judge(texts)
+    rule_set = _rule_set(contract)
+    found = rule_set.judge(texts, {c: loaded.table.column(c) for c in rule_set.columns if c in names})
     pii_rules = {r["rule"] for r in contract.document_rules if r["kind"] == PII_KIND}
     ids = loaded.table.column("doc_id") if "doc_id" in names else None
     drops = []

@@ -38,7 +38,7 @@ def test_the_record_round_trips_and_a_bad_one_is_named(tmp_path: Path) -> None:
     with pytest.raises(CorpusInputError, match=r"corpus.json: field 'contract' is missing"):
         read_metadata(tmp_path)
     (tmp_path / "corpus.json").write_text(json.dumps({**data, "contract": "x@1", "kind": "poetry"}))
-    with pytest.raises(CorpusInputError, match="kind must be one of python-source, natural-language, got 'poetry'"):
+    with pytest.raises(CorpusInputError, match="kind must be one of python-source, natural-language, source-code, got 'poetry'"):
         read_metadata(tmp_path)
     (tmp_path / "corpus.json").write_text("{")
     with pytest.raises(CorpusInputError, match="corpus.json: not a JSON corpus record"):
@@ -114,3 +114,19 @@ def test_a_hostile_corpus_record_is_listed_as_unreadable_and_the_form_still_buil
     assert entries["bad"].metadata is None and entries["bad"].problem.startswith(f"{record}: not a JSON corpus record: ")
     choices = form_choices("web", tmp_path)
     assert choices.corpus_labels["bad"] == "bad (unreadable corpus.json)"
+
+
+def test_a_contract_made_for_the_corpus_kind_of_text_fits_it_and_one_of_another_kind_is_still_refused() -> None:
+    """Hard-wrapped prose and web text are both natural language; the stdlib sample is Python source,
+    which the general source-code contract fits too; nothing crosses from code to prose or back."""
+    web, stdlib = _meta("natural-language", "web-text@1"), _meta("python-source", "stdlib-py@1")
+    assert run_contract("prose-wrapped@1", web, "stdlib-py@1", corpus="docs") == "prose-wrapped@1"
+    assert run_contract("source-code@1", stdlib, "stdlib-py@1", corpus="stdlib-py") == "source-code@1"
+    assert run_contract(None, _meta("source-code", "source-code@1"), "stdlib-py@1", corpus="repo") == "source-code@1"
+    for requested, meta, corpus in (("source-code@1", web, "docs"), ("prose-wrapped@1", stdlib, "stdlib-py"),
+                                    ("stdlib-py@1", _meta("source-code", "source-code@1"), "repo")):
+        with pytest.raises(ConfigError, match=f"contract '{requested}' does not fit corpus '{corpus}': .*families that fit"):
+            run_contract(requested, meta, "stdlib-py@1", corpus=corpus)
+    assert default_contract("source-code") == "source-code@1"
+    labels = form_choices("stdlib-py").contract_labels
+    assert set(labels) >= {"prose-wrapped@1", "source-code@1"}
