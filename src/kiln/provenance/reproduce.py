@@ -875,8 +875,8 @@ def after_training(plan: ReproductionPlan, checkpoint: str, manifest: Path, work
     the checkpoint's Hugging Face folder written by the export registration ran (``write_model_folder``) into
     ``workdir/EXPORT_DIR``, each file's sha256 against the statement's subject (``compare_folder``). Returns the
     comparisons; the first that differs is the verdict's reason."""
-    from kiln_trainer.export import write_model_folder
     from kiln_trainer.contract.training_manifest import load_training_manifest
+    from kiln_trainer.export import write_model_folder
 
     report = evaluate_checkpoint_afresh(checkpoint, manifest, workdir / "evaluation" / "eval_report.json", log)
     here = load_training_manifest(manifest).sha256  # what the trainer's report names: this copy, in its paths
