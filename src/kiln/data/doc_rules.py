@@ -15,11 +15,26 @@ Kinds (``DOCUMENT_RULE_KINDS``):
     kiln.pii                           e-mail and public IP addresses (datatrove's PIIFormatter patterns),
                                        phone numbers (the contract's pattern)
     kiln.script                        share of letters outside the contract's Unicode scripts (RE2 ``\\p{Script}``)
+    kiln.extension, kiln.secrets,      source code: extension allow-list, credentials, generated-file markers,
+    kiln.generated, kiln.license_header,  licence headers, line length and alphanumeric share
+    kiln.code_lines                    (``kiln.data.code_rules``: Codex, The Stack, StarCoder)
+
+A datatrove rule may also say how it reads the document (``LINES``, ``WORDS``)::
+
+    {"rule": "c4_quality", "kind": "datatrove.C4QualityFilter", "params": {...},
+     "lines": "unwrapped", "words": "whitespace"}
+
+``lines``: ``stored`` (default) or ``unwrapped`` (soft line breaks of hard-wrapped paragraphs joined,
+``kiln.data.layout``: the line rules then judge paragraphs; ``prose-wrapped@1``). ``words``:
+``whitespace`` (default, below) or ``datatrove`` (datatrove's English default, spaCy's blank
+tokenizer with its sentencizer: the verdicts are then a datatrove pipeline's on the same documents,
+tested on a sample; one departure remains, below: C4's line removal is not handed on to the rules
+after it. Importing spaCy imports torch through thinc where torch is installed: seconds, once a process).
 
 Two choices keep every rule offline and the verdict about the bytes kiln trains on:
 
-* **Words are whitespace-separated** (``WHITESPACE_WORDS``): datatrove's English default is a spaCy
-  tokenizer (15 more packages) that counts punctuation as words, which Gopher's rules do not (its
+* **Words are whitespace-separated** unless a rule says ``"words": "datatrove"``: datatrove's English
+  default is a spaCy tokenizer (15 more packages) that counts punctuation as words, which Gopher's rules do not (its
   80 %-alphabetic-words rule then drops ordinary prose: measured on the standard library's docs,
   median 0.65). Sentences use datatrove's own regex sentence splitter (no NLTK punkt download).
 * **A rule judges the original text.** C4's filter removes lines (no terminal punctuation, "javascript",
