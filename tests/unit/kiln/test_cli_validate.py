@@ -309,3 +309,31 @@ def test_hard_wrapped_prose_dropped_for_its_layout_gets_a_hint_naming_the_contra
     assert len(hints) == 1 and "--contract prose-wrapped@1" in hints[0], captured.err
     assert json.loads(captured.out)["hint"] == hints[0].removeprefix("hint: ")
     assert json.loads((tmp_path / "web.json").read_text())["hint"] == hints[0].removeprefix("hint: ")
+
+
+def test_a_code_corpus_is_judged_by_its_file_paths_and_lines(kiln_cli, tmp_path: Path, capsys) -> None:
+    """A tree of files imported as a source-code corpus: the extension rule reads each row's source
+    path through validation, the line rules its text; the standard library's files pass."""
+    import sysconfig
+
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    src = tmp_path / "tree"
+    (src / "lib").mkdir(parents=True)
+    for name in ("bisect.py", "colorsys.py", "heapq.py", "keyword.py", "shlex.py", "textwrap.py", "fnmatch.py",
+                 "glob.py", "sched.py", "stat.py", "string.py", "this.py", "timeit.py", "uu.py"):
+        (src / "lib" / name).write_text((stdlib / name).read_text(encoding="utf-8"), encoding="utf-8")
+    for k in range(4):  # texts of this test's own, two of which the split (seed 5) holds out whatever the stdlib
+        (src / "lib" / f"helper_{k}.py").write_text(f'"""Helper number {k}."""\n\n\ndef helper_{k}(x: int) -> int:\n'
+                                                    f'    """Return x plus {k}."""\n    return x + {k}\n')
+    (src / "notes.txt").write_text("Remember to water the plants on Monday and Thursday.\n")  # both kept in train
+    (src / "app.min.js").write_text("var a=1;" * 300 + "\n")                                    # by seed 5
+    assert kiln_cli(["corpus", "import", str(src), "--name", "repo", "--format", "text", "--kind", "source-code",
+                     "--root", str(tmp_path), "--eval-fraction", "0.3", "--seed", "5"]) == 0
+    capsys.readouterr()
+    report_path = tmp_path / "r.json"
+    assert kiln_cli(["validate", str(tmp_path / "repo"), "--contract", "source-code@1", "--report", str(report_path)]) == 0
+    dropped = json.loads(capsys.readouterr().out)["documents_dropped"]
+    report = json.loads(report_path.read_text())["dropped"]["all_shards"]["details"]
+    # keyword.py says "Automatically generated" in its header; the others are hand-written code.
+    assert report.get("extension") == {"extension_not_allowed": 1} and report.get("code_lines") == {"max_line_length": 1}
+    assert dropped["documents"] <= 6 and dropped["of_documents"] >= 12  # the two above, keyword.py, near copies
