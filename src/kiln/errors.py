@@ -2,8 +2,9 @@
 
     KilnError                      base; ``retryable`` tells Airflow whether a retry can help
     ├── ConfigError                bad recipe / params / settings (names the bad field)
-    │   └── CorpusInputError       input to ``kiln corpus import`` that cannot become a corpus (names the
-    │                              file and line or row, and the field)
+    │   ├── CorpusInputError       input to ``kiln corpus import`` that cannot become a corpus (names the
+    │   │                          file and line or row, and the field)
+    │   └── MixtureError           a data mixture that cannot be trained (names the file and the field)
     ├── SnapshotError              DVC add/push/restore failed, unknown snapshot id
     │   └── SnapshotMismatchError  the bytes found are not the snapshot an asset event announced (no retry)
     ├── ContractError              unknown contract, malformed suite JSON
@@ -38,6 +39,11 @@ class KilnError(Exception):
 
 class ConfigError(KilnError):
     retryable = False
+
+
+class MixtureError(ConfigError):
+    """A data mixture (``training/mixtures/NAME.toml``) that cannot be trained: the message names the
+    file and the field (``sources[1] ('code').weight``)."""
 
 
 class CorpusInputError(ConfigError):

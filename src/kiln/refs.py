@@ -144,6 +144,56 @@ class PinnedSnapshot(SnapshotRef):
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
+class PinnedSource(Ref):
+    """One source of a mixture run, pinned: its declared name and weight, and its snapshot.
+
+    Wire format: ``{"name", "weight", "snapshot": PinnedSnapshot}``."""
+
+    name: str
+    weight: float
+    snapshot: PinnedSnapshot
+
+    _nested = {"snapshot": PinnedSnapshot}
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class PinnedMixture(Ref):
+    """The snapshots a mixture run is pinned to, one per source, in declared order: what the snapshot
+    stage hands on for a run of a mixture (``kiln.data.mixtures``).
+
+    Wire format: ``{"mixture", "id", "corpus", "sources": [PinnedSource, ...]}``. ``id`` and ``corpus``
+    name every source's (``"code=<md5>.dir,docs=<md5>.dir"``), as a mixture's training manifest does, so
+    what reads a run's ``snapshot`` XCom for one id reads a set of them pinned together."""
+
+    mixture: str
+    id: str
+    corpus: str
+    sources: list[PinnedSource]
+
+    _nested = {"sources": PinnedSource}
+
+    @classmethod
+    def of(cls, mixture: str, sources: list[PinnedSource]) -> PinnedMixture:
+        summary = mixture_summary([{"name": s.name, "snapshot_id": s.snapshot.id, "corpus": s.snapshot.corpus,
+                                    "contract": ""} for s in sources])
+        return cls(mixture=mixture, id=summary["snapshot_id"], corpus=summary["corpus"], sources=list(sources))
+
+    def source(self, name: str) -> PinnedSource:
+        for s in self.sources:
+            if s.name == name:
+                return s
+        raise ManifestError(f"mixture {self.mixture!r} pinned no source {name!r}: "
+                            f"its sources are {', '.join(s.name for s in self.sources)}")
+
+
+def pinned_input(data: Any) -> PinnedSnapshot | PinnedMixture:
+    """A run's ``snapshot`` XCom as the ref it carries: one corpus' snapshot, or a mixture's set."""
+    if isinstance(data, dict) and "sources" in data:
+        return PinnedMixture.from_json(data)
+    return PinnedSnapshot.from_json(data)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
 class ShardEntry(Ref):
     """One shard a manifest lists: ``{"path", "sha256", "rows"}`` (path absolute), plus
     ``"drop_rows"`` when the contract dropped some of its documents."""
@@ -297,7 +347,8 @@ class TrainingManifest(Ref):
         return cls(
             snapshot_id=summary["snapshot_id"], corpus=summary["corpus"], contract=summary["contract"],
             shards=summary["shards"], eval_shards=summary["eval_shards"], quarantined=summary["quarantined"],
-            tokens=dict(sources[0]["tokens"]) if len(sources) == 1 else None, trainer=wire.get("trainer"),
+            tokens=dict(sources[0]["tokens"]) if len(sources) == 1 and sources[0].get("tokens") else None,
+            trainer=wire.get("trainer"),
             format=MIXTURE_FORMAT, sources=sources, sha256=sha256,
         )
 
@@ -315,8 +366,27 @@ class TrainingManifest(Ref):
         (``token_manifest_sha256``): the one token manifest's sha256 (None before packing), or for a
         mixture the contract's ``mixture_tokens_sha256`` of its sources."""
         if self.format == MIXTURE_FORMAT and self.sources is not None and len(self.sources) > 1:
+            if not self.packed:
+                return None
             return mixture_tokens_sha256([(s["name"], s["weight"], s["tokens"]["sha256"]) for s in self.sources])
         return None if self.tokens is None else str(self.tokens["sha256"])
+
+    @property
+    def packed(self) -> bool:
+        """Whether the trainer can read it as is: the shards named as packed tokens (a format-1 manifest
+        without them is packed by the trainer itself; a mixture's sources never are)."""
+        if self.format == MIXTURE_FORMAT and self.sources is not None:
+            return all(s.get("tokens") for s in self.sources)
+        return self.tokens is not None
+
+    def without_tokens(self) -> TrainingManifest:
+        """This manifest as its data gate made it, before the tokenize stage named packed tokens."""
+        if self.format == MIXTURE_FORMAT and self.sources is not None:
+            if not any(s.get("tokens") for s in self.sources):
+                return self
+            return type(self).build_mixture([{k: v for k, v in s.items() if k != "tokens"} for s in self.sources],
+                                            trainer=self.trainer)
+        return self if self.tokens is None else self.with_tokens("", None)
 
     def with_tokens(self, token_manifest: str, token_manifest_sha256: str | None) -> TrainingManifest:
         """This manifest naming its packed tokens (``None``: naming none), under its new hash."""
@@ -428,6 +498,32 @@ class PackedTokensRef(Ref):
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
+class SourceGate(Ref):
+    """The data gate's verdict on one source of a mixture, judged by its own contract and threshold.
+
+    Wire format: ``{"name", "weight", "corpus", "snapshot_id", "contract", "healthy", "quarantined",
+    "quarantine_rate", "max_quarantine_share", "report", "report_html", "report_html_uri"}``, and
+    ``"tokens"`` (its ``PackedTokensRef``) once the tokenize stage packed it."""
+
+    name: str
+    weight: float
+    corpus: str
+    snapshot_id: str
+    contract: str
+    healthy: int
+    quarantined: list[QuarantinedShard]
+    quarantine_rate: float
+    max_quarantine_share: float
+    report: str
+    report_html: str
+    report_html_uri: str = ""
+    tokens: PackedTokensRef | None = None
+
+    _nested = {"quarantined": QuarantinedShard, "tokens": PackedTokensRef}
+    _absent_when_none = frozenset({"tokens"})
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
 class DataGateResult(Ref):
     """What the data gate hands on: the run's TrainingManifest (healthy shards only) and its
     quarantine report, both written into the run directory.
@@ -458,8 +554,14 @@ class DataGateResult(Ref):
     """The manifest's shards as packed tokens, once the tokenize stage made them (then ``manifest``
     and ``manifest_sha256`` are of the training manifest that names them); absent before."""
 
-    _nested = {"quarantined": QuarantinedShard, "tokens": PackedTokensRef}
-    _absent_when_none = frozenset({"tokens"})
+    sources: list[SourceGate] | None = None
+    """A mixture's sources, each gated by its own contract (absent for a run of one corpus). The
+    top-level fields then answer for all of them: ``healthy`` and ``quarantined`` summed (each
+    quarantined path as ``<source>/<file>``), ``contract`` as the manifest names them, ``report`` and
+    ``report_html`` the index of the sources' reports."""
+
+    _nested = {"quarantined": QuarantinedShard, "tokens": PackedTokensRef, "sources": SourceGate}
+    _absent_when_none = frozenset({"tokens", "sources"})
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

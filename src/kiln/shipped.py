@@ -3,7 +3,7 @@ policy configuration, the DAG files and the Airflow plugin — found in one plac
 in an installed wheel alike.
 
 ``kiln/_shipped/`` holds links to the repository's own top-level folders (``data_contracts/``,
-``training/recipes/``, ``config/``, ``dags/``, ``plugins/``); a wheel build follows them and copies
+``training/recipes/``, ``training/mixtures/``, ``config/``, ``dags/``, ``plugins/``); a wheel build follows them and copies
 the files in as package data. So an editable install reads the checkout, a plain ``pip install`` reads its copy,
 and no code asks where the repository is.
 """
@@ -15,6 +15,8 @@ from pathlib import Path
 SHIPPED = Path(__file__).resolve().parent / "_shipped"
 CONTRACTS_DIR = (SHIPPED / "data_contracts").resolve()
 RECIPES_DIR = (SHIPPED / "recipes").resolve()
+MIXTURES_DIR = (SHIPPED / "mixtures").resolve()
+"""Data mixtures a run may name (``kiln.data.mixtures``): ``training/mixtures/<name>.toml``."""
 CONFIG_DIR = (SHIPPED / "config").resolve()
 """Reviewed configuration: ``production.toml`` (the production policy's corpus, contract and model)."""
 DAGS_DIR = (SHIPPED / "dags").resolve()

@@ -38,6 +38,7 @@ from airflow.sdk import (
 )
 
 from kiln.data.corpora import RUN_CORPUS_CONTRACT, form_choices
+from kiln.data.mixtures import available_mixtures
 from kiln.data.snapshot import CORPUS_NAME
 from kiln.policy import RECIPES_DIR, Policy
 from kiln.refs import (
@@ -47,6 +48,7 @@ from kiln.refs import (
     Decision,
     EvalReport,
     JobEnded,
+    PinnedMixture,
     PinnedSnapshot,
     PromotionRecord,
     Ref,
@@ -107,6 +109,11 @@ def _params(policy: Policy) -> dict[str, Param]:
                         examples=choices.corpora, values_display=choices.corpus_labels,
                         description="A corpus under the DVC workspace's corpora/ folder (`kiln corpus list`; "
                                     "`kiln corpus import` adds one)."),
+        # Offered: the mixtures under training/mixtures/ (a directory listing, kiln.data.mixtures).
+        "mixture": Param(None, type=["null", "string"], enum=[None, *available_mixtures()], title="Data mixture",
+                         description="Train on a mixture of corpora (training/mixtures/NAME.toml: each source a corpus "
+                                     "under its own contract, mixed by weight) instead of the one corpus above; empty: "
+                                     "the corpus. With a mixture, leave the contract empty: each source has its own."),
         "contract": Param(RUN_CORPUS_CONTRACT, type=["null", "string"], enum=choices.contracts,
                           values_display=choices.contract_labels, title="Data contract",
                           description="The contract the shards are validated with; empty: the one the corpus' "
@@ -170,6 +177,14 @@ def _from_xcom(ref: type[R], xcom: Any) -> R:
     task without retry."""
     with _kiln_faults_fail_without_retry():
         return ref.from_json(xcom)
+
+
+def _pinned(xcom: Any) -> PinnedSnapshot | PinnedMixture:
+    """The ``snapshot`` task's XCom: one corpus' snapshot or a mixture's set (``kiln.refs.pinned_input``)."""
+    from kiln.refs import pinned_input
+
+    with _kiln_faults_fail_without_retry():
+        return pinned_input(xcom)
 
 
 def _from_optional_xcom(ref: type[R], xcom: Any) -> R | None:
@@ -462,7 +477,7 @@ class TrainOperator(BaseOperator):
 
         policy = launcher_in_force(self.policy, self.launcher_setting, self.log.info)
         params = dict(context["params"])
-        snapshot, data = _from_xcom(PinnedSnapshot, self.snapshot), _from_xcom(DataGateResult, self.data)
+        snapshot, data = _pinned(self.snapshot), _from_xcom(DataGateResult, self.data)
         if policy.launcher == "local":
             return _run(train_stage, policy, snapshot, data, params, _key(), log_line=self.log.info,
                         mlflow_as=policy).to_json()
@@ -602,7 +617,7 @@ def build_dag(policy: Policy):  # one function, so the wiring reads top to botto
     def kiln_pipeline():
         @task(multiple_outputs=False)
         def snapshot() -> dict[str, Any]:
-            from kiln.stages import check_run_conf, run_policy, snapshot_stage
+            from kiln.stages import check_run_conf, snapshot_run_stage
 
             ctx = get_current_context()
             # The declared form, not ctx["params"]: Airflow merges unknown conf keys into the latter.
@@ -614,36 +629,35 @@ def build_dag(policy: Policy):  # one function, so the wiring reads top to botto
                 for ev in events
                 if (ev.extra or {}).get("snapshot_id")
             ]
-            pinned = _run(snapshot_stage, policy, ctx["params"].get("corpus"), expected or None, mlflow_as=policy)
-            _run(run_policy, policy, dict(ctx["params"]), pinned, mlflow_as=None)  # a contract that does not fit: now
+            # One corpus, or each source of the mixture the run names; a contract that does not fit: now.
+            pinned = _run(snapshot_run_stage, policy, dict(ctx["params"]), expected or None, mlflow_as=policy)
             return pinned.to_json()
 
         @task(multiple_outputs=False)
         def shard_plan(snapshot: dict[str, Any]) -> list[list[str]]:
-            """Batches of shards, one mapped validation task each (XCom can only be mapped over a list)."""
-            from kiln.stages import shard_batches
+            """Batches of shards, one mapped validation task each (XCom can only be mapped over a list);
+            a mixture's batch is of one source (``<source>:<shard>``)."""
+            from kiln.stages import run_shard_batches
 
-            return shard_batches(policy, _from_xcom(PinnedSnapshot, snapshot))
+            return run_shard_batches(policy, _pinned(snapshot))
 
         @_linked_task(policy, "validate_shards",
                       map_index_template="{{ task.op_kwargs['shards'][0].rsplit('/', 1)[-1] }}"
                                          " … {{ task.op_kwargs['shards'][-1].rsplit('/', 1)[-1] }}")
         def validate_shards(snapshot: dict[str, Any], shards: list[str]) -> list[dict[str, Any]]:
-            from kiln.stages import run_policy, validate_stage
+            from kiln.stages import validate_run_stage
 
-            pinned = _from_xcom(PinnedSnapshot, snapshot)
-            with_contract = _run(run_policy, policy, dict(get_current_context()["params"]), pinned, mlflow_as=None)
-            reports = _run(validate_stage, with_contract, pinned, shards, _key(), mlflow_as=policy)
+            reports = _run(validate_run_stage, policy, dict(get_current_context()["params"]), _pinned(snapshot), shards,
+                           _key(), mlflow_as=policy)
             return [r.as_xcom().to_json() for r in reports]  # dropped rows as a digest: the record has them
 
         @_linked_task(policy, "data_gate")
         def data_gate(snapshot: dict[str, Any], batches: list[list[dict[str, Any]]]) -> dict[str, Any]:
-            from kiln.stages import data_gate_stage, run_policy
+            from kiln.stages import data_gate_run_stage
 
             reports = [[_from_xcom(ShardReport, r) for r in batch] for batch in batches]
-            pinned = _from_xcom(PinnedSnapshot, snapshot)
-            with_contract = _run(run_policy, policy, dict(get_current_context()["params"]), pinned, mlflow_as=None)
-            return _run(data_gate_stage, with_contract, pinned, reports, _key(), mlflow_as=policy).to_json()
+            return _run(data_gate_run_stage, policy, dict(get_current_context()["params"]), _pinned(snapshot), reports,
+                        _key(), mlflow_as=policy).to_json()
 
         @task(multiple_outputs=False)
         def tokenizer(data: dict[str, Any]) -> dict[str, Any]:

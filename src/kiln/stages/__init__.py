@@ -14,6 +14,9 @@ the CLI call::
     records      what a writing stage trusts: the run's own records, never an XCom's word
     snapshot     snapshot_stage
     validation   shard_batches, validate_stage, data_gate_stage
+    mixture      a mixture run's sources through snapshot, validation and the data gate, and the DAG's
+                 data tasks for either kind of run (snapshot_run_stage, run_shard_batches,
+                 validate_run_stage, data_gate_run_stage)
     tokenize     tokenizer_stage, token_parts, tokenize_stage (mapped), tokens_stage: packed token shards
     training     prepare_train / submit_train / finish_train (deferred), train_stage (in-process),
                  straggler handling, cancel_live_job (the DAG's failure callback)
@@ -33,6 +36,13 @@ from __future__ import annotations
 
 from kiln.stages.evaluation import evaluate_stage
 from kiln.stages.inputs import TRAIN_PARAMS, check_run_conf, load_run_recipe, run_policy, train_inputs
+from kiln.stages.mixture import (
+    MIXTURE_PARAM,
+    data_gate_run_stage,
+    run_shard_batches,
+    snapshot_run_stage,
+    validate_run_stage,
+)
 from kiln.stages.promotion import (
     model_gate_stage,
     outcome_stage,
@@ -56,10 +66,12 @@ from kiln.stages.training import (
 from kiln.stages.validation import data_gate_stage, shard_batches, validate_stage
 
 __all__ = [
+    "MIXTURE_PARAM",
     "TOKENS_REMOTE_ENV",
     "TRAIN_PARAMS",
     "cancel_live_job",
     "check_run_conf",
+    "data_gate_run_stage",
     "data_gate_stage",
     "evaluate_stage",
     "exclude_straggler",
@@ -71,9 +83,11 @@ __all__ = [
     "promote_stage",
     "register_stage",
     "run_policy",
+    "run_shard_batches",
     "review_in_words",
     "review_stage",
     "shard_batches",
+    "snapshot_run_stage",
     "snapshot_stage",
     "token_parts",
     "tokenize_stage",
@@ -83,6 +97,7 @@ __all__ = [
     "submit_train",
     "train_inputs",
     "train_stage",
+    "validate_run_stage",
     "validate_stage",
     "write_summary",
 ]

@@ -50,7 +50,7 @@ def own_training_manifest(key: str, data: DataGateResult) -> tuple[Path, Trainin
     manifest = TrainingManifest.read(path)
     # Once the tokenize stage has packed its shards, the record names them (a new hash); the data
     # gate's own XCom, which the tokenize tasks take, names the manifest as the gate made it.
-    made = manifest.with_tokens("", None) if manifest.tokens is not None and data.tokens is None else manifest
+    made = manifest.without_tokens() if data.tokens is None else manifest
     own = {"manifest": str(path), "manifest_sha256": made.sha256}
     refuse_a_disagreeing_xcom("data_gate", key, path, own, data, ("manifest", "manifest_sha256"))
     return path, manifest

@@ -17,12 +17,18 @@ def snapshot_stage(policy: Policy, corpus: str | None = None, expected_ids: list
     Production snapshots only its registered corpus; when the run was triggered by corpus asset
     events, the bytes found must be the ones those events announced, or the run fails (no retry).
     """
-    from kiln.data.snapshot import checkout_snapshot, create_snapshot
-    from kiln.data.validation import TRAIN_GLOB, skipped_train_entries, train_shards
-
     name = corpus or policy.corpus
     if policy.pinned_inputs and name != policy.corpus:
         raise ConfigError(f"{policy.name} runs snapshot only the registered corpus {policy.corpus!r}, not {name!r}")
+    return pin_corpus(name, expected_ids)
+
+
+def pin_corpus(name: str, expected_ids: list[str] | None = None) -> PinnedSnapshot:
+    """Snapshot corpus ``name`` and pin it (``snapshot_stage``, whichever policy asks: a mixture's
+    sources are pinned by the mixture the run names)."""
+    from kiln.data.snapshot import checkout_snapshot, create_snapshot
+    from kiln.data.validation import TRAIN_GLOB, skipped_train_entries, train_shards
+
     if not CORPUS_NAME.fullmatch(name):
         raise ConfigError(f"corpus name {name!r} is not a valid corpus name ([a-z0-9][a-z0-9_.-]*)")
     s = kiln_settings.load()

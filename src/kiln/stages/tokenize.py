@@ -20,6 +20,7 @@ kept other shards of the same snapshot gets its own.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import logging
@@ -30,7 +31,15 @@ from typing import Any
 from kiln import settings as kiln_settings
 from kiln.errors import ConfigError, ManifestError, RunMismatchError
 from kiln.policy import Policy
-from kiln.refs import DataGateResult, PackedPart, PackedTokensRef, TokenizerRef, TrainingManifest, canonical_json
+from kiln.refs import (
+    MIXTURE_FORMAT,
+    DataGateResult,
+    PackedPart,
+    PackedTokensRef,
+    TokenizerRef,
+    TrainingManifest,
+    canonical_json,
+)
 from kiln.stages.inputs import load_run_recipe, train_inputs
 from kiln.stages.records import own_training_manifest
 from kiln.util.fs import atomic_write_bytes, read_own_json
@@ -74,7 +83,47 @@ def _entries_of(shards: list[dict[str, Any]]) -> list[Any]:
 def _gate_manifest(key: str, data: DataGateResult) -> TrainingManifest:
     """The run's training manifest as its data gate made it (without tokens): what is packed."""
     _path, manifest = own_training_manifest(key, data)
-    return manifest.with_tokens("", None) if manifest.tokens is not None else manifest
+    return manifest.without_tokens()
+
+
+def _is_mixture(manifest: TrainingManifest) -> bool:
+    return manifest.format == MIXTURE_FORMAT and manifest.sources is not None
+
+
+def _source_manifest(source: dict[str, Any]) -> TrainingManifest:
+    """A mixture source as the one-corpus manifest of its shards: packed into the folder (shard set,
+    content address) a run of that corpus alone under that contract packs them into, so either reuses
+    the other's token shards."""
+    return TrainingManifest.build(snapshot_id=source["snapshot_id"], corpus=source["corpus"],
+                                  contract=source["contract"], shards=source["shards"],
+                                  eval_shards=source.get("eval_shards", []), quarantined=source.get("quarantined", []))
+
+
+def _tokenizer_texts(manifest: TrainingManifest) -> Any:
+    """The documents a BPE tokenizer trains on: one corpus' in shard order; a mixture's interleaved by
+    weight (smooth weighted round robin, deterministic), so a tokenizer capped at ``max_train_chars``
+    sees the sources in their declared proportions rather than the first source alone."""
+    if not _is_mixture(manifest):
+        return _texts(manifest.shards)
+    assert manifest.sources is not None
+    return _interleaved([_texts(src["shards"]) for src in manifest.sources], [float(src["weight"]) for src in manifest.sources])
+
+
+def _interleaved(texts: list[Any], weights: list[float]) -> Any:
+    """One document at a time from each stream in turn, in proportion to ``weights``, until all run out."""
+    streams = [iter(t) for t in texts]
+    credit = [0.0] * len(streams)
+    live = list(range(len(streams)))
+    while live:
+        total = sum(weights[i] for i in live)
+        for i in live:
+            credit[i] += weights[i]
+        pick = max(live, key=lambda i: (credit[i], -i))
+        credit[pick] -= total
+        try:
+            yield next(streams[pick])
+        except StopIteration:
+            live.remove(pick)
 
 
 def _load_tokenizer(ref: TokenizerRef, eos_token: str):  # -> kiln_trainer.tokenizer.Tokenizer
@@ -109,15 +158,19 @@ def tokenizer_stage(policy: Policy, data: DataGateResult, params: dict[str, Any]
     recipe, recipe_path = _recipe(policy, params)
     cfg = recipe.tokenizer
     store = kiln_settings.load().home / "tokenizers"
-    inputs = {"shards": _shard_set(manifest), "tokenizer": {"vocab_size": cfg.vocab_size, "eos_token": cfg.eos_token,
-                                                            "max_train_chars": cfg.max_train_chars}}
+    inputs: dict[str, Any] = {"shards": _shard_set(manifest),
+                              "tokenizer": {"vocab_size": cfg.vocab_size, "eos_token": cfg.eos_token,
+                                            "max_train_chars": cfg.max_train_chars}}
+    if _is_mixture(manifest):  # which documents it sees also depends on the weights (_tokenizer_texts)
+        assert manifest.sources is not None
+        inputs["mixture"] = [[src["name"], src["weight"]] for src in manifest.sources]
     trained = store / f"bpe-{hashlib.sha256(canonical_json(inputs)).hexdigest()[:32]}.json"
     try:
         if cfg.kind == "bpe" and trained.is_file():  # trained before on exactly these shards
             tokenizer = _load_tokenizer(TokenizerRef.from_json(read_own_json(trained)), cfg.eos_token)
         else:
             tokenizer = build_tokenizer(cfg, recipe_path=recipe_path,
-                                        training_texts=lambda: _texts(manifest.shards))
+                                        training_texts=lambda: _tokenizer_texts(manifest))
     except TokenizerError as exc:
         raise ConfigError(f"recipe {recipe_path} [tokenizer]: {exc}") from exc
     path = store / f"{tokenizer.sha256}.json"
@@ -150,14 +203,21 @@ def tokenize_stage(policy: Policy, data: DataGateResult, tokenizer: TokenizerRef
     recipe, _recipe_path = _recipe(policy, params)
     tok = _load_tokenizer(tokenizer, recipe.tokenizer.eos_token)
     shards = manifest.shards
-    out = _out_dir(manifest, tok, recipe.model.block_size)
     bad = [p for p in parts if not 0 <= p < len(shards)]
     if bad:
         raise RunMismatchError(f"run {key}: parts {bad} are no shard of its manifest ({len(shards)} shards)")
+    # Part p is shard p of the manifest; a mixture's shards are its sources' in order, each source packed
+    # into its own folder as part (p - the shards of the sources before it).
+    where = [(_out_dir(manifest, tok, recipe.model.block_size), p) for p in range(len(shards))]
+    if _is_mixture(manifest):
+        assert manifest.sources is not None
+        where = [(_out_dir(_source_manifest(src), tok, recipe.model.block_size), local)
+                 for src in manifest.sources for local in range(len(src["shards"]))]
     packed = []
     for part in parts:
+        out, local = where[part]
         # The contract's dropped documents (drop_rows) are left out here: they never reach a token shard.
-        record = pack_part(_texts([shards[part]]), tok, out, part=part, block_size=recipe.model.block_size)
+        record = pack_part(_texts([shards[part]]), tok, out, part=local, block_size=recipe.model.block_size)
         packed.append(PackedPart(part=part, samples=sum(int(s["samples"]) for s in record["shards"]),
                                  tokens=int(record["tokens"]), documents=int(record["documents"]),
                                  dropped_tokens=int(record["dropped_tokens"])))
@@ -170,13 +230,36 @@ def tokens_stage(policy: Policy, data: DataGateResult, tokenizer: TokenizerRef, 
 
     Idempotent: a committed token manifest of these inputs is reused (its shards' sizes checked),
     and a training manifest that already names it is left as it is."""
-    from kiln_trainer.contract import TrainerError
-    from kiln_trainer.packed import TOKEN_MANIFEST_NAME, load_token_manifest, verify_token_shards, write_token_manifest
 
     manifest = _gate_manifest(key, data)
     recipe, _recipe_path = _recipe(policy, params)
     tok = _load_tokenizer(tokenizer, recipe.tokenizer.eos_token)
     block_size = recipe.model.block_size
+    if _is_mixture(manifest):
+        return _mixture_tokens(manifest, data, tokenizer, tok, block_size, key)
+    packed, location = _join_packed(manifest, tok, block_size, key)
+    final = manifest.with_tokens(location, packed.sha256)
+    path, recorded = own_training_manifest(key, data)
+    if recorded.sha256 != final.sha256:
+        final.write(path)
+    log.info("run %s: %d samples of %d tokens (%d documents) at %s; training manifest %s", key, packed.samples,
+             block_size + 1, packed.documents, location, final.sha256[:16])
+    summary = PackedTokensRef(
+        token_manifest=location, token_manifest_sha256=packed.sha256, tokenizer_kind=tokenizer.kind,
+        tokenizer_sha256=tok.sha256, vocab_size=tok.vocab_size, block_size=block_size, samples=packed.samples,
+        tokens=packed.tokens, documents=packed.documents,
+    )
+    return DataGateResult.from_json({**data.to_json(), "manifest": str(path), "manifest_sha256": final.sha256,
+                                     "tokens": summary.to_json()})
+
+
+def _join_packed(manifest: TrainingManifest, tok: Any, block_size: int, key: str) -> tuple[Any, str]:
+    """The packed parts of ``manifest``'s shards joined into their token manifest (or the committed one
+    found, its shards' sizes checked), published when ``KILN_TOKENS_REMOTE`` says so; and where the
+    training manifest is to find it."""
+    from kiln_trainer.contract import TrainerError
+    from kiln_trainer.packed import TOKEN_MANIFEST_NAME, load_token_manifest, verify_token_shards, write_token_manifest
+
     out = _out_dir(manifest, tok, block_size)
     try:
         if (out / TOKEN_MANIFEST_NAME).is_file():
@@ -195,20 +278,40 @@ def tokens_stage(policy: Policy, data: DataGateResult, tokenizer: TokenizerRef, 
         url = publish_token_shards(packed, f"{remote}/{out.parent.name}/{out.name}",
                                    endpoint_url=kiln_settings.load().dvc_remote_endpoint)
         location = f"{url}/{TOKEN_MANIFEST_NAME}"
-    final = manifest.with_tokens(location, packed.sha256)
+    return packed, location
+
+
+def _mixture_tokens(manifest: TrainingManifest, data: DataGateResult, tokenizer: TokenizerRef, tok: Any,
+                    block_size: int, key: str) -> DataGateResult:
+    """``tokens_stage`` for a mixture: each source's parts joined into its own token manifest, and the
+    run's training manifest rewritten to name every one of them with the tokenizer and block size."""
+    assert manifest.sources is not None
+    sources, summaries = [], {}
+    for src in manifest.sources:
+        packed, location = _join_packed(_source_manifest(src), tok, block_size, key)
+        sources.append({**src, "tokens": {"manifest": location, "sha256": packed.sha256,
+                                          "tokenizer_sha256": tok.sha256, "block_size": block_size}})
+        summaries[src["name"]] = PackedTokensRef(
+            token_manifest=location, token_manifest_sha256=packed.sha256, tokenizer_kind=tokenizer.kind,
+            tokenizer_sha256=tok.sha256, vocab_size=tok.vocab_size, block_size=block_size, samples=packed.samples,
+            tokens=packed.tokens, documents=packed.documents)
+    final = TrainingManifest.build_mixture(sources, trainer=manifest.trainer)
     path, recorded = own_training_manifest(key, data)
     if recorded.sha256 != final.sha256:
         final.write(path)
-    log.info("run %s: %d samples of %d tokens (%d documents) at %s; training manifest %s", key, packed.samples,
-             block_size + 1, packed.documents, location, final.sha256[:16])
+    total = list(summaries.values())
+    log.info("run %s: mixture of %s: %d samples of %d tokens; training manifest %s", key,
+             ", ".join(f"{n} ({s.samples} samples)" for n, s in summaries.items()), sum(s.samples for s in total),
+             block_size + 1, final.sha256[:16])
     summary = PackedTokensRef(
-        token_manifest=location, token_manifest_sha256=packed.sha256, tokenizer_kind=tokenizer.kind,
-        tokenizer_sha256=tok.sha256, vocab_size=tok.vocab_size, block_size=block_size, samples=packed.samples,
-        tokens=packed.tokens, documents=packed.documents,
+        token_manifest=",".join(f"{n}={s.token_manifest}" for n, s in summaries.items()),
+        token_manifest_sha256=str(final.tokens_sha256()), tokenizer_kind=tokenizer.kind, tokenizer_sha256=tok.sha256,
+        vocab_size=tok.vocab_size, block_size=block_size, samples=sum(s.samples for s in total),
+        tokens=sum(s.tokens for s in total), documents=sum(s.documents for s in total),
     )
-    return DataGateResult.from_json({**data.to_json(), "manifest": str(path), "manifest_sha256": final.sha256,
-                                     "tokens": summary.to_json()})
-
+    gates = [dataclasses.replace(g, tokens=summaries.get(g.name)) for g in data.sources or []]
+    return dataclasses.replace(data, manifest=str(path), manifest_sha256=final.sha256, tokens=summary,
+                               sources=gates or None)
 
 
 def pack_afresh(manifest: TrainingManifest, recipe: Any, recipe_path: Path | None,

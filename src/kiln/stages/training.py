@@ -12,7 +12,15 @@ from kiln import runs, tracking
 from kiln import settings as kiln_settings
 from kiln.errors import LaunchError, ManifestError, RunMismatchError
 from kiln.policy import Policy
-from kiln.refs import DataGateResult, JobEnded, PinnedSnapshot, StragglerWatchPlan, TrainingManifest, TrainResult
+from kiln.refs import (
+    DataGateResult,
+    JobEnded,
+    PinnedMixture,
+    PinnedSnapshot,
+    StragglerWatchPlan,
+    TrainingManifest,
+    TrainResult,
+)
 from kiln.runs import existing_run_dir, run_dir
 from kiln.stages.inputs import load_run_recipe, train_inputs
 from kiln.stages.records import mlflow_run_of, own_training_manifest, refuse_other_inputs
@@ -24,7 +32,7 @@ if TYPE_CHECKING:
 
 
 def prepare_train(
-    policy: Policy, snapshot: PinnedSnapshot, data: DataGateResult, params: dict[str, Any], key: str,
+    policy: Policy, snapshot: PinnedSnapshot | PinnedMixture, data: DataGateResult, params: dict[str, Any], key: str,
 ) -> TrainResult | LaunchPlan:
     """Everything before the launch: the ``TrainResult`` when this run's training already finished
     from what it asks for (a retry hands back what was committed), else the ``LaunchPlan`` for
@@ -58,10 +66,17 @@ def prepare_train(
         env={MLFLOW_RUN_ID_ENV: mlflow_run_id, MLFLOW_TRACKING_URI_ENV: s.mlflow_uri,
              # Packed tokens named by an s3:// URL (KILN_TOKENS_REMOTE) are on the S3 service DVC uses.
              **({"AWS_ENDPOINT_URL": s.dvc_remote_endpoint}
-                if s.dvc_remote_endpoint and (manifest.tokens or {}).get("manifest", "").startswith("s3://") else {})},
+                if s.dvc_remote_endpoint and any(loc.startswith("s3://") for loc in _token_locations(manifest)) else {})},
     )
     return LaunchPlan(spec=spec, backend=policy.launcher, options=policy.launcher_options(shared_root=s.home),
                       mlflow_run_id=mlflow_run_id)
+
+
+def _token_locations(manifest: TrainingManifest) -> list[str]:
+    """Where the packed tokens a manifest names are: its one token manifest, or each source's."""
+    if manifest.sources:
+        return [str(src["tokens"]["manifest"]) for src in manifest.sources if src.get("tokens")]
+    return [str(manifest.tokens["manifest"])] if manifest.tokens else []
 
 
 def _asked_training(recipe: Path, overrides: list[str], world_size: int, manifest: TrainingManifest) -> dict[str, Any]:
@@ -223,7 +238,7 @@ def _tag_elastic_shrinks(client: Any, plan: LaunchPlan) -> None:
 
 
 def train_stage(
-    policy: Policy, snapshot: PinnedSnapshot, data: DataGateResult, params: dict[str, Any], key: str,
+    policy: Policy, snapshot: PinnedSnapshot | PinnedMixture, data: DataGateResult, params: dict[str, Any], key: str,
     *, log_line: Callable[[str], None] = print,
 ) -> TrainResult:
     """Train on the manifest's healthy shards with the policy's launcher, in this process: submit,

@@ -26,29 +26,37 @@ def shard_batches(policy: Policy, snapshot: PinnedSnapshot) -> list[list[str]]:
     return [shards[i : i + size] for i in range(0, len(shards), size)]
 
 
-def validate_stage(policy: Policy, snapshot: PinnedSnapshot, shards: list[str], key: str) -> list[ShardReport]:
+def validate_stage(policy: Policy, snapshot: PinnedSnapshot, shards: list[str], key: str,
+                   source: str | None = None) -> list[ShardReport]:
     """Check a batch of shards against the policy's contract in one process (one GE context), and
     record the verdicts in the run's directory (``validation/batch-<digest>.json``): the record the
     data gate trusts, where the returned XCom is only a reference anyone may rewrite.
 
     Never raises for bad data: a quarantined shard is a report, not an exception. The shards are
-    read from kiln's pinned copy of the snapshot (by id), never from the path ``snapshot`` names."""
+    read from kiln's pinned copy of the snapshot (by id), never from the path ``snapshot`` names.
+    ``source``: the mixture source the shards are of (its signatures kept apart, its name recorded)."""
     from kiln.data.contracts import load_contract
     from kiln.data.validation import load_eval_doc_hashes, validate_shards
 
     root = Path(recorded_snapshot(snapshot.id).path)
     reports = list(validate_shards([root / s for s in shards], load_contract(policy.contract), load_eval_doc_hashes(root),
-                                   signatures_dir=_signatures_dir(key)))
+                                   signatures_dir=_signatures_dir(key, source)))
     record = {"kind": runs.VALIDATION_BATCH_KIND, "snapshot_id": snapshot.id, "contract": policy.contract,
               "shards": list(shards), "reports": [r.to_json() for r in reports]}
-    atomic_write_text(run_dir(key) / runs.VALIDATION_SUBDIR / runs.validation_batch(list(shards)),
+    if source is not None:
+        record["source"] = source
+    # Named by the batch's shards (a mixture's by "<source>:<shard>": two sources have the same paths).
+    named = list(shards) if source is None else [f"{source}:{shard}" for shard in shards]
+    atomic_write_text(run_dir(key) / runs.VALIDATION_SUBDIR / runs.validation_batch(named),
                       json.dumps(record, indent=1, sort_keys=True) + "\n")
     return reports
 
 
-def _signatures_dir(key: str) -> Path:
-    """The run's MinHash signatures, written by the validation tasks, read by the data gate."""
-    return run_dir(key) / runs.VALIDATION_SUBDIR / runs.VALIDATION_SIGNATURES_SUBDIR
+def _signatures_dir(key: str, source: str | None = None) -> Path:
+    """The run's MinHash signatures, written by the validation tasks, read by the data gate (a mixture's
+    per source: near-duplicates are a contract's rule, judged within the source)."""
+    folder = run_dir(key) / runs.VALIDATION_SUBDIR / runs.VALIDATION_SIGNATURES_SUBDIR
+    return folder if source is None else folder / source
 
 
 def recorded_shard_reports(key: str, snapshot_id: str, contract: str) -> dict[str, ShardReport]:
@@ -87,25 +95,7 @@ def data_gate_stage(policy: Policy, snapshot: PinnedSnapshot, batches: list[list
     pinned_snapshot = recorded_snapshot(snapshot.id)
     root = Path(pinned_snapshot.path)
     expected = {str(p) for p in train_shards(root)}  # the snapshot's shards, not the plan's XCom
-    # The verdicts are the ones the validation tasks recorded, not their XComs: a rewritten XCom
-    # could call a poisoned shard healthy. An XCom that disagrees with the record is refused.
-    own = recorded_shard_reports(key, snapshot.id, policy.contract)
-    missing = sorted(expected - set(own))
-    if missing:
-        raise DataGateError(f"{len(missing)} shard(s) of snapshot {snapshot.id} were never validated: {missing[:5]}")
-    said = [r for batch in batches for r in batch]
-    unplanned = sorted({r.path for r in said} - expected)
-    if unplanned:
-        raise DataGateError(f"{len(unplanned)} report(s) are of no shard of snapshot {snapshot.id}: {unplanned[:5]}")
-    # An XCom carries each report's dropped rows as a digest (ShardReport.as_xcom): compared as such.
-    forged = sorted(r.path for r in said if r.as_xcom() != own[r.path].as_xcom())
-    if forged:
-        raise RunMismatchError(
-            f"the validate_shards XComs of run {key} disagree with the run's own validation records about "
-            f"{len(forged)} shard(s), e.g. {forged[0]}: XCom {next(r.verdict for r in said if r.path == forged[0])}, "
-            f"record {own[forged[0]].verdict} (an XCom is only a reference; refusing)"
-        )
-    reports = [own[path] for path in sorted(expected)]
+    reports = check_reports(key, snapshot.id, policy.contract, expected, [r for batch in batches for r in batch])
     out = run_dir(key)
     pinned = _pinned_training_manifest(out / runs.TRAINING_MANIFEST)
     if pinned is not None and pinned.snapshot_id != snapshot.id:
@@ -122,7 +112,7 @@ def data_gate_stage(policy: Policy, snapshot: PinnedSnapshot, batches: list[list
     shard_reports, published, manifest = gated.reports, gated.published, gated.manifest
     quarantined = [r for r in shard_reports if r.verdict == "quarantined"]
     rate = len(quarantined) / len(shard_reports) if shard_reports else 1.0
-    as_gated = pinned.with_tokens("", None) if pinned is not None and pinned.tokens is not None else pinned
+    as_gated = pinned.without_tokens() if pinned is not None else None
     if as_gated is not None and as_gated.sha256 != manifest.sha256:
         differs = differing_fields(as_gated.to_json(), manifest.to_json(), skip=frozenset({"sha256"}))
         raise RunMismatchError(
@@ -147,6 +137,33 @@ def data_gate_stage(policy: Policy, snapshot: PinnedSnapshot, batches: list[list
     )
 
 
+def check_reports(key: str, snapshot_id: str, contract: str, expected: set[str], said: list[ShardReport],
+                  what: str = "") -> list[ShardReport]:
+    """The run's own verdicts on every shard in ``expected`` (a snapshot's, by path), in path order.
+
+    The verdicts are the ones the validation tasks recorded, not their XComs (``said``): a rewritten
+    XCom could call a poisoned shard healthy, so one that disagrees with the record is refused
+    (``RunMismatchError``); a shard never validated, or a report of no shard, fails the gate.
+    ``what``: which part of the run the shards are (a mixture's source), for the messages."""
+    own = recorded_shard_reports(key, snapshot_id, contract)
+    of = f" ({what})" if what else ""
+    missing = sorted(expected - set(own))
+    if missing:
+        raise DataGateError(f"{len(missing)} shard(s) of snapshot {snapshot_id}{of} were never validated: {missing[:5]}")
+    unplanned = sorted({r.path for r in said} - expected)
+    if unplanned:
+        raise DataGateError(f"{len(unplanned)} report(s) are of no shard of snapshot {snapshot_id}{of}: {unplanned[:5]}")
+    # An XCom carries each report's dropped rows as a digest (ShardReport.as_xcom): compared as such.
+    forged = sorted(r.path for r in said if r.as_xcom() != own[r.path].as_xcom())
+    if forged:
+        raise RunMismatchError(
+            f"the validate_shards XComs of run {key} disagree with the run's own validation records about "
+            f"{len(forged)} shard(s){of}, e.g. {forged[0]}: XCom {next(r.verdict for r in said if r.path == forged[0])}, "
+            f"record {own[forged[0]].verdict} (an XCom is only a reference; refusing)"
+        )
+    return [own[path] for path in sorted(expected)]
+
+
 @dataclass(frozen=True, slots=True)
 class GatedSnapshot:
     """What the data gate made of a snapshot's shard reports: the reports after the snapshot rules,
@@ -158,12 +175,14 @@ class GatedSnapshot:
 
 
 def gate_snapshot(contract: Contract, root: Path, snapshot_id: str, corpus: str, reports: list[ShardReport], out: Path,
-                  *, signatures_dir: Path, max_quarantine_share: float, mlflow_run_id: str | None) -> GatedSnapshot:
+                  *, signatures_dir: Path, max_quarantine_share: float, mlflow_run_id: str | None,
+                  artifact_path: str | None = None) -> GatedSnapshot:
     """The data gate on the shard reports of the snapshot at ``root`` (every shard's, in path order):
     the snapshot rules, the quarantine report written to ``out`` (and logged to ``mlflow_run_id``),
     the gate (``DataGateError`` above ``max_quarantine_share``, once the report is written), and the
     training manifest of the healthy shards and the eval split. Pure of the run's records: the data
-    gate stage and ``kiln reproduce`` both call it."""
+    gate stage and ``kiln reproduce`` both call it. ``artifact_path``: where in the MLflow run the
+    report goes (default ``quarantine/``; a mixture source's, ``quarantine/<source>``)."""
     from kiln.data.validation import (
         build_training_manifest,
         cross_shard_duplicates,
@@ -182,6 +201,7 @@ def gate_snapshot(contract: Contract, root: Path, snapshot_id: str, corpus: str,
     published = publish_quarantine_report(
         shard_reports, out, snapshot_id=snapshot_id, contract=contract, max_quarantine_share=max_quarantine_share,
         mlflow_run_id=mlflow_run_id, skipped=skipped_train_entries(root),
+        **({"artifact_path": artifact_path} if artifact_path else {}),
     )
     gate(shard_reports, max_quarantine_share)
     eval_shards = [

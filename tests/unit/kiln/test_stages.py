@@ -26,7 +26,8 @@ from kiln.refs import (
 JSON_BY_DESIGN = {("check_run_conf", "conf"), ("check_run_conf", "params"), ("train_inputs", "params"),
                   ("prepare_train", "params"), ("train_stage", "params"), ("register_stage", "lineage"),
                   ("write_summary", "summary"), ("tokenizer_stage", "params"), ("tokenize_stage", "params"),
-                  ("tokens_stage", "params"), ("run_policy", "params")}
+                  ("tokens_stage", "params"), ("run_policy", "params"), ("snapshot_run_stage", "params"),
+                  ("validate_run_stage", "params"), ("data_gate_run_stage", "params")}
 """What a stage takes as a plain mapping: the run's conf and params (Airflow's form), extra tags, the
 summary it writes. Never a plan or a result of another stage."""
 NOT_STAGES = {"aliases"}

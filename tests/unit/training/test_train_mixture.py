@@ -133,3 +133,19 @@ def test_a_source_whose_tokens_are_not_what_the_manifest_says_is_refused_before_
     assert _main(manifest, run_dir) == 2
     assert error in caplog.text and message in caplog.text, caplog.text[-2000:]
     assert not (run_dir / "checkpoints").exists() and not (run_dir / "result.json").exists()
+
+
+@pytest.mark.usefixtures("in_process")
+@pytest.mark.parametrize("count", [1, 2], ids=["one-source", "two-sources"])
+def test_a_mixture_whose_sources_name_no_packed_tokens_is_refused_before_step_1(
+    sources: list[dict], tmp_path: Path, caplog: pytest.LogCaptureFixture, count: int,
+) -> None:
+    """A data gate's manifest (no source packed yet) reads, but the trainer packs no mixture itself:
+    exit 2 before step 1, naming the sources (even one, which it would otherwise pack as format 1)."""
+    unpacked = [{k: v for k, v in s.items() if k != "tokens"} for s in sources[:count]]
+    manifest = write_mixture(tmp_path / "m.json", unpacked)
+    run_dir = tmp_path / "run"
+    assert _main(manifest, run_dir) == 2
+    names = ", ".join(s["name"] for s in unpacked)
+    assert f"source(s) {names} name no packed tokens" in caplog.text, caplog.text[-2000:]
+    assert not (run_dir / "checkpoints").exists() and not (run_dir / "result.json").exists()

@@ -34,10 +34,12 @@ own contract and snapshot, packed with the run's one tokenizer, drawn by weight
 
 The same hash rule (every key but ``kind`` and ``sha256``). No other top-level key is allowed (an
 old top-level ``shards`` next to ``sources`` would be ambiguous), and no key in a source but those
-shown. Each source's ``tokens`` is required (the tokenize stage packs every source before the run:
-a trainer packs no mixture itself) and names the tokenizer and block size it was packed with, so
-a manifest of mixed tokenizers or block sizes is refused from the manifest alone, before a shard is
-opened; the trainer then checks each token manifest against what its source names. Refusals
+shown. A source's ``tokens`` is absent only on a data gate's manifest, before the run's tokenize
+stage packs every source (then on none of them: all sources or none). The trainer packs no mixture
+itself: it refuses one whose sources name no tokens, before step 1. Once packed, each names the
+tokenizer and block size it was packed with, so a manifest of mixed tokenizers or block sizes is
+refused from the manifest alone, before a shard is opened; the trainer then checks each token
+manifest against what its source names. Refusals
 (``TrainingManifestError``) name the field: ``sources[1] ('code').weight = -1: ...``.
 
 For what reads one value, a format-2 manifest answers for all its sources (``mixture_summary``,
@@ -87,8 +89,8 @@ TRAINING_MANIFEST_FORMATS: Final = (1, MIXTURE_FORMAT)
 SOURCE_NAME: Final = re.compile(r"^[a-z0-9][a-z0-9_.-]{0,63}$")
 """A source's name: a corpus name's alphabet (1-64 of ``a-z 0-9 _ . -``), so it can key tags and metrics."""
 _MIXTURE_KEYS: Final = frozenset({"kind", "format", "sources", "trainer", "sha256"})
-_SOURCE_REQUIRED: Final = ("name", "weight", "corpus", "snapshot_id", "contract", "shards", "tokens")
-_SOURCE_OPTIONAL: Final = ("eval_shards", "quarantined")
+_SOURCE_REQUIRED: Final = ("name", "weight", "corpus", "snapshot_id", "contract", "shards")
+_SOURCE_OPTIONAL: Final = ("eval_shards", "quarantined", "tokens")
 _MIXTURE_TOKENS_KEYS: Final = frozenset({"manifest", "sha256", "tokenizer_sha256", "block_size"})
 _MIXTURE_TOKENS_KIND: Final = "kiln.MixtureTokens"
 
@@ -299,9 +301,6 @@ def _source(i: int, item: Any, where: str) -> ManifestSource:
     if unknown:
         raise TrainingManifestError(f"{where}: {label}: unknown key(s) {unknown!r:.200}; a source has "
                                     f"{', '.join(_SOURCE_REQUIRED)} and optionally {', '.join(_SOURCE_OPTIONAL)}")
-    if item.get("tokens") is None:
-        raise TrainingManifestError(f"{where}: {label}.tokens: the source names no packed tokens; every source of a "
-                                    "format-2 manifest is packed with the run's tokenizer before the run")
     missing = [k for k in _SOURCE_REQUIRED if k not in item]
     if missing:
         raise TrainingManifestError(f"{where}: {label} lacks {', '.join(map(repr, missing))}")
@@ -321,7 +320,8 @@ def _source(i: int, item: Any, where: str) -> ManifestSource:
         name=name, weight=float(weight), corpus=item["corpus"], snapshot_id=item["snapshot_id"],
         contract=item["contract"], shards=shards,
         eval_shards=_shard_entries(item.get("eval_shards", []), f"{label}.eval_shards", where),
-        quarantined=tuple(quarantined), tokens=_tokens_ref(item["tokens"], where, f"{label}.tokens", mixture=True),
+        quarantined=tuple(quarantined),
+        tokens=_tokens_ref(item.get("tokens"), where, f"{label}.tokens", mixture=True),
     )
 
 
@@ -341,6 +341,15 @@ def _sources(raw: Any, where: str) -> tuple[ManifestSource, ...]:
                     f"{where}: sources[{i}].name = {source.name!r}: its metrics would share the name "
                     f"{metric_name(source.name)!r} with sources[{j}] ({other.name!r}); rename one")
         sources.append(source)
+    # Packed all at once by the run's tokenize stage: before it, a data gate's manifest names no source's
+    # tokens; after it, every source's (the trainer refuses to train one that names none).
+    unpacked = [i for i, source in enumerate(sources) if source.tokens is None]
+    if unpacked and len(unpacked) < len(sources):
+        i = unpacked[0]
+        raise TrainingManifestError(f"{where}: sources[{i}] ({sources[i].name!r}).tokens: the source names no packed "
+                                    "tokens while others do; a mixture's sources are packed together, with one tokenizer")
+    if unpacked:
+        return tuple(sources)
     first = sources[0]
     assert first.tokens is not None
     for i, source in enumerate(sources[1:], start=1):

@@ -24,6 +24,7 @@ from kiln_trainer.errors import (
     StorageError,
     TokenizerMismatchError,
     TrainerError,
+    TrainingManifestError,
     os_error_text,
 )
 from kiln_trainer.loader import LoaderSource, TokenLoader
@@ -39,6 +40,11 @@ def open_loader(
     names none), then reads only its part of each global batch."""
     log_path = run_dir / SAMPLE_LOG_SUBDIR / f"rank-{env.rank:05d}.jsonl" if sample_log else None
     tokens: PackedTokens | list[LoaderSource]
+    unpacked = [s.name for s in manifest.sources if s.tokens is None]
+    if unpacked:
+        raise TrainingManifestError(
+            f"training manifest {manifest.path or ''}: source(s) {', '.join(unpacked)} name no packed tokens; a "
+            "mixture is packed by kiln's tokenize stage (one tokenizer for every source) before it is trained")
     if manifest.is_mixture:
         opened = [_open_source(source, recipe, run_dir=run_dir, rank=env.rank, recipe_path=recipe_path)
                   for source in manifest.data_sources]
@@ -66,7 +72,7 @@ def _open_source(source: ManifestSource, recipe: Recipe, *, run_dir: Path, rank:
     """One source of a mixture: its packed tokens, checked as one source's are (the named sha256, the
     recipe's tokenizer and block size), and against the tokenizer and block size its entry names."""
     ref = source.tokens
-    assert ref is not None, "a format-2 manifest names every source's tokens (the contract checks it)"
+    assert ref is not None, "open_loader refuses a mixture whose sources name no tokens"
     data = open_run_tokens(ref, recipe, run_dir=run_dir, rank=rank, recipe_path=recipe_path, cache_name=source.name)
     packed = data.manifest
     if packed.tokenizer["sha256"] != ref.tokenizer_sha256:
