@@ -14,7 +14,7 @@ from kiln.data.doc_rules import build_rule_set, check_document_rules
 from kiln.data.layout import hard_wrapped, layout_hint, unwrap
 from kiln.data.poison_text import poison_documents
 from kiln.data.prose import pydoc_topics
-from kiln.data.validation.report import quarantine_report
+from kiln.data.validation.report import quarantine_report, render_quarantine_html
 from kiln.refs import ShardReport
 
 PARAGRAPH = ("The committee met on a cold morning to discuss the budget of the town library. After a long debate, the "
@@ -91,6 +91,7 @@ def test_the_quarantine_report_hints_at_prose_wrapped_when_wrapped_text_is_dropp
                                                      "hard_wrapped_layout": 2})
     body = quarantine_report([wrapped])
     assert "--contract prose-wrapped@1" in body["hint"] and body["dropped"]["all_shards"]["hard_wrapped_layout"] == 2
+    assert "<b>Hint:</b> 2 of the 4 dropped documents (50%) are hard-wrapped" in render_quarantine_html([wrapped])
     few = _report("/c/train/shard-00000.parquet", {"rows": [0, 1, 2, 3], "share": 0.4, "rules": rules,
                                                  "hard_wrapped_layout": 1})
     assert "hint" not in quarantine_report([few])
