@@ -1,7 +1,8 @@
-"""A data mixture through the DAG's data stages in process, on real snapshots (a real MLflow server takes
-the reports): two corpora, each under its own contract, snapshotted as a set -> validated in batches of
-one source each -> gated each by its own threshold -> one BPE tokenizer over both -> each packed ->
-the run's format-2 training manifest, which kiln's trainer trains on. And the refusals: a source that
+"""A data mixture through the DAG's stages in process, on real snapshots and a real MLflow server: two
+corpora, each under its own contract, snapshotted as a set -> validated in batches of one source each ->
+gated each by its own threshold -> one BPE tokenizer over both -> each packed -> the run's format-2
+training manifest -> trained (torchrun) -> evaluated -> registered with its lineage per source, in the
+tags and the signed statement. And the refusals: a source that
 breaches its gate stops the run naming it (every source's report written first), a corpus that is not
 there, a contract that does not fit its corpus, a contract asked for beside a mixture."""
 
@@ -10,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import sys
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -76,11 +78,10 @@ def validate_all(params: dict[str, Any], pinned: PinnedMixture) -> list[list[Sha
 
 
 def test_a_mixture_through_the_data_stages_to_a_manifest_the_trainer_trains(home: Path, tmp_path: Path) -> None:
-    from kiln_trainer import train as train_module
     from kiln_trainer.packed import load_token_manifest
-    from kiln_trainer.training_manifest import load_training_manifest
 
-    params = {"mixture": write_mixture(home, "code-and-prose", [CODE, PROSE]), "recipe": "tiny-bpe.toml", "seed": 3}
+    params = {"mixture": write_mixture(home, "code-and-prose", [CODE, PROSE]), "recipe": "tiny-bpe.toml", "seed": 3,
+              "max_steps": 22}
     pinned = stages.snapshot_run_stage(SANDBOX, params)
     assert isinstance(pinned, PinnedMixture) and [s.name for s in pinned.sources] == ["code", "prose"]
     assert pinned.id == ",".join(f"{s.name}={s.snapshot.id}" for s in pinned.sources)
@@ -145,19 +146,38 @@ def test_a_mixture_through_the_data_stages_to_a_manifest_the_trainer_trains(home
     # Idempotent: the tokens stage again finds and keeps the same manifest.
     assert stages.tokens_stage(SANDBOX, data, tokenizer, params, KEY).manifest_sha256 == final.sha256
 
-    # kiln's trainer trains the manifest as the DAG hands it over, and reports each source's share.
-    from kiln.policy import RECIPES_DIR
+    # Trained, evaluated and registered as the DAG's tasks do; the version's lineage lists every source,
+    # in its tags and in its signed statement, and an edited source tag is found by `kiln verify`.
+    import mlflow
 
-    run_dir = tmp_path / "train"
-    args = ["--manifest", str(runs.run_dir(KEY) / runs.TRAINING_MANIFEST), "--recipe", str(RECIPES_DIR / "tiny-bpe.toml"),
-            "--run-dir", str(run_dir)]
-    for override in ("train.steps=2", "checkpoint.every_steps=2", "train.log_every=1", "optim.warmup_steps=1",
-                     "data.global_batch_size=8", "data.micro_batch_size=8"):
-        args += ["--set", override]
-    assert train_module.main(args) == 0
-    result = json.loads((run_dir / "result.json").read_text())
-    assert [m["name"] for m in result["mixture"]] == ["code", "prose"] and sum(m["drawn"] for m in result["mixture"]) == 16
-    assert load_training_manifest(runs.run_dir(KEY) / runs.TRAINING_MANIFEST).is_mixture
+    from kiln.registry.verify import check_version
+
+    name = f"sandbox.mixture-{uuid.uuid4().hex[:8]}"
+    policy = dataclasses.replace(SANDBOX, candidate_model=name, target_model=name, writable_models=(name,))
+    train = stages.train_stage(policy, pinned, tokenized, params, KEY, log_line=lambda _line: None)
+    assert train.snapshot_id == pinned.id and train.training_manifest_sha256 == final.sha256
+    evaluation = stages.evaluate_stage(train, tokenized, KEY)
+    candidate = stages.register_stage(policy, pinned, tokenized, train, evaluation, KEY, lineage={})
+    client = mlflow.MlflowClient()
+    mv = client.get_model_version(name, candidate.version)
+    drawn = {m["name"]: m for m in json.loads((runs.run_dir(KEY) / "train" / "result.json").read_text())["mixture"]}
+    assert mv.tags["kiln.mixture.sources"] == "code,prose" and mv.tags["kiln.snapshot_id"] == pinned.id
+    for src in final.sources or []:
+        tag = f"kiln.source.{src['name']}."
+        assert mv.tags[tag + "snapshot_id"] == src["snapshot_id"] and mv.tags[tag + "contract"] == src["contract"]
+        assert float(mv.tags[tag + "weight"]) == src["weight"] and float(mv.tags[tag + "share"]) == drawn[src["name"]]["share"]
+        assert int(mv.tags[tag + "tokens"]) == drawn[src["name"]]["tokens"] > 0
+    assert abs(sum(float(mv.tags[f"kiln.source.{n}.share"]) for n in ("code", "prose")) - 1) < 1e-9
+    check = check_version(mv, "sandbox")
+    assert check.status == "agrees", check.problem
+    assert check.verified is not None
+    deps = {d["name"]: d for d in check.verified.statement["predicate"]["buildDefinition"]["resolvedDependencies"]}
+    assert {"source:code", "source:prose"} <= set(deps)
+    assert deps["source:prose"]["annotations"]["contract"] == "web-text@1"
+    assert deps["source:prose"]["digest"]["md5"] == pinned.source("prose").snapshot.id.removesuffix(".dir")
+    client.set_model_version_tag(name, candidate.version, "kiln.source.prose.weight", "0.9")
+    edited = check_version(client.get_model_version(name, candidate.version), "sandbox")
+    assert edited.status == "disagrees" and any("kiln.source.prose.weight" in str(m) for m in edited.mismatches)
 
 
 def test_a_source_that_breaches_its_gate_stops_the_run_naming_it(home: Path) -> None:

@@ -706,7 +706,7 @@ def build_dag(policy: Policy):  # one function, so the wiring reads top to botto
                                evaluation: dict[str, Any]) -> dict[str, Any]:
             from kiln.stages import register_stage
 
-            return _run(register_stage, policy, _from_xcom(PinnedSnapshot, snapshot), _from_xcom(DataGateResult, data),
+            return _run(register_stage, policy, _pinned(snapshot), _from_xcom(DataGateResult, data),
                         _from_xcom(TrainResult, train_result), _from_xcom(EvalReport, evaluation), _key(), {},
                         mlflow_as=policy).to_json()
 

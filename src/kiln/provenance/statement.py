@@ -141,6 +141,13 @@ class ProvenanceInputs:
     approval: Mapping[str, Any] | None = None
     """The approval record, once there is one (a statement made at registration has none)."""
     kiln_version: str = ""
+    sources: tuple[Mapping[str, Any], ...] = ()
+    """A mixture's sources, in declared order (empty: a run of one corpus), each as ``source_lineage``
+    makes it: name, weight, corpus, snapshot (id, remote, path), contract and its suite's sha256, its
+    quarantine report's sha256 and path, its gate, its packed tokens, and what training drew of it (tokens
+    seen, realized share). The single-valued fields above then answer for all of them, as the mixture's
+    training manifest does (``snapshot_id`` = ``"code=<id>,docs=<id>"``; the quarantine report is the
+    index of the sources' reports)."""
 
     def __post_init__(self) -> None:
         from kiln.policy import POLICIES
@@ -186,6 +193,15 @@ class ProvenanceInputs:
             raise ConfigError(f"provenance: max_quarantine_share must be a number in [0, 1] or None, got {share!r}")
         if not isinstance(self.nodes, tuple) or not all(isinstance(n, str) and n for n in self.nodes):
             raise ConfigError(f"provenance: nodes must be a tuple of host names, got {self.nodes!r}")
+        for i, source in enumerate(self.sources):
+            missing = [k for k in SOURCE_LINEAGE_KEYS if k not in source]
+            if missing or not str(source.get("snapshot_id", "")).endswith(".dir"):
+                raise ConfigError(f"provenance: sources[{i}] lacks {missing or 'a DVC snapshot id'}: {dict(source)!r:.200}")
+
+
+SOURCE_LINEAGE_KEYS = ("name", "weight", "corpus", "snapshot_id", "snapshot_remote", "contract",
+                       "contract_suite_sha256", "quarantine_report_sha256", "token_manifest_sha256", "tokens", "share")
+"""What the statement records of each source of a mixture (``ProvenanceInputs.sources``)."""
 
 
 def _check_hex(name: str, value: object) -> None:
@@ -318,9 +334,16 @@ def build_statement(artifact_dir: str | Path, inputs: ProvenanceInputs) -> dict[
     if not files:
         raise ProvenanceError(f"{artifact_dir}: holds no file to sign")
     i = inputs
+    if i.sources:  # the set of snapshots, then each source by its own digests
+        snapshot = _descriptor(f"snapshot:{i.corpus}", _json_digest({"snapshots": [[src["name"], src["snapshot_id"]]
+                                                                                   for src in i.sources]}),
+                               dvc_id=i.snapshot_id, sources=[src["name"] for src in i.sources])
+    else:
+        snapshot = _descriptor(f"snapshot:{i.corpus}", {"md5": i.snapshot_id.removesuffix(".dir")}, i.snapshot_remote,
+                               dvc_id=i.snapshot_id, **({"path": i.snapshot_path} if i.snapshot_path else {}))
     dependencies = [
-        _descriptor(f"snapshot:{i.corpus}", {"md5": i.snapshot_id.removesuffix(".dir")}, i.snapshot_remote,
-                    dvc_id=i.snapshot_id, **({"path": i.snapshot_path} if i.snapshot_path else {})),
+        snapshot,
+        *(_source_descriptor(src) for src in i.sources),
         _descriptor(f"contract:{i.contract}", _known_digest(i.contract_suite_sha256),
                     **({} if i.contract_suite_sha256 else {"recorded": False})),
         _descriptor("quarantine-report", _known_digest(i.quarantine_report_sha256), i.quarantine_report_uri,
@@ -376,6 +399,18 @@ def build_statement(artifact_dir: str | Path, inputs: ProvenanceInputs) -> dict[
     }
 
 
+def _source_descriptor(source: Mapping[str, Any]) -> dict[str, Any]:
+    """One source of a mixture: its DVC snapshot by digest, with its contract, quarantine report, packed
+    tokens and what training drew of it."""
+    annotations = {k: source[k] for k in SOURCE_LINEAGE_KEYS if k not in ("name", "snapshot_remote")}
+    annotations["dvc_id"] = annotations.pop("snapshot_id")
+    for key in ("snapshot_path", "max_quarantine_share", "quarantine_report_uri", "token_manifest_uri"):
+        if source.get(key) not in (None, ""):
+            annotations[key] = source[key]
+    return _descriptor(f"source:{source['name']}", {"md5": str(source["snapshot_id"]).removesuffix(".dir")},
+                       str(source["snapshot_remote"]), **annotations)
+
+
 def _known_digest(sha256: str) -> dict[str, str]:
     return {"sha256": sha256} if sha256 else {}
 
@@ -415,6 +450,7 @@ def from_registration(
     verified: Mapping[str, Any], decision: Any, contract_suite_sha256: str, quarantine_report: str | Path | None,
     launcher: str, nodes: tuple[str, ...], started_on: str, finished_on: str, git_commit: str = "",
     training_manifest_uri: str = "", approval: Mapping[str, Any] | None = None,
+    sources: tuple[Mapping[str, Any], ...] = (),
 ) -> ProvenanceInputs:
     """``ProvenanceInputs`` from what the register stage holds: its refs (``TrainResult``, ``EvalReport``,
     ``SnapshotRef``, ``TrainingManifest``, ``Decision``), the checkpoint manifest ``verify_checkpoint``
@@ -444,7 +480,7 @@ def from_registration(
         quarantine_report_uri=str(quarantine_report or ""),
         training_manifest_sha256=manifest.sha256, training_manifest_uri=training_manifest_uri,
         tokenizer_kind=str(tokenizer.get("kind") or "byte"), tokenizer_sha256=str(verified.get("tokenizer_sha256", "")),
-        token_manifest_sha256=str(verified.get("token_manifest_sha256") or tokens.get("sha256") or ""),
+        token_manifest_sha256=str(verified.get("token_manifest_sha256") or manifest.tokens_sha256() or ""),
         token_manifest_uri=str(tokens.get("manifest") or ""),
         git_commit=git_commit, code_sha256=code_sha256(),
         trainer=TrainerIdentity(spec=trainer_spec, distribution=str(record.get("distribution") or ""),
@@ -453,7 +489,7 @@ def from_registration(
         **environment(),
         run_key=run_key, started_on=started_on, finished_on=finished_on,
         checkpoint_manifest_sha256=train.checkpoint_manifest_sha256,
-        eval_report=eval_report.to_json(), decision=decision.to_json(), approval=approval,
+        eval_report=eval_report.to_json(), decision=decision.to_json(), approval=approval, sources=tuple(sources),
     )
 
 

@@ -85,6 +85,9 @@ class RunRecords:
     nodes: tuple[str, ...] = ()
     started_on: str = ""
     finished_on: str = ""
+    sources: tuple[dict[str, Any], ...] = ()
+    """A mixture's sources (``kiln.provenance.statement.SOURCE_LINEAGE_KEYS`` each), in declared order:
+    tagged per source (``source_tags``) and listed in the statement; empty for a run of one corpus."""
 
 
 def _signer(
@@ -102,7 +105,7 @@ def _signer(
         manifest=manifest, verified=verified, decision=decision,
         contract_suite_sha256=records.contract_suite_sha256, quarantine_report=records.quarantine_report or None,
         launcher=records.launcher or policy.launcher, nodes=records.nodes, started_on=records.started_on,
-        finished_on=records.finished_on, git_commit=git_commit,
+        finished_on=records.finished_on, git_commit=git_commit, sources=records.sources,
     )
 
     def sign(model_dir: Path) -> None:
@@ -138,8 +141,8 @@ def _check_consistency(
         claimed = getattr(train, field_name)
         if claimed:
             expected[f"{field_name} (TrainResult)"] = (verified.get(field_name), claimed)
-    if manifest.tokens is not None:  # trained on the packed tokens the manifest names, not others
-        expected["token_manifest_sha256"] = (verified.get("token_manifest_sha256"), manifest.tokens["sha256"])
+    if manifest.packed:  # trained on the packed tokens the manifest names (a mixture: all of them), not others
+        expected["token_manifest_sha256"] = (verified.get("token_manifest_sha256"), str(manifest.tokens_sha256()))
     manifest_file = Path(train.checkpoint) / CHECKPOINT_MANIFEST_NAME
     expected["checkpoint_manifest_sha256 (TrainResult)"] = (sha256_file(manifest_file), train.checkpoint_manifest_sha256)
     for what, (on_disk, claimed) in expected.items():
@@ -212,6 +215,25 @@ def trainer_tags(verified: dict[str, Any]) -> dict[str, str]:
             TAGS["trainer_version"]: str(record.get("version") or "")}
 
 
+SOURCE_TAG_PREFIX = "kiln.source."
+"""A mixture's per-source tags: ``kiln.source.<name>.<fact>`` (``source_tags``)."""
+SOURCE_TAG_FACTS = ("corpus", "snapshot_id", "contract", "weight", "share", "tokens")
+MIXTURE_SOURCES_TAG = "kiln.mixture.sources"
+
+
+def source_tags(sources: tuple[dict[str, Any], ...]) -> dict[str, str]:
+    """A mixture's lineage per source, as tags (a view of the signed statement, which lists the same):
+    ``kiln.mixture.sources`` (the names in declared order) and, for each source, its corpus, snapshot
+    id, contract, declared weight, realized share of the samples trained and tokens seen. Empty for a run
+    of one corpus."""
+    if not sources:
+        return {}
+    tags = {MIXTURE_SOURCES_TAG: ",".join(str(src["name"]) for src in sources)}
+    for src in sources:
+        tags |= {f"{SOURCE_TAG_PREFIX}{src['name']}.{fact}": str(src[fact]) for fact in SOURCE_TAG_FACTS}
+    return tags
+
+
 def _find_or_start_run(client: MlflowClient, policy: Policy, train: TrainResult, run_key: str) -> tuple[str, bool]:
     """The run to log into, and whether registration owns it (and so ends it)."""
     if train.mlflow_run_id:
@@ -261,6 +283,7 @@ def register_candidate(
     policy.check_model_write(policy.candidate_model)
     tags = lineage_tags(policy=policy, train=train, eval_report=eval_report, snapshot=snapshot,
                         manifest=manifest, run_key=run_key, verified=verified, lineage=lineage or {})
+    tags |= source_tags((records or RunRecords()).sources)
     model = policy.candidate_model
 
     def attempt() -> dict[str, Any]:

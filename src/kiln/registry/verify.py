@@ -221,6 +221,7 @@ def stated_records(statement: Mapping[str, Any], model_dir: Path, *, promoted: b
         if "gitCommit" in deps["code"]["digest"]:
             stated[TAGS["git_sha"]] = deps["code"]["digest"]["gitCommit"]
         stated[TAGS["eval_bits_per_byte"]] = repr(float(eval_report["bits_per_byte"]))
+        stated |= _stated_sources(statement)
     except (KeyError, TypeError, ValueError) as exc:
         raise ProvenanceError(f"the signed statement lacks a record kiln compares with the tags ({exc!r})") from exc
     manifest_file = model_dir / SIGNED_CHECKPOINT_MANIFEST
@@ -238,6 +239,25 @@ def stated_records(statement: Mapping[str, Any], model_dir: Path, *, promoted: b
         if snapshot != stated[TAGS["snapshot_id"]]:
             raise ProvenanceError(f"the signed statement's snapshot {stated[TAGS['snapshot_id']]} is not "
                                   f"the signed {SIGNED_CHECKPOINT_MANIFEST}'s {snapshot}")
+    return stated
+
+
+def _stated_sources(statement: Mapping[str, Any]) -> dict[str, str]:
+    """A mixture's per-source tags (``kiln.registry.register.source_tags``) as its statement's ``source:``
+    dependencies say them (empty for a run of one corpus)."""
+    from kiln.registry.register import MIXTURE_SOURCES_TAG, SOURCE_TAG_FACTS, SOURCE_TAG_PREFIX
+
+    stated: dict[str, str] = {}
+    names = []
+    for dep in statement["predicate"]["buildDefinition"]["resolvedDependencies"]:
+        if not str(dep.get("name", "")).startswith("source:"):
+            continue
+        name = dep["name"].split(":", 1)[1]
+        names.append(name)
+        facts = {**dep["annotations"], "snapshot_id": dep["annotations"]["dvc_id"]}
+        stated |= {f"{SOURCE_TAG_PREFIX}{name}.{fact}": str(facts[fact]) for fact in SOURCE_TAG_FACTS}
+    if names:
+        stated[MIXTURE_SOURCES_TAG] = ",".join(names)
     return stated
 
 

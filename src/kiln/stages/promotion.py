@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 from pathlib import Path
 from typing import Any
@@ -16,13 +17,18 @@ from kiln.refs import (
     DataGateResult,
     Decision,
     EvalReport,
+    PinnedMixture,
     PinnedSnapshot,
     PromotionRecord,
     RegisteredCandidate,
     Review,
     ReviewOutcome,
     RunOutcome,
+    SnapshotRef,
+    TrainingManifest,
     TrainResult,
+    canonical_json,
+    sha256_file,
 )
 from kiln.runs import run_dir
 from kiln.stages.records import (
@@ -36,8 +42,8 @@ from kiln.util.fs import atomic_write_text, read_own_json
 
 
 def register_stage(
-    policy: Policy, snapshot: PinnedSnapshot, data: DataGateResult, train: TrainResult, evaluation: EvalReport,
-    key: str, lineage: dict[str, str],
+    policy: Policy, snapshot: PinnedSnapshot | PinnedMixture, data: DataGateResult, train: TrainResult,
+    evaluation: EvalReport, key: str, lineage: dict[str, str],
 ) -> RegisteredCandidate:
     """Register run ``key``'s checkpoint as a candidate version (``kiln.registry.register_candidate``)
     from the run's own records: its training manifest, quarantine report, training result and
@@ -49,32 +55,93 @@ def register_stage(
     manifest_path, manifest = own_training_manifest(key, data)
     refuse_a_disagreeing_xcom("snapshot", key, manifest_path, {"id": manifest.snapshot_id}, snapshot, ("id",))
     report_path = run_dir(key) / runs.QUARANTINE_JSON
-    try:
-        quarantine = read_own_json(report_path)
-    except (OSError, ValueError) as exc:
-        raise RunMismatchError(f"run {key} has no readable quarantine report {report_path}: {exc}") from exc
-    pinned = recorded_snapshot(manifest.snapshot_id)
+    quarantine = _own_report(key, report_path)
+    own_train = own_train_result(key, train)
+    if manifest.sources:  # a mixture: its lineage per source, from the run's own records
+        pinned, sources = mixture_lineage(key, manifest)
+        rate = _mixture_quarantine_rate(sources)
+        suites = canonical_json([[src["name"], src["contract_suite_sha256"]] for src in sources])
+        suite_sha256 = hashlib.sha256(suites).hexdigest() if all(src["contract_suite_sha256"] for src in sources) else ""
+    else:
+        pinned, sources = recorded_snapshot(manifest.snapshot_id), ()
+        rate = float(quarantine["quarantined_share"])
+        suite_sha256 = str(quarantine.get("contract_sha256") or "")
     candidate = register_candidate(
         policy=policy,
-        train=own_train_result(key, train),
+        train=own_train,
         eval_report=own_eval_report(key, evaluation),
         snapshot=pinned,
         manifest=manifest,
         run_key=key,
         lineage={
             "quarantine_report": str(report_path),
-            "quarantine_rate": str(round(float(quarantine["quarantined_share"]), 4)),
+            "quarantine_rate": str(round(rate, 4)),
             **lineage,
         },
         # For the signed provenance statement: the quarantine report and the contract suite's sha256
-        # the data gate recorded in it. Nodes and the run's start and end are not recorded by the
-        # stages yet; the statement says so.
+        # the data gate recorded in it (a mixture's: of its sources' suites, each also listed with its
+        # source). Nodes and the run's start and end are not recorded by the stages yet; the statement
+        # says so.
         records=RunRecords(quarantine_report=str(report_path), launcher=policy.launcher,
-                           contract_suite_sha256=str(quarantine.get("contract_sha256") or "")),
+                           contract_suite_sha256=suite_sha256, sources=sources),
     )
     ui = kiln_settings.load().mlflow_uri
     return RegisteredCandidate.from_json(
         {**candidate, "ui_url": f"{ui}/#/models/{candidate['model_name']}/versions/{candidate['version']}"})
+
+
+def _own_report(key: str, path: Path) -> dict[str, Any]:
+    try:
+        body = read_own_json(path)
+    except (OSError, ValueError) as exc:
+        raise RunMismatchError(f"run {key} has no readable quarantine report {path}: {exc}") from exc
+    if not isinstance(body, dict):
+        raise RunMismatchError(f"run {key}'s quarantine report {path} is not a JSON object")
+    return body
+
+
+def mixture_lineage(key: str, manifest: TrainingManifest) -> tuple[SnapshotRef, tuple[dict[str, Any], ...]]:
+    """A mixture run's lineage from its own records: the set of snapshots as one ``SnapshotRef`` (its id
+    and corpus as the manifest names them, ``dvc`` each source's ``.dvc`` text as JSON), and each source
+    as the statement and the tags record it (``SOURCE_LINEAGE_KEYS``): its snapshot as kiln pinned it,
+    its quarantine report (``sources/<name>/``), its packed tokens, and the samples and tokens training
+    drew of it (``result.json``'s ``mixture``)."""
+    from kiln.stages.mixture import SOURCES_SUBDIR
+
+    assert manifest.sources is not None
+    result_path = run_dir(key) / runs.TRAIN_SUBDIR / runs.RESULT_FILE
+    drawn = {entry.get("name"): entry for entry in (_own_report(key, result_path).get("mixture") or [])
+             if isinstance(entry, dict)}
+    snapshots, sources = [], []
+    for src in manifest.sources:
+        name = src["name"]
+        if name not in drawn:
+            raise RunMismatchError(f"run {key}'s training result {result_path} reports no draw of source {name!r}")
+        snap = recorded_snapshot(src["snapshot_id"])
+        snapshots.append((name, snap))
+        report_path = run_dir(key) / SOURCES_SUBDIR / name / runs.QUARANTINE_JSON
+        report = _own_report(key, report_path)
+        tokens = src.get("tokens") or {}
+        sources.append({
+            "name": name, "weight": src["weight"], "corpus": src["corpus"], "snapshot_id": src["snapshot_id"],
+            "snapshot_remote": snap.remote, "snapshot_path": snap.path, "contract": src["contract"],
+            "contract_suite_sha256": str(report.get("contract_sha256") or ""),
+            "quarantine_report_sha256": sha256_file(report_path), "quarantine_report_uri": str(report_path),
+            "max_quarantine_share": report.get("max_quarantine_share"),
+            "quarantined_share": float(report.get("quarantined_share", 0.0)), "shards": int(report.get("shards", 0)),
+            "token_manifest_sha256": str(tokens.get("sha256", "")), "token_manifest_uri": str(tokens.get("manifest", "")),
+            "tokens": int(drawn[name].get("tokens", 0)), "share": float(drawn[name].get("share", 0.0)),
+        })
+    joined = SnapshotRef(id=manifest.snapshot_id, corpus=manifest.corpus, files=sum(s.files for _, s in snapshots),
+                         bytes=sum(s.bytes for _, s in snapshots),
+                         dvc=json.dumps({name: s.dvc for name, s in snapshots}, sort_keys=True),
+                         remote=",".join(sorted({s.remote for _, s in snapshots})), path="")
+    return joined, tuple(sources)
+
+
+def _mixture_quarantine_rate(sources: tuple[dict[str, Any], ...]) -> float:
+    shards = sum(src["shards"] for src in sources)
+    return sum(src["quarantined_share"] * src["shards"] for src in sources) / shards if shards else 1.0
 
 
 def model_gate_stage(candidate: RegisteredCandidate) -> Decision:
