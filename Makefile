@@ -21,6 +21,7 @@ PYTEST_ARGS ?=
 help:
 	@echo "make demo   set everything up and run the production DAG end to end on the embedded stack"
 	@echo "make demo CORPUS=prose   the sandbox DAG on another corpus (prose: text found on this machine, imported)"
+	@echo "make demo MIX=code-and-prose   the sandbox DAG on a data mixture (training/mixtures/NAME.toml)"
 	@echo "make test   set everything up, run make lint, then the whole test suite (prints the 25 slowest tests)"
 	@echo "make test-fast   unit, DAG and fast integration tests only (under 5 min): the inner loop"
 	@echo "make lint   ruff (rules in pyproject.toml [tool.ruff]) and mypy ([tool.mypy]); both must pass"
@@ -58,7 +59,7 @@ status: venv
 	$(BIN)/kiln stack status
 
 demo: venv
-	$(BIN)/kiln demo $(if $(CORPUS),--corpus $(CORPUS))
+	$(BIN)/kiln demo $(if $(CORPUS),--corpus $(CORPUS)) $(if $(MIX),--mixture $(MIX))
 
 # Two pytest processes (pytest-xdist): the end-to-end tests, which mostly wait on Airflow, run in
 # one of them, one stack at a time; the CPU-bound rest runs in the other meanwhile (groups:

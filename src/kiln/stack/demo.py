@@ -131,11 +131,40 @@ def demo_corpus(name: str) -> dict[str, Any]:
             "note": "" if meta else "no corpus.json: validated with the policy's contract"}
 
 
-def run_demo(corpus: str | None = None) -> int:
+def demo_mixture(name: str) -> dict[str, Any]:
+    """The corpora a ``--mixture`` demo trains: each source's corpus, the sample (``stdlib-py``) and
+    ``prose`` built when missing, any other already under the corpus root (``DemoError`` naming the
+    source otherwise). A mixture that cannot be read is refused naming the file and field."""
+    from kiln.data.corpora import corpus_root
+    from kiln.data.mixtures import load_mixture
+
+    mixture = load_mixture(name)
+    prepared = {}
+    for source in mixture.sources:
+        path = corpus_root() / source.corpus
+        if source.corpus == PROSE_CORPUS:
+            built = build_prose_corpus()
+            prepared[source.name] = f"{source.corpus}: {built['train']['documents']} documents found on this machine"
+        elif (path / "train").is_dir():
+            prepared[source.name] = f"{source.corpus}: already under the corpus root"
+        elif source.corpus == PRODUCTION.corpus:
+            built = build_demo_corpus()
+            prepared[source.name] = f"{source.corpus}: the stdlib sample, {len(built.get('poisoned') or {})} shards poisoned"
+        else:
+            raise DemoError(f"mixture {name!r} source {source.name!r}: corpus {source.corpus!r} not found at {path}; "
+                            f"import it first (`kiln corpus import SRC --name {source.corpus} --format ...`)")
+    return {"mixture": mixture, "prepared": prepared}
+
+
+def run_demo(corpus: str | None = None, mixture: str | None = None) -> int:
     from kiln.stack import embedded
 
     t0 = time.monotonic()
     s = kiln_settings.load()
+    if corpus is not None and mixture is not None:
+        raise DemoError("a demo runs one corpus (--corpus) or one mixture (--mixture), not both")
+    if mixture is not None:
+        return _run_mixture_demo(mixture, t0, s)
     if corpus is not None:
         return _run_sandbox_demo(corpus, t0, s)
     say("[1/5] building the sample corpus (Python stdlib sources, 2 poisoned shards)")
@@ -198,6 +227,38 @@ def _run_sandbox_demo(name: str, t0: float, s: kiln_settings.Settings) -> int:
     return 0
 
 
+def _run_mixture_demo(name: str, t0: float, s: kiln_settings.Settings) -> int:
+    """The ``--mixture`` demo: the sandbox DAG on a data mixture (``training/mixtures/NAME.toml``), as its
+    form would trigger it."""
+    from kiln.stack import embedded
+
+    say(f"[1/5] preparing the corpora of mixture {name!r}")
+    prepared = demo_mixture(name)
+    for source in prepared["mixture"].sources:
+        say(f"      {source.name} (weight {source.weight:g}, contract {source.contract or 'its corpus.json'}): "
+            f"{prepared['prepared'][source.name]}")
+    say("[2/5] starting the embedded stack (Airflow + MLflow under .kiln/)")
+    embedded.up(quiet=True)
+    t_stack = time.monotonic()
+    operator = AirflowClient(s.airflow_url, "admin", embedded.passwords(s)["admin"])
+    dag_id = SANDBOX.dag_id
+    operator.wait_for_dag(dag_id)
+    operator.unpause(dag_id)
+    run_id = operator.trigger(dag_id, conf=mixture_conf(name))["dag_run_id"]
+    say(f"[3/5] triggered {dag_id} run {run_id} on mixture {name!r} (each source under its own contract); following it:")
+    say("[4/5] the sandbox asks no review: a candidate the gate passes moves the sandbox alias")
+    final = follow_run(operator, dag_id, run_id)
+    _summarise_run(operator, dag_id, run_id, final, t0=t0, t_stack=t_stack, s=s)
+    return 0
+
+
+def mixture_conf(mixture: str) -> dict[str, Any]:
+    """The sandbox run a ``--mixture`` demo triggers: the form's defaults, that mixture, no run-wide contract."""
+    from kiln.data.corpora import RUN_CORPUS_CONTRACT
+
+    return {"mixture": mixture, "contract": RUN_CORPUS_CONTRACT}
+
+
 def _summarise_run(operator: AirflowClient, dag_id: str, run_id: str, final: dict[str, Any], *, t0: float,
                    t_stack: float, s: kiln_settings.Settings) -> dict[str, Any]:
     """A followed demo run's end: the failed tasks' logs and ``DemoError``, or its printed summary
@@ -228,10 +289,19 @@ def collect_summary(client: AirflowClient, dag_id: str, run_id: str) -> dict[str
     and checked against MLflow's registry."""
     import mlflow
 
-    from kiln.refs import DataGateResult, PinnedSnapshot, PromotionRecord, RegisteredCandidate, RunOutcome, TrainResult
+    from kiln.refs import (
+        DataGateResult,
+        PinnedMixture,
+        PromotionRecord,
+        RegisteredCandidate,
+        RunOutcome,
+        TrainResult,
+        pinned_input,
+    )
 
     s = kiln_settings.load()
-    snap = PinnedSnapshot.from_json(client.xcom(dag_id, run_id, "snapshot"))
+    snap = pinned_input(client.xcom(dag_id, run_id, "snapshot"))
+    files = sum(src.snapshot.files for src in snap.sources) if isinstance(snap, PinnedMixture) else snap.files
     data = DataGateResult.from_json(client.xcom(dag_id, run_id, "data_gate"))
     tokenized = DataGateResult.from_json(client.xcom(dag_id, run_id, "tokens"))
     train = TrainResult.from_json(client.xcom(dag_id, run_id, "train"))
@@ -246,7 +316,9 @@ def collect_summary(client: AirflowClient, dag_id: str, run_id: str) -> dict[str
         "corpus": snap.corpus,
         "contract": data.contract,
         "snapshot_id": snap.id,
-        "snapshot_files": snap.files,
+        "snapshot_files": files,
+        "sources": [{"name": g.name, "weight": g.weight, "contract": g.contract, "healthy": g.healthy,
+                     "quarantined": len(g.quarantined)} for g in data.sources or []],
         "quarantined": [q.to_json() for q in data.quarantined],
         "healthy_shards": data.healthy,
         "tokens": tokenized.tokens.to_json() if tokenized.tokens is not None else None,
@@ -272,6 +344,9 @@ def print_summary(summary: dict[str, Any], s: kiln_settings.Settings) -> None:
     say(f"  snapshot id        : {summary['snapshot_id']}  ({summary['snapshot_files']} files, DVC)")
     say(f"  corpus / contract  : {summary['corpus']} / {summary['contract']}")
     say(f"  healthy shards     : {summary['healthy_shards']}")
+    for src in summary.get("sources") or []:
+        say(f"    source {src['name']:<12}: weight {src['weight']:g}, {src['contract']}, {src['healthy']} healthy, "
+            f"{src['quarantined']} quarantined")
     say(f"  quarantined shards : {len(summary['quarantined'])}")
     for q in summary["quarantined"]:
         say(f"    - {q['path']}: {'; '.join(q['reasons'])[:160]}")
@@ -292,9 +367,9 @@ def print_summary(summary: dict[str, Any], s: kiln_settings.Settings) -> None:
     say("  logins             : `make up` prints them; the stack keeps running — `make down` stops it")
 
 
-def main(corpus: str | None = None) -> int:
+def main(corpus: str | None = None, mixture: str | None = None) -> int:
     try:
-        return run_demo(corpus)
+        return run_demo(corpus, mixture)
     except KilnError as exc:
         print(f"kiln demo: error: {exc}", file=sys.stderr)
         return 1

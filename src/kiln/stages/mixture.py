@@ -262,7 +262,10 @@ def mixture_data_gate_stage(policy: Policy, params: dict[str, Any], pinned: Pinn
 def _publish_index(pinned: PinnedMixture, gates: list[SourceGate], out: Path, mlflow_run_id: str) -> dict[str, str]:
     """The index of a mixture's quarantine reports, JSON and HTML, in the run directory and its MLflow
     run: what the data gate task's link opens."""
-    body = {"kind": MIXTURE_REPORT_KIND, "mixture": pinned.mixture, "snapshot_id": pinned.id,
+    shards = sum(g.healthy + len(g.quarantined) for g in gates)
+    quarantined = sum(len(g.quarantined) for g in gates)
+    body = {"kind": MIXTURE_REPORT_KIND, "mixture": pinned.mixture, "snapshot_id": pinned.id, "shards": shards,
+            "quarantined_share": round(quarantined / shards, 6) if shards else 0.0, "gate": "each source's own",
             "sources": [{k: v for k, v in g.to_json().items() if k != "tokens"} for g in gates]}
     json_path = atomic_write_text(out / runs.QUARANTINE_JSON, json.dumps(body, indent=1, sort_keys=True) + "\n")
     rows = "".join(
@@ -270,6 +273,8 @@ def _publish_index(pinned: PinnedMixture, gates: list[SourceGate], out: Path, ml
         f"<td><code>{html.escape(g.contract)}</code></td><td>{g.healthy}</td><td>{len(g.quarantined)}</td>"
         f"<td>{g.quarantine_rate:.1%} (gate {g.max_quarantine_share:.0%})</td>"
         f'<td><a href="{html.escape(g.name)}/{html.escape(Path(g.report_html).name)}">report</a></td></tr>'
+        + "".join(f"<tr><td></td><td colspan=7>quarantined: <code>{html.escape(q.path)}</code> — "
+                  f"{html.escape('; '.join(q.reasons))}</td></tr>" for q in g.quarantined)
         for g in gates)
     page = (f"<!doctype html><meta charset=utf-8><title>Quarantine reports: mixture {html.escape(pinned.mixture)}"
             f"</title><h1>Quarantine reports of mixture <code>{html.escape(pinned.mixture)}</code></h1>"

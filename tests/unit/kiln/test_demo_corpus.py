@@ -53,3 +53,36 @@ def test_a_demo_corpus_that_does_not_exist_says_how_to_make_it(home):
 
     with pytest.raises(DemoError, match=r"corpus 'nope' not found at .*kiln corpus import SRC --name nope"):
         demo_corpus("nope")
+
+
+def test_the_mixture_demo_prepares_each_sources_corpus_and_the_form_takes_its_run(home, monkeypatch, tmp_path):
+    """``kiln demo --mixture code-and-prose`` up to the trigger: both corpora built (the stdlib sample
+    and the prose import), the run it triggers taken by the sandbox form, and its first task pins both
+    sources under their own contracts. A source whose corpus kiln cannot build is refused naming it."""
+    from kiln.airflow.dagfactory import build_dag
+    from kiln.data import mixtures
+    from kiln.errors import MixtureError
+    from kiln.refs import PinnedMixture
+    from kiln.stack.demo import demo_mixture, mixture_conf, run_demo
+    from kiln.stages import check_run_conf, snapshot_run_stage
+
+    prepared = demo_mixture("code-and-prose")
+    assert set(prepared["prepared"]) == {"code", "prose"}
+    conf = mixture_conf("code-and-prose")
+    params = build_dag(SANDBOX).params
+    for key, value in conf.items():
+        params.get_param(key).resolve(value)  # the form takes it
+    check_run_conf(SANDBOX, conf, set(params.keys()))
+    pinned = snapshot_run_stage(SANDBOX, {**conf, "corpus": SANDBOX.corpus})
+    assert isinstance(pinned, PinnedMixture) and [s.snapshot.corpus for s in pinned.sources] == ["stdlib-py", "prose"]
+
+    folder = tmp_path / "mixtures"
+    folder.mkdir()
+    (folder / "elsewhere.toml").write_text('[[sources]]\nname = "books"\ncorpus = "books"\nweight = 1\n')
+    monkeypatch.setattr(mixtures, "mixtures_dir", lambda: folder)
+    with pytest.raises(DemoError, match=r"source 'books': corpus 'books' not found .*kiln corpus import SRC --name books"):
+        demo_mixture("elsewhere")
+    with pytest.raises(MixtureError, match="mixture 'nope' not found"):
+        demo_mixture("nope")
+    with pytest.raises(DemoError, match="one corpus .* or one mixture"):
+        run_demo("prose", "code-and-prose")
