@@ -89,3 +89,72 @@ def test_a_registered_version_carries_its_datasheet_beside_its_signed_files(
     captured = capsys.readouterr()
     assert captured.out == ""
     assert "tag kiln.weights_sha256 is 'ffff" in captured.err and "the signed statement says" in captured.err
+
+
+def test_promotion_signs_the_approval_and_the_run_s_datasheet_shows_it(
+        tmp_path, client, unique_name, logged_models, capsys):
+    """The statement is signed before anyone reviews the version; promote signs the approval (an attestation
+    naming the statement by its sha256, the policy's key) and logs the run's datasheet again with it."""
+    import mlflow
+
+    from kiln.provenance.approval import approval_statement, sign_approval, statement_sha256, verify_approval
+
+    contract = load_contract("stdlib-py@1")
+    policy = production_policy(unique_name)
+    cand = make_candidate(tmp_path, "a", 3.0)
+    report = _quarantine_report(tmp_path / "quarantine-report.json", contract, cand.snapshot.path)
+    key = f"kiln_production/a-{unique_name}"
+    ref = registry.register_candidate(policy=policy, run_key=key, **cand.kwargs(), records=registry.RunRecords(
+        quarantine_report=str(report), contract_suite_sha256=contract.sha256, launcher="local"))
+    approve(policy, ref, key, "alice")
+    decision = registry.decide(cand.eval_report, registry.champion_report(policy), policy.gate)
+    record = registry.promote(policy=policy, candidate_version=ref["version"], decision=decision, run_key=key)
+
+    mv = client.get_model_version(policy.target_model, record.version)
+    uri, sha = mv.tags["kiln.promotion.attestation"], mv.tags["kiln.promotion.attestation_sha256"]
+    assert uri.startswith(f"runs:/{mv.run_id}/approval/")
+    local = Path(mlflow.artifacts.download_artifacts(uri, dst_path=str(tmp_path / "approval")))
+    assert hashlib.sha256(local.read_bytes()).hexdigest() == sha
+    check = check_version(mv, "production")
+    assert check.status == "agrees", check.problem  # the signed model directory is untouched
+    assert check.verified is not None
+    statement = check.verified.statement
+    approval = verify_approval(local, statement)
+    assert (approval["approver"], approval["approvedAt"], approval["approval"]) == ("alice", record.at, "review")
+    assert approval["target"] == f"{policy.target_model}/{record.version}" and approval["alias"] == "champion"
+    assert approval["candidate"] == f"{policy.candidate_model}/{ref['version']}" and approval["runKey"] == key
+    assert approval["decision"]["action"] == "promote" and approval["policy"] == "production"
+
+    # the run's datasheet, logged again at promotion: the signed approval, no longer "no approval is recorded"
+    folder = Path(mlflow.artifacts.download_artifacts(run_id=mv.run_id, artifact_path=DATASHEET_DIR,
+                                                      dst_path=str(tmp_path / "dl")))
+    markdown = (folder / "datasheet.md").read_text()
+    assert "| approved by | alice | approval attestation |" in markdown
+    assert f"| promoted as | `{policy.target_model}/{record.version} (champion; before it none)` | approval " \
+           "attestation |" in markdown
+    assert "No approval is recorded" not in markdown
+    assert "| data gate outcome | pass: 1 of 2 shards quarantined (share 0.5) | quarantine report |" in markdown
+    ref_text = f"{policy.target_model}@champion"
+    capsys.readouterr()
+    assert kiln_main(["datasheet", ref_text, "--policy", "production"]) == 0, capsys.readouterr().err
+    assert "| approved by | alice | approval attestation |" in capsys.readouterr().out
+
+    # an approval of another statement, signed with production's own key and put in its place (the sha256
+    # tag, which is not signed, edited to match) is not shown as signed: the tags are, with why not
+    other = dict(statement, subject=[{"name": "x", "digest": {"sha256": "0" * 64}}])
+    forged = sign_approval(approval_statement(other, policy="production", candidate=approval["candidate"],
+                                              target=approval["target"], alias="champion", previous="",
+                                              approver="mallory", approved_at=record.at, approval="review",
+                                              run_key=key, decision=approval["decision"]), "production")
+    (tmp_path / "forged").mkdir()
+    (tmp_path / "forged" / local.name).write_bytes(forged)
+    client.log_artifact(mv.run_id, str(tmp_path / "forged" / local.name), "approval")
+    client.set_model_version_tag(policy.target_model, record.version, "kiln.promotion.attestation_sha256",
+                                 hashlib.sha256(forged).hexdigest())
+    assert kiln_main(["datasheet", ref_text, "--policy", "production"]) == 0, capsys.readouterr().err
+    printed = capsys.readouterr().out
+    assert "| approved by |" not in printed and "mallory" not in printed
+    assert "| kiln.promotion.approver | alice | version tags |" in printed
+    assert (f"The approval attestation was not used: approval attestation {local.name} approves statement "
+            f"sha256 {statement_sha256(other)}, not this version's {statement_sha256(statement)}") \
+        .replace("_", "\\_") in printed

@@ -42,6 +42,7 @@ FROM_REPORT = "quarantine report"
 FROM_CONTRACT = "contract suite"
 FROM_CORPUS = "corpus.json"
 FROM_TAGS = "version tags"
+FROM_APPROVAL = "approval attestation"
 FROM_DERIVED = "derived"
 SOURCE_LEGEND = {
     FROM_STATEMENT: "the signed provenance statement (in-toto v1, SLSA Provenance v1)",
@@ -49,6 +50,7 @@ SOURCE_LEGEND = {
     FROM_CONTRACT: "the data contract's expectation suite, used only when its sha256 is the one the statement signed",
     FROM_CORPUS: "the corpus' own record (corpus.json) in kiln's copy of the snapshot: not in the statement",
     FROM_TAGS: "the model version's tags, written after registration: not signed",
+    FROM_APPROVAL: "the approval attestation promotion signed with the policy's key, naming this statement by its sha256",
     FROM_DERIVED: "computed here from signed values (the formula is given)",
 }
 EVAL_CONTAMINATION_RULE = "no_eval_contamination"
@@ -78,6 +80,10 @@ class DatasheetSources:
     """The corpus' ``corpus.json`` from the snapshot copy the run read."""
     approval_tags: Mapping[str, str] = field(default_factory=dict)
     """The version's review and approval tags (``APPROVAL_TAG_PREFIXES``)."""
+    approval: Mapping[str, Any] | None = None
+    """The predicate of a verified approval attestation of this statement (``kiln.provenance.approval``)."""
+    approval_problem: str = ""
+    """Why an approval attestation the version names was not used (it does not verify, or is not at hand)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -488,10 +494,30 @@ def _approval_section(st: _Statement, sources: DatasheetSources) -> Section:
     if signed is not None:
         return Section("Who approved it", tuple(Fact(str(k), _text(v), FROM_STATEMENT)
                                                 for k, v in sorted(_content(signed).items())))
+    if sources.approval is not None:
+        a = sources.approval
+        given = a.get("decision")
+        decision: Mapping[str, Any] = given if isinstance(given, dict) else {}
+        facts = (Fact("approved by", _text(a.get("approver")), FROM_APPROVAL),
+                 Fact("approved at", _text(a.get("approvedAt")), FROM_APPROVAL),
+                 Fact("how", _text(a.get("approval")), FROM_APPROVAL),
+                 Fact("promoted as", f"{_text(a.get('target'))} ({_text(a.get('alias'))}; before it "
+                                     f"{_text(a.get('previousVersion') or 'none')})", FROM_APPROVAL, code=True),
+                 Fact("candidate", _text(a.get("candidate")), FROM_APPROVAL, code=True),
+                 Fact("gate decision promoted on", f"{_text(decision.get('action'))}: "
+                                                   f"{'; '.join(map(str, decision.get('reasons') or []))}", FROM_APPROVAL),
+                 Fact("promoting run", _text(a.get("runKey")), FROM_APPROVAL, code=True),
+                 Fact("signed by the key of policy", _text(a.get("policy")), FROM_APPROVAL))
+        return Section("Who approved it", facts, notes=(
+            "Signed at promotion, after this statement: the approval attestation names the statement by its sha256 "
+            "and is signed with a key the policy trusts.",))
     tags = approval_tags(sources.approval_tags)
     if tags:
+        notes = ["These tags were written after registration and are not signed."]
+        if sources.approval_problem:
+            notes.append(f"The approval attestation was not used: {sources.approval_problem}.")
         return Section("Who approved it", tuple(Fact(k, _text(v), FROM_TAGS) for k, v in tags.items()),
-                       notes=("These tags were written after registration and are not signed.",))
+                       notes=tuple(notes))
     return Section("Who approved it", notes=(
         "No approval is recorded: the statement is made at registration, before any review. Once the version is "
         "reviewed or promoted, kiln datasheet MODEL@ALIAS shows its approval tags here (not signed).",))

@@ -3,7 +3,8 @@
     local_sources(statement, ...) -> DatasheetSources       the files the statement names, on this machine
     publish_datasheet(client, run_id, statement, sources)   datasheet/{datasheet.md,datasheet.html,sources/...}
                                                             logged to the version's MLflow run
-    run_sources(run_id, statement, ...) -> DatasheetSources the copies publish_datasheet logged, else local_sources
+    run_sources(run_id, statement, ...) -> DatasheetSources the copies publish_datasheet logged, else local_sources,
+                                                            and the approval attestation the version's tags name
 
 The datasheet is logged to the *run*, never into the model directory: that directory is the signed
 artifact (``model.sig`` covers every file of it), and a file added there would make the version fail
@@ -16,6 +17,7 @@ only as ``build_datasheet`` allows (the first two only with the digest the state
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import tempfile
 from collections.abc import Callable, Mapping
@@ -124,6 +126,8 @@ def run_sources(run_id: str, statement: Mapping[str, Any], *, model_version: str
     from kiln.util.fs import parse_json
 
     local = local_sources(statement, model_version=model_version, approval_tags=approval_tags)
+    approval, problem = approval_of(statement, approval_tags or {})
+    local = dataclasses.replace(local, approval=approval, approval_problem=problem)
     if not run_id:
         return local
     with tempfile.TemporaryDirectory(prefix="kiln-datasheet-") as tmp:
@@ -151,7 +155,34 @@ def run_sources(run_id: str, statement: Mapping[str, Any], *, model_version: str
         quarantine_report=_signed_first(reports, signed_report, lambda r: r),
         contract_suite=_signed_first(suites, signed_suite, canonical_json),
         corpus_metadata=corpus if corpus is not None else local.corpus_metadata,
-        approval_tags=dict(approval_tags or {}))
+        approval_tags=dict(approval_tags or {}), approval=approval, approval_problem=problem)
+
+
+def approval_of(statement: Mapping[str, Any], tags: Mapping[str, str]) -> tuple[dict[str, Any] | None, str]:
+    """The verified approval attestation the version's ``tags`` name (``kiln.promotion.attestation``), as its
+    predicate, or None and why not ("" when the tags name none): it must have the sha256 the tags say and
+    verify for ``statement`` (``kiln.provenance.approval.verify_approval``)."""
+    import mlflow
+
+    from kiln.provenance.approval import verify_approval
+    from kiln.registry.tags import TAGS
+
+    uri = tags.get(TAGS["promotion_attestation"], "")
+    if not uri:
+        return None, ""
+    with tempfile.TemporaryDirectory(prefix="kiln-approval-") as tmp:
+        try:
+            path = Path(mlflow.artifacts.download_artifacts(artifact_uri=uri, dst_path=tmp))
+        except Exception as exc:  # MlflowException or OSError: say so in the datasheet, never fail it
+            return None, f"{uri} could not be read ({type(exc).__name__})"
+        sha = hashlib.sha256(path.read_bytes()).hexdigest()
+        if sha != tags.get(TAGS["promotion_attestation_sha256"]):
+            return None, (f"{uri} has sha256 {sha}, the version's tag says "
+                          f"{tags.get(TAGS['promotion_attestation_sha256'], 'nothing')}")
+        try:
+            return verify_approval(path, statement), ""
+        except ProvenanceError as exc:
+            return None, str(exc)
 
 
 def _signed_first(candidates: list[Any], signed: str, to_bytes: Callable[[Any], bytes]) -> Any:

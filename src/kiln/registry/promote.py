@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import math
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from kiln.errors import PolicyError, RegistryError
 from kiln.policy import Policy
@@ -216,7 +216,7 @@ def promote(
             approver, approval_time, how = _approval_of_run(candidate, policy, run_key)
         # Fail closed, before anything moves: the candidate's files, both signatures (with the keys
         # this policy trusts) and its records must agree (ProvenanceError names what differs).
-        verify_version(client, candidate, policy.name)
+        verified = verify_version(client, candidate, policy.name)
 
         holder = _version_by_alias(client, target, policy.alias)
         if holder is not None and holder.tags.get(RUN_KEY_TAG) == candidate.tags[RUN_KEY_TAG]:
@@ -255,6 +255,8 @@ def promote(
                         from_version=previous or "", to_version=version, run_key=run_key,
                         decision=chosen.action, approval=how),
         }
+        # the approval, signed (it names the verified statement), and the run's datasheet made again with it
+        tags |= _attest_approval(client, policy, candidate, mv, verified.statement, tags, chosen)
         for key, value in tags.items():
             if mv.tags.get(key) != value:
                 client.set_model_version_tag(target, version, key, value)
@@ -269,6 +271,46 @@ def promote(
         )
 
     return _with_retries(f"promoting {policy.candidate_model}/{candidate_version} to {target}@{policy.alias}", attempt)
+
+
+def _attest_approval(client: MlflowClient, policy: Policy, candidate: ModelVersion, mv: ModelVersion,
+                     statement: dict[str, Any], tags: dict[str, str], decision: Decision) -> dict[str, str]:
+    """Sign the approval ``tags`` record as an approval attestation of the candidate's verified ``statement``
+    with ``policy``'s key (``kiln.provenance.approval``), log it to the version's run under ``approval/`` and
+    publish the run's datasheet again with it (the signed approval in "Who approved it"). Returns the tags
+    that name it on the promoted version. Idempotent but for the signature's bytes (a retry signs again,
+    the tags then name the new file's sha256)."""
+    import dataclasses
+    import hashlib
+    import tempfile
+    from pathlib import Path
+
+    from kiln.provenance.approval import APPROVAL_DIR, approval_statement, attestation_name, sign_approval, verify_approval
+    from kiln.provenance.datasheet import approval_tags
+    from kiln.provenance.datasheet_sources import publish_datasheet, run_sources
+
+    target = f"{mv.name}/{mv.version}"
+    approval = approval_statement(
+        statement, policy=policy.name, candidate=f"{candidate.name}/{candidate.version}", target=target,
+        alias=policy.alias, previous=tags[TAGS["previous_version"]], approver=tags[TAGS["approver"]],
+        approved_at=tags[TAGS["approved_at"]], approval=tags[TAGS["promotion_approval"]],
+        run_key=tags[TAGS["promotion_run_key"]], decision=decision.to_json())
+    envelope = sign_approval(approval, policy.name)
+    name = attestation_name(target, tags[TAGS["approved_at"]])
+    run_id = str(candidate.run_id or mv.run_id or "")
+    if not run_id:
+        raise RegistryError(f"{candidate.name} version {candidate.version} names no run to log its approval to")
+    with tempfile.TemporaryDirectory(prefix="kiln-approval-") as tmp:
+        local = Path(tmp) / name
+        local.write_bytes(envelope)
+        predicate = verify_approval(local, statement)  # what is logged verifies, or nothing is
+        client.log_artifact(run_id, str(local), APPROVAL_DIR)
+    named = {TAGS["promotion_attestation"]: f"runs:/{run_id}/{APPROVAL_DIR}/{name}",
+             TAGS["promotion_attestation_sha256"]: hashlib.sha256(envelope).hexdigest()}
+    sources = run_sources(run_id, statement, model_version=target,
+                          approval_tags=approval_tags({**(mv.tags or {}), **tags, **named}))
+    publish_datasheet(client, run_id, statement, dataclasses.replace(sources, approval=predicate))
+    return named
 
 
 def rollback(model: str, policy: Policy, actor: str, *, reason: str) -> PromotionRecord:

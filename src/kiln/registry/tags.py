@@ -90,6 +90,9 @@ TAGS = {
     "reproduction_tolerance": "kiln.reproduction.tolerance",
     "reproduction_max_abs_diff": "kiln.reproduction.max_abs_diff",
     "promotion_approval": "kiln.promotion.approval",
+    # the signed approval attestation (kiln.provenance.approval) in the version's run, and its sha256
+    "promotion_attestation": "kiln.promotion.attestation",
+    "promotion_attestation_sha256": "kiln.promotion.attestation_sha256",
     "review": "kiln.review",
     "reviewer": "kiln.review.by",
     "reviewed_at": "kiln.review.at",

@@ -1,0 +1,108 @@
+"""A promotion's approval, signed: an attestation that names the version's provenance statement.
+
+The provenance statement is made and signed at registration, before anyone reviews the version, so it
+can never say who approved it; the approval tags (``kiln.promotion.*``) are written later and are not
+signed. When ``promote`` moves the alias, it signs an approval attestation with the promoting policy's
+key (the key that signed the statement: promotion stays within one policy):
+
+    an in-toto Statement v1 whose subject is the candidate's provenance statement (the sha256 of its
+    canonical JSON, the bytes its DSSE envelope signed) and whose predicate (``APPROVAL_PREDICATE_TYPE``)
+    says who approved it, when and how (a reviewer's answer in the run, a named person's ``kiln
+    promote``, or a policy that needs none), the gate decision promoted on, the candidate and the
+    version it became, the alias and the version that held it before.
+
+It is a DSSE envelope like ``provenance.dsse.json``, logged to the version's MLflow run under
+``approval/`` (beside the model directory, never in it: that is signed and unchanged), and named on the
+promoted version by ``kiln.promotion.attestation`` (its ``runs:/`` URI) and
+``kiln.promotion.attestation_sha256``. The run's datasheet is made again with it, so its "Who approved
+it" section shows the signed approval instead of saying there is none.
+
+``verify_approval`` checks one: signed by a key the statement's policy trusts, of this predicate type,
+and naming exactly this statement (an approval of another version, or of an edited statement, is
+refused).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from kiln.errors import ProvenanceError
+from kiln.provenance.statement import STATEMENT_TYPE, statement_bytes
+
+APPROVAL_PREDICATE_TYPE = "urn:kiln:approval:v1"
+"""The predicate of an approval attestation: who approved which version, when, how, on which decision."""
+APPROVAL_DIR = "approval"
+"""Where in the version's run the attestations are logged (one file per approval)."""
+STATEMENT_SUBJECT = "provenance statement"
+"""The subject's name suffix: ``models:/<candidate>/<version> provenance statement``."""
+
+
+def statement_sha256(statement: Mapping[str, Any]) -> str:
+    """The sha256 of a provenance statement's canonical JSON: the payload its DSSE envelope signed."""
+    return hashlib.sha256(statement_bytes(statement)).hexdigest()
+
+
+def approval_statement(statement: Mapping[str, Any], *, policy: str, candidate: str, target: str, alias: str,
+                       previous: str, approver: str, approved_at: str, approval: str, run_key: str,
+                       decision: Mapping[str, Any]) -> dict[str, Any]:
+    """The in-toto statement of one approval of the version whose provenance ``statement`` is given.
+    ``candidate`` and ``target`` are ``MODEL/VERSION`` (the same when the policy promotes in place);
+    ``approval`` how it was approved (``kiln.registry.tags.APPROVAL_*``); ``run_key`` the promoting run."""
+    return {
+        "_type": STATEMENT_TYPE,
+        "subject": [{"name": f"models:/{candidate} {STATEMENT_SUBJECT}",
+                     "digest": {"sha256": statement_sha256(statement)}}],
+        "predicateType": APPROVAL_PREDICATE_TYPE,
+        "predicate": {"policy": policy, "approver": approver, "approvedAt": approved_at, "approval": approval,
+                      "runKey": run_key, "decision": dict(decision), "candidate": candidate, "target": target,
+                      "alias": alias, "previousVersion": previous},
+    }
+
+
+def attestation_name(target: str, approved_at: str) -> str:
+    """The file an approval is logged as under ``APPROVAL_DIR``: one per promoted version and approval time
+    (a version rolled back and approved again gets a second one; the version's tags name the latest)."""
+    return re.sub(r"[^A-Za-z0-9_.-]", "_", f"{target}-{approved_at}") + ".dsse.json"
+
+
+def sign_approval(approval: Mapping[str, Any], policy: str, *, home: str | Path | None = None) -> bytes:
+    """``approval`` as a DSSE envelope signed with ``policy``'s key (canonical JSON and a newline)."""
+    from kiln.provenance.keys import signing_key
+    from kiln.provenance.sign import dsse_envelope
+    from kiln_trainer.contract import canonical_json
+
+    return canonical_json(dsse_envelope(statement_bytes(approval), signing_key(policy, home))) + b"\n"
+
+
+def verify_approval(path: str | Path, statement: Mapping[str, Any], *,
+                    home: str | Path | None = None) -> dict[str, Any]:
+    """The predicate of the approval attestation at ``path`` when it is signed by a key that the policy of
+    ``statement`` (a verified provenance statement) trusts and names exactly that statement;
+    ``ProvenanceError`` naming what is wrong otherwise."""
+    from kiln.provenance.keys import trusted_keys
+    from kiln.provenance.verify import _open_envelope
+
+    try:
+        policy = str(statement["predicate"]["buildDefinition"]["internalParameters"]["policy"])
+    except (KeyError, TypeError) as exc:
+        raise ProvenanceError(f"provenance statement: no policy to verify an approval with ({exc!r})") from exc
+    try:
+        attested, _kid = _open_envelope(Path(path), policy, trusted_keys(policy, home), home)
+    except ProvenanceError as exc:
+        raise ProvenanceError(f"approval attestation {Path(path).name}: {exc}") from exc
+    if not isinstance(attested, dict) or attested.get("_type") != STATEMENT_TYPE \
+            or attested.get("predicateType") != APPROVAL_PREDICATE_TYPE or not isinstance(attested.get("predicate"), dict):
+        raise ProvenanceError(f"approval attestation {Path(path).name}: not a kiln approval attestation")
+    named = [s.get("digest", {}).get("sha256") for s in attested.get("subject") or [] if isinstance(s, dict)]
+    expected = statement_sha256(statement)
+    if named != [expected]:
+        raise ProvenanceError(f"approval attestation {Path(path).name} approves statement sha256 "
+                              f"{', '.join(map(str, named)) or 'none'}, not this version's {expected}")
+    if attested["predicate"].get("policy") != policy:
+        raise ProvenanceError(f"approval attestation {Path(path).name} says policy "
+                              f"{attested['predicate'].get('policy')!r}, the statement {policy!r}")
+    return dict(attested["predicate"])
