@@ -41,15 +41,14 @@ from kiln.provenance.reproduce import (
     DEFAULT_TOLERANCE,
     EVAL_COMPARED,
     EXPORT_DIR,
-    after_training,
+    compare_folder,
     compare_weights,
     load_folder_weights,
     plan_from_statement,
 )
-from kiln.provenance.statement import subjects
+from kiln.provenance.statement import artifact_files, subjects
 from kiln.refs import sha256_file
 from kiln.registry.export import HF_FOLDER
-from kiln.runs import TRAINING_MANIFEST
 
 pytestmark = pytest.mark.slow
 
@@ -202,16 +201,15 @@ def test_an_untouched_version_reproduces_with_the_same_weights_and_the_verdict_i
     # bytes, and signed so: a statement verify cannot fault) differs at hf-folder, naming the file
     from safetensors.torch import save_file
 
-    derived = tmp_path / "r" / "derived"
+    exported = tmp_path / "r" / "derived" / EXPORT_DIR
     plan = plan_from_statement(on_stack.statement, tmp_path / "r" / "version")
-    other = load_folder_weights(derived / EXPORT_DIR)
+    other = load_folder_weights(exported)
     other[sorted(other)[0]] += 1e-3
     save_file(other, str(tmp_path / "other.safetensors"), metadata={"format": "pt"})
-    swapped = dataclasses.replace(plan, hf_files={**plan.hf_files,
-                                                  "model.safetensors": sha256_file(tmp_path / "other.safetensors")})
-    caught = after_training(swapped, trained["checkpoint"], derived / TRAINING_MANIFEST, tmp_path / "again")
+    signed = {**plan.hf_files, "model.safetensors": sha256_file(tmp_path / "other.safetensors")}
+    caught = compare_folder(signed, artifact_files(exported), prefix=HF_FOLDER)
     assert [str(c) for c in caught if not c.same] == [
-        f"hf-folder: {HF_FOLDER}/model.safetensors differs: recorded {sha256_file(tmp_path / 'other.safetensors')}, "
+        f"hf-folder: {HF_FOLDER}/model.safetensors differs: recorded {signed['model.safetensors']}, "
         f"re-derived {plan.hf_files['model.safetensors']}"]
 
 
