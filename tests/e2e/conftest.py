@@ -74,22 +74,26 @@ def login(stack):
 
 @pytest.fixture(scope="package")
 def llama_sandbox_run(stack, admin) -> dict[str, str]:
-    """One finished sandbox run of a team's own model, shared by the tests that need a run of the
-    sandbox DAG and not a particular trainer (so the package pays for one run, not one each): the
-    form's ``tiny-llama.toml`` (the worked example of a trainer of your own, a Hugging Face
-    ``LlamaForCausalLM`` on kiln's trainer SDK), 20 steps, on a fresh build of the sandbox's corpus
-    with one poisoned shard. ``{"run_id", "poisoned"}`` (the quarantined shard's file name)."""
+    """One finished sandbox run of a team's own model on a data mixture, shared by the tests that need
+    a run of the sandbox DAG and not a particular trainer or corpus (so the package pays for one run,
+    not one each): the form's ``tiny-llama.toml`` (the worked example of a trainer of your own, a
+    Hugging Face ``LlamaForCausalLM`` on kiln's trainer SDK), 20 steps, on the form's mixture
+    ``code-and-prose``: a fresh build of the sandbox's corpus with one poisoned shard (under
+    stdlib-py@1) and the demo's prose corpus (under web-text@1). ``{"run_id", "poisoned"}`` (the
+    quarantined shard's file name)."""
     from kiln import settings as kiln_settings
     from kiln.data.corpus import build_corpus
     from kiln.policy import SANDBOX
-    from kiln.stack.demo import follow_run
+    from kiln.stack.demo import build_prose_corpus, follow_run
 
     s = kiln_settings.load()
     built = build_corpus(s.corpus_root / SANDBOX.corpus, shards=4, seed=21, poison=("null_text",))
     (poisoned,) = [Path(p).name for p in built["poisoned"]]
+    build_prose_corpus()
     admin.wait_for_dag(SANDBOX.dag_id)
     admin.unpause(SANDBOX.dag_id)
-    run_id = admin.trigger(SANDBOX.dag_id, conf={"recipe": "tiny-llama.toml", "max_steps": 20, "seed": 2})["dag_run_id"]
+    conf = {"recipe": "tiny-llama.toml", "max_steps": 20, "seed": 2, "mixture": "code-and-prose"}
+    run_id = admin.trigger(SANDBOX.dag_id, conf=conf)["dag_run_id"]
     final = follow_run(admin, SANDBOX.dag_id, run_id, timeout=780, progress=print)
     states = {ti["task_id"]: ti["state"] for ti in admin.task_instances(SANDBOX.dag_id, run_id)}
     assert final["state"] == "success", states

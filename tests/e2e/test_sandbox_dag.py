@@ -120,3 +120,40 @@ def test_a_teams_own_hugging_face_model_through_the_sandbox_form(stack, admin, l
     for model in (PRODUCTION_MODEL, f"{PRODUCTION_MODEL}.candidates"):
         leaked = client.search_model_versions(f"name = '{model}' AND tags.`kiln.airflow.run_id` = '{run_id}'")
         assert not leaked, f"a sandbox run wrote a version of {model}"
+
+
+def test_a_data_mixture_through_the_sandbox_form(stack, admin, llama_sandbox_run):
+    """The same shared run trained the form's mixture ``code-and-prose``: each source snapshotted,
+    validated in its own mapped tasks against its own contract and gated by its own threshold; the
+    poisoned code shard quarantined within its source; one tokenizer packed both; the version records
+    each source's snapshot, contract, weight, realized share and tokens, and its signed statement lists
+    them (``kiln verify`` agrees)."""
+    import mlflow
+
+    from kiln.policy import SANDBOX
+    from kiln.registry.verify import check_version
+
+    run_id = llama_sandbox_run["run_id"]
+    snap = admin.xcom(SANDBOX.dag_id, run_id, "snapshot")
+    assert snap["mixture"] == "code-and-prose" and [s["name"] for s in snap["sources"]] == ["code", "prose"]
+    validated = [ti for ti in admin.task_instances(SANDBOX.dag_id, run_id) if ti["task_id"] == "validate_shards"]
+    assert len(validated) >= 2 and all(ti["state"] == "success" for ti in validated)  # a batch per source at least
+    gate = admin.xcom(SANDBOX.dag_id, run_id, "data_gate")
+    by_source = {g["name"]: g for g in gate["sources"]}
+    assert (by_source["code"]["contract"], by_source["prose"]["contract"]) == ("stdlib-py@1", "web-text@1")
+    assert [q["path"] for q in by_source["code"]["quarantined"]] == [llama_sandbox_run["poisoned"]]
+    manifest = json.loads(Path(admin.xcom(SANDBOX.dag_id, run_id, "tokens")["manifest"]).read_text())
+    assert manifest["format"] == 2 and [s["name"] for s in manifest["sources"]] == ["code", "prose"]
+    assert len({s["tokens"]["tokenizer_sha256"] for s in manifest["sources"]}) == 1  # the run's one tokenizer
+
+    client = mlflow.MlflowClient(tracking_uri=stack["mlflow"])
+    [version] = client.search_model_versions(
+        f"name = '{SANDBOX.target_model}' AND tags.`kiln.airflow.run_id` = '{run_id}'")
+    assert version.tags["kiln.mixture.sources"] == "code,prose" and version.tags["kiln.snapshot_id"] == snap["id"]
+    for source in snap["sources"]:
+        tag = f"kiln.source.{source['name']}."
+        assert version.tags[tag + "snapshot_id"] == source["snapshot"]["id"]
+        assert float(version.tags[tag + "weight"]) == 0.5 and 0 < float(version.tags[tag + "share"]) < 1
+        assert int(version.tags[tag + "tokens"]) > 0
+    check = check_version(version, "sandbox")
+    assert check.status == "agrees", check.problem

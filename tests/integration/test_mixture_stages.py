@@ -168,6 +168,7 @@ def test_a_mixture_through_the_data_stages_to_a_manifest_the_trainer_trains(home
         assert float(mv.tags[tag + "weight"]) == src["weight"] and float(mv.tags[tag + "share"]) == drawn[src["name"]]["share"]
         assert int(mv.tags[tag + "tokens"]) == drawn[src["name"]]["tokens"] > 0
     assert abs(sum(float(mv.tags[f"kiln.source.{n}.share"]) for n in ("code", "prose")) - 1) < 1e-9
+    assert "Data mixture" in mv.description and "| prose | prose | `" in mv.description  # the version page's table
     check = check_version(mv, "sandbox")
     assert check.status == "agrees", check.problem
     assert check.verified is not None

@@ -641,8 +641,11 @@ def build_dag(policy: Policy):  # one function, so the wiring reads top to botto
 
             return run_shard_batches(policy, _pinned(snapshot))
 
+        # "shard-00000.parquet … shard-00003.parquet"; a mixture's batch with its source: "code: shard-… … shard-…".
         @_linked_task(policy, "validate_shards",
-                      map_index_template="{{ task.op_kwargs['shards'][0].rsplit('/', 1)[-1] }}"
+                      map_index_template="{% set head = task.op_kwargs['shards'][0].split('/', 1)[0] %}"
+                                         "{{ head.split(':', 1)[0] ~ ': ' if ':' in head else '' }}"
+                                         "{{ task.op_kwargs['shards'][0].rsplit('/', 1)[-1] }}"
                                          " … {{ task.op_kwargs['shards'][-1].rsplit('/', 1)[-1] }}")
         def validate_shards(snapshot: dict[str, Any], shards: list[str]) -> list[dict[str, Any]]:
             from kiln.stages import validate_run_stage

@@ -257,10 +257,31 @@ def _description(tags: dict[str, str], decision: Decision, run_id: str, experime
         f"| recipe sha256 | `{tags[TAGS['recipe_sha256']]}` |\n"
         f"| weights sha256 | `{tags[TAGS['weights_sha256']]}` |\n"
         f"| git | `{tags[TAGS['git_sha']]}` |\n\n"
+        f"{_sources_table(tags)}"
         f"Evaluation report (loss curve, metrics against the champion, full lineage): artifacts of run "
         f"`{run_id}`, `{REPORT_DIR}/report.html` (also `report.md`, `eval_report.json`, `decision.json`).\n\n"
         f"{_datasheet_line(run_id, experiment_id)}"
     )
+
+
+def _sources_table(tags: dict[str, str]) -> str:
+    """A mixture's sources as the version page shows them (``kiln.registry.register.source_tags``);
+    "" for a run of one corpus."""
+    from kiln.registry.register import MIXTURE_SOURCES_TAG, SOURCE_TAG_PREFIX
+
+    names = [n for n in tags.get(MIXTURE_SOURCES_TAG, "").split(",") if n]
+    if not names:
+        return ""
+    rows = []
+    for name in names:
+        fact = {k: tags.get(f"{SOURCE_TAG_PREFIX}{name}.{k}", "") for k in
+                ("corpus", "snapshot_id", "contract", "weight", "share", "tokens")}
+        share = f"{float(fact['share']):.1%}" if fact["share"] else "-"
+        rows.append(f"| {name} | {fact['corpus']} | `{fact['snapshot_id']}` | `{fact['contract']}` | {fact['weight']} "
+                    f"| {share} | {fact['tokens']} |")
+    return ("Data mixture (each source under its own contract; share: of the samples trained):\n\n"
+            "| source | corpus | snapshot | contract | weight | share | tokens seen |\n|---|---|---|---|---|---|---|\n"
+            + "\n".join(rows) + "\n\n")
 
 
 def _datasheet_line(run_id: str, experiment_id: str) -> str:
