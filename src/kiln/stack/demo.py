@@ -202,8 +202,6 @@ def run_demo(corpus: str | None = None, mixture: str | None = None) -> int:
 
 def _run_sandbox_demo(name: str, t0: float, s: kiln_settings.Settings) -> int:
     """The ``--corpus`` demo: the sandbox DAG on corpus ``name``, triggered as its form would."""
-    from kiln.stack import embedded
-
     say(f"[1/5] preparing corpus {name!r}")
     corpus = demo_corpus(name)
     say(f"      {corpus['out']}: {corpus.get('kind')} text, contract {corpus.get('contract')}"
@@ -211,32 +209,25 @@ def _run_sandbox_demo(name: str, t0: float, s: kiln_settings.Settings) -> int:
            f"{', '.join(f'{k} ({v})' for k, v in sorted(corpus['by_source'].items()))}" if "by_source" in corpus else ""))
     if corpus.get("note"):
         say(f"      note: {corpus['note']}")
-    say("[2/5] starting the embedded stack (Airflow + MLflow under .kiln/)")
-    embedded.up(quiet=True)
-    t_stack = time.monotonic()
-    operator = AirflowClient(s.airflow_url, "admin", embedded.passwords(s)["admin"])
-    dag_id = SANDBOX.dag_id
-    operator.wait_for_dag(dag_id)
-    operator.unpause(dag_id)
-    run_id = operator.trigger(dag_id, conf=sandbox_conf(name))["dag_run_id"]
-    say(f"[3/5] triggered {dag_id} run {run_id} on corpus {name!r} (contract: the one its corpus.json names); "
-        "following it:")
-    say("[4/5] the sandbox asks no review: a candidate the gate passes moves the sandbox alias")
-    final = follow_run(operator, dag_id, run_id)
-    _summarise_run(operator, dag_id, run_id, final, t0=t0, t_stack=t_stack, s=s)
-    return 0
+    return _sandbox_run(sandbox_conf(name), f"corpus {name!r} (contract: the one its corpus.json names)", t0, s)
 
 
 def _run_mixture_demo(name: str, t0: float, s: kiln_settings.Settings) -> int:
     """The ``--mixture`` demo: the sandbox DAG on a data mixture (``training/mixtures/NAME.toml``), as its
     form would trigger it."""
-    from kiln.stack import embedded
-
     say(f"[1/5] preparing the corpora of mixture {name!r}")
     prepared = demo_mixture(name)
     for source in prepared["mixture"].sources:
         say(f"      {source.name} (weight {source.weight:g}, contract {source.contract or 'its corpus.json'}): "
             f"{prepared['prepared'][source.name]}")
+    return _sandbox_run(mixture_conf(name), f"mixture {name!r} (each source under its own contract)", t0, s)
+
+
+def _sandbox_run(conf: dict[str, Any], what: str, t0: float, s: kiln_settings.Settings) -> int:
+    """Steps 2-5 of a sandbox demo: the stack started, the run triggered with ``conf`` as the form
+    would, followed, and summarised."""
+    from kiln.stack import embedded
+
     say("[2/5] starting the embedded stack (Airflow + MLflow under .kiln/)")
     embedded.up(quiet=True)
     t_stack = time.monotonic()
@@ -244,8 +235,8 @@ def _run_mixture_demo(name: str, t0: float, s: kiln_settings.Settings) -> int:
     dag_id = SANDBOX.dag_id
     operator.wait_for_dag(dag_id)
     operator.unpause(dag_id)
-    run_id = operator.trigger(dag_id, conf=mixture_conf(name))["dag_run_id"]
-    say(f"[3/5] triggered {dag_id} run {run_id} on mixture {name!r} (each source under its own contract); following it:")
+    run_id = operator.trigger(dag_id, conf=conf)["dag_run_id"]
+    say(f"[3/5] triggered {dag_id} run {run_id} on {what}; following it:")
     say("[4/5] the sandbox asks no review: a candidate the gate passes moves the sandbox alias")
     final = follow_run(operator, dag_id, run_id)
     _summarise_run(operator, dag_id, run_id, final, t0=t0, t_stack=t_stack, s=s)
