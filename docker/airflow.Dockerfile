@@ -44,7 +44,8 @@ COPY constraints.txt /opt/kiln/constraints.txt
 # the FAB provider for per-DAG permissions), and the `kubernetes` launcher's client and Kubeflow Trainer's
 # API types (TrainJobs are validated strictly before they are submitted; docker/helm/ runs on it), and
 # `tokenizers` for the tokenize stage (BPE trained and applied on the orchestration side, torch-free),
-# and `datatrove` + `datasketch` for the web-text@1 contract's document rules and near-duplicates,
+# and `datatrove` + `datasketch` for the web-text@1 contract's document rules and near-duplicates
+# (and `spacy`, whose blank English tokenizer a contract's `"words": "datatrove"` rules use),
 # and `transformers` + `safetensors` for the Hugging Face model folder every registered version carries
 # (written by the model export on the workers).
 # The lock pins torch to a CPU build; torch is filtered out of the constraints here because it is
@@ -69,6 +70,7 @@ RUN grep -v '^torch==' /opt/kiln/constraints.txt > /tmp/constraints.txt \
         "safetensors==0.8.0" \
         "datatrove==0.10.1" \
         "datasketch==2.0.0" \
+        "spacy==3.8.18" \
         "model-signing==1.1.1" \
         pyopenssl \
         croniter \

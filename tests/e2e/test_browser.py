@@ -117,9 +117,9 @@ def test_sandbox_trigger_form(stack, admin, login):
             b.css_with_text("[data-testid=header-card]", run_id)
             b.step("run-appeared")
             run = admin.get_run(SANDBOX.dag_id, run_id)
-            # strategy and contract left empty: the recipe's strategy, the corpus' own contract.
+            # strategy, mixture and contract left empty: the recipe's strategy, the corpus (no mixture), its own contract.
             assert run["conf"] == {"recipe": "tiny.toml", "nodes": 1, "max_steps": 20, "seed": 7, "corpus": corpus,
-                                   "strategy": None, "contract": None}, run["conf"]
+                                   "strategy": None, "mixture": None, "contract": None}, run["conf"]
             assert run["triggering_user_name"] == "sandbox-user"
 
             _wait_run_badge(b, "Success", timeout=780)

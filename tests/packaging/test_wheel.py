@@ -67,14 +67,17 @@ def test_the_installed_copy_is_what_runs_and_it_ships_its_files(installed):
                           "checkout": s.in_checkout(),
                           "files": {n: sorted(p.name for p in d.iterdir() if p.name != "__pycache__") for n, d in
                                     [("contracts", s.CONTRACTS_DIR), ("recipes", s.RECIPES_DIR), ("dags", s.DAGS_DIR),
-                                     ("plugins", s.PLUGINS_DIR), ("config", s.CONFIG_DIR)]}}))
+                                     ("plugins", s.PLUGINS_DIR), ("config", s.CONFIG_DIR), ("mixtures", s.MIXTURES_DIR)]}}))
     """))
     assert probe.returncode == 0, probe.stderr
     facts = json.loads(probe.stdout)
     for module in ("kiln", "kiln_trainer", "launchers"):
         assert Path(facts[module]).is_relative_to(installed["purelib"]), f"{module} came from {facts[module]}"
     assert facts["checkout"] is False
-    assert facts["files"]["contracts"] == ["stdlib-py", "web-text"]
+    assert facts["files"]["contracts"] == sorted(p.name for p in (ROOT / "data_contracts").iterdir() if p.is_dir())
+    assert {"stdlib-py", "web-text", "prose-wrapped", "source-code"} <= set(facts["files"]["contracts"])
+    assert facts["files"]["mixtures"] == sorted(p.name for p in (ROOT / "training" / "mixtures").glob("*.toml"))
+    assert "code-and-prose.toml" in facts["files"]["mixtures"]  # the sandbox form offers what it finds there
     assert {"tiny.toml", "small.toml", "production"} <= set(facts["files"]["recipes"])
     assert facts["files"]["dags"] == sorted(p.name for p in (ROOT / "dags").glob("*.py"))
     assert "kiln_signals.py" in facts["files"]["plugins"]
