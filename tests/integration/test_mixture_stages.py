@@ -176,6 +176,11 @@ def test_a_mixture_through_the_data_stages_to_a_manifest_the_trainer_trains(home
     assert {"source:code", "source:prose"} <= set(deps)
     assert deps["source:prose"]["annotations"]["contract"] == "web-text@1"
     assert deps["source:prose"]["digest"]["md5"] == pinned.source("prose").snapshot.id.removesuffix(".dir")
+    from kiln.errors import ProvenanceError
+    from kiln.provenance.reproduce import plan_from_statement
+
+    with pytest.raises(ProvenanceError, match=r"trained a data mixture \(sources code, prose\); kiln reproduce"):
+        plan_from_statement(check.verified.statement)  # refused by name, not as a malformed record
     client.set_model_version_tag(name, candidate.version, "kiln.source.prose.weight", "0.9")
     edited = check_version(client.get_model_version(name, candidate.version), "sandbox")
     assert edited.status == "disagrees" and any("kiln.source.prose.weight" in str(m) for m in edited.mismatches)

@@ -395,11 +395,24 @@ def _hf_files(statement: Mapping[str, Any]) -> dict[str, str]:
     return {name.removeprefix(prefix): sha for name, sha in subjects(statement).items() if name.startswith(prefix)}
 
 
+def _dependencies(statement: Mapping[str, Any]) -> list[Mapping[str, Any]]:
+    try:
+        deps = statement["predicate"]["buildDefinition"]["resolvedDependencies"]
+    except (KeyError, TypeError):
+        return []
+    return [d for d in deps if isinstance(d, Mapping)] if isinstance(deps, list) else []
+
+
 def plan_from_statement(statement: Mapping[str, Any], model_dir: Path | None = None) -> ReproductionPlan:
     """The plan a verified statement makes (``model_dir``: its verified artifact directory, whose signed
     checkpoint manifest gives the recipe's sha256). ``ProvenanceError`` naming everything it lacks."""
     from kiln.registry.verify import SIGNED_CHECKPOINT_MANIFEST
 
+    sources = [str(d.get("name", "")).split(":", 1)[1] for d in _dependencies(statement)
+               if str(d.get("name", "")).startswith("source:")]
+    if sources:  # re-deriving each source's snapshot, contract and packed tokens is not written yet
+        raise ProvenanceError(f"this version trained a data mixture (sources {', '.join(sources)}); kiln reproduce "
+                              "re-derives a version of one corpus only, and refuses rather than compare a part")
     missing = missing_records(statement)
     if missing:
         raise ProvenanceError("the signed statement does not record what reproducing needs: " + "; ".join(missing))
@@ -632,14 +645,11 @@ def evaluate_checkpoint_afresh(checkpoint: str, manifest: Path, out: Path, log: 
     """kiln's evaluation of ``checkpoint`` on ``manifest``'s eval shards, as the evaluate stage runs it
     (``python -m kiln_trainer.evaluate`` in a process of its own, so that nothing of this one, its torch
     threads included, changes a float), written to ``out``; the report. ``LaunchError`` when it fails."""
-    import subprocess
-    import sys
-
     from kiln.errors import LaunchError
+    from kiln.stages.evaluation import run_evaluation
 
     log(f"evaluate: {checkpoint} on the eval shards of {manifest}")
-    proc = subprocess.run([sys.executable, "-m", "kiln_trainer.evaluate", "--checkpoint", checkpoint,
-                           "--manifest", str(manifest), "--out", str(out)], capture_output=True, text=True)
+    proc = run_evaluation(checkpoint, manifest, out)
     if proc.returncode != 0:
         raise LaunchError(f"the re-derived evaluation of {checkpoint} failed (exit {proc.returncode}): "
                           f"{proc.stderr[-1500:]}")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import subprocess
 import sys
+from pathlib import Path
 
 from kiln import runs
 from kiln.errors import LaunchError
@@ -20,6 +21,14 @@ _EVALUATED_FROM = ("checkpoint", "weights_sha256", "checkpoint_manifest_sha256",
 """The facts of an EvalReport that say which checkpoint, on which data, it measured."""
 
 
+def run_evaluation(checkpoint: str, manifest: str | Path, out: str | Path) -> subprocess.CompletedProcess[str]:
+    """kiln's evaluation of ``checkpoint`` on ``manifest``'s eval shards, written to ``out``: the trainer's
+    evaluate entry point in a process of its own (nothing of the caller's, its torch threads included,
+    changes a float), its output captured. The evaluate stage and ``kiln reproduce`` both run it."""
+    return subprocess.run([sys.executable, "-m", "kiln_trainer.evaluate", "--checkpoint", str(checkpoint),
+                           "--manifest", str(manifest), "--out", str(out)], capture_output=True, text=True)
+
+
 def evaluate_stage(train: TrainResult, data: DataGateResult, key: str) -> EvalReport:
     """Held-out bits per byte of the run's last committed checkpoint (the trainer's evaluate entry
     point), as the run's own records name it; ``train`` and ``data`` must agree with them.
@@ -29,11 +38,7 @@ def evaluate_stage(train: TrainResult, data: DataGateResult, key: str) -> EvalRe
     manifest_path, manifest = own_training_manifest(key, data)
     out = run_dir(key) / runs.EVAL_REPORT
     if not out.is_file():
-        proc = subprocess.run(
-            [sys.executable, "-m", "kiln_trainer.evaluate", "--checkpoint", result.checkpoint,
-             "--manifest", str(manifest_path), "--out", str(out)],
-            capture_output=True, text=True,
-        )
+        proc = run_evaluation(result.checkpoint, manifest_path, out)
         for line in (proc.stdout + proc.stderr).splitlines()[-20:]:
             log.info("[evaluate] %s", line)
         if proc.returncode != 0:
