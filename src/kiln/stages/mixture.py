@@ -22,7 +22,7 @@ from typing import Any
 
 from kiln import runs
 from kiln.data.mixtures import Mixture, load_mixture
-from kiln.errors import ConfigError, DataGateError, KilnError, ManifestError, RunMismatchError
+from kiln.errors import ConfigError, DataGateError, ManifestError, RunMismatchError, SnapshotMismatchError
 from kiln.policy import Policy
 from kiln.refs import (
     DataGateResult,
@@ -96,8 +96,6 @@ def mixture_snapshot_stage(policy: Policy, mixture: Mixture, expected_ids: list[
         pinned.append(PinnedSource(name=source.name, weight=source.weight, snapshot=snap))
     result = PinnedMixture.of(mixture.name, pinned)
     if expected_ids and not {s.snapshot.id for s in pinned} & set(expected_ids):
-        from kiln.errors import SnapshotMismatchError
-
         raise SnapshotMismatchError(f"run was triggered for corpus snapshot(s) {', '.join(expected_ids)}, but mixture "
                                     f"{mixture.name!r} pinned {result.id}: none of them")
     return result
@@ -284,21 +282,9 @@ def _publish_index(pinned: PinnedMixture, gates: list[SourceGate], out: Path, ml
     html_path = atomic_write_text(out / runs.QUARANTINE_HTML, page)
     published = {"json": str(json_path), "html": str(html_path)}
     if mlflow_run_id:
-        from mlflow import MlflowClient
+        from kiln.data.validation.report import log_report_files
 
-        from kiln.errors import RegistryError
-        from kiln.settings import load
-
-        try:
-            client = MlflowClient(tracking_uri=load().mlflow_uri)
-            for path in (json_path, html_path):
-                client.log_artifact(mlflow_run_id, str(path), artifact_path=runs.QUARANTINE_ARTIFACT_DIR)
-            base = client.get_run(mlflow_run_id).info.artifact_uri.rstrip("/")
-        except KilnError:
-            raise
-        except Exception as exc:  # MlflowException, connection errors, artifact store errors
-            raise RegistryError(f"cannot log the mixture's quarantine index to MLflow run {mlflow_run_id}: {exc}") from exc
-        published["html_uri"] = f"{base}/{runs.QUARANTINE_ARTIFACT_DIR}/{html_path.name}"
+        published |= log_report_files(mlflow_run_id, json_path, html_path)
     return published
 
 

@@ -324,18 +324,25 @@ def publish_quarantine_report(
     html_path = write_quarantine_html(reports, out / QUARANTINE_HTML, skipped=skipped, **options)
     published = {"json": str(json_path), "html": str(html_path)}
     if mlflow_run_id:
-        from mlflow import MlflowClient
-
-        from kiln.settings import load
-
-        try:
-            # Explicit URI: mlflow's process-global one may have been set by other code in this process.
-            client = MlflowClient(tracking_uri=load().mlflow_uri)
-            for path in (json_path, html_path):
-                client.log_artifact(mlflow_run_id, str(path), artifact_path=artifact_path)
-            base = client.get_run(mlflow_run_id).info.artifact_uri.rstrip("/")
-        except Exception as exc:  # MlflowException, connection errors, artifact store errors
-            raise RegistryError(f"cannot log the quarantine report to MLflow run {mlflow_run_id}: {exc}") from exc
-        published["json_uri"] = f"{base}/{artifact_path}/{json_path.name}"
-        published["html_uri"] = f"{base}/{artifact_path}/{html_path.name}"
+        published |= log_report_files(mlflow_run_id, json_path, html_path, artifact_path=artifact_path)
     return published
+
+
+def log_report_files(mlflow_run_id: str, json_path: Path, html_path: Path, *,
+                     artifact_path: str = QUARANTINE_ARTIFACT_DIR) -> dict[str, str]:
+    """Log a report's JSON and HTML to an MLflow run under ``artifact_path``; their artifact URIs
+    (``{"json_uri", "html_uri"}``). The tracking URI is kiln's settings'; an MLflow failure is a
+    ``RegistryError`` (retryable). A mixture's quarantine index is logged the same way."""
+    from mlflow import MlflowClient
+
+    from kiln.settings import load
+
+    try:
+        # Explicit URI: mlflow's process-global one may have been set by other code in this process.
+        client = MlflowClient(tracking_uri=load().mlflow_uri)
+        for path in (json_path, html_path):
+            client.log_artifact(mlflow_run_id, str(path), artifact_path=artifact_path)
+        base = client.get_run(mlflow_run_id).info.artifact_uri.rstrip("/")
+    except Exception as exc:  # MlflowException, connection errors, artifact store errors
+        raise RegistryError(f"cannot log the quarantine report to MLflow run {mlflow_run_id}: {exc}") from exc
+    return {"json_uri": f"{base}/{artifact_path}/{json_path.name}", "html_uri": f"{base}/{artifact_path}/{html_path.name}"}
