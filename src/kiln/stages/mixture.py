@@ -112,10 +112,12 @@ def _resolve_contract(policy: Policy, declared: str | None, snapshot: PinnedSnap
     return contract
 
 
-def run_sources(policy: Policy, params: dict[str, Any], pinned: PinnedMixture) -> list[RunSource]:
+def run_sources(policy: Policy, params: dict[str, Any], pinned: PinnedMixture,
+                only: str | None = None) -> list[RunSource]:
     """The run's sources as its tasks judge them: declared by the mixture the run names, pinned by
     the ``snapshot`` XCom, which must be of exactly those sources and corpora (``RunMismatchError``
-    naming the field otherwise)."""
+    naming the field otherwise). ``only``: just that source (a validation batch's), whose contract alone
+    is then resolved."""
     mixture = run_mixture(policy, params)
     if mixture is None or mixture.name != pinned.mixture:
         raise RunMismatchError(f"the snapshot task's XCom pinned mixture {pinned.mixture!r}, but the run names "
@@ -127,6 +129,8 @@ def run_sources(policy: Policy, params: dict[str, Any], pinned: PinnedMixture) -
                                f"declares {declared} (an XCom is only a reference; refusing)")
     out = []
     for declared_source, pinned_source in zip(mixture.sources, pinned.sources, strict=True):
+        if only is not None and declared_source.name != only:
+            continue
         try:
             contract = _resolve_contract(policy, declared_source.contract, pinned_source.snapshot)
         except ConfigError as exc:
@@ -147,15 +151,14 @@ def mixture_shard_batches(policy: Policy, pinned: PinnedMixture) -> list[list[st
             for source in pinned.sources for batch in shard_batches(policy, source.snapshot)]
 
 
-def batch_source(sources: list[RunSource], entries: list[str]) -> tuple[RunSource, list[str]]:
-    """The source a batch of plan entries is of, and its shards; ``RunMismatchError`` for a batch that
-    names no source of the run, or two."""
+def batch_source(sources: list[str], entries: list[str]) -> tuple[str, list[str]]:
+    """The source (of the names ``sources``) a batch of plan entries is of, and its shards;
+    ``RunMismatchError`` for a batch that names no source of the run, or two."""
     names = {entry.partition(PLAN_SEPARATOR)[0] for entry in entries}
-    by_name = {s.name: s for s in sources}
-    if len(names) != 1 or not all(PLAN_SEPARATOR in e for e in entries) or next(iter(names)) not in by_name:
+    if len(names) != 1 or not all(PLAN_SEPARATOR in e for e in entries) or next(iter(names)) not in sources:
         raise RunMismatchError(f"a validation batch must be shards of one source of the run "
-                               f"({', '.join(by_name)}), as '<source>:<shard>'; got {entries[:3]}")
-    return by_name[names.pop()], [entry.partition(PLAN_SEPARATOR)[2] for entry in entries]
+                               f"({', '.join(sources)}), as '<source>:<shard>'; got {entries[:3]}")
+    return names.pop(), [entry.partition(PLAN_SEPARATOR)[2] for entry in entries]
 
 
 def mixture_validate_stage(policy: Policy, params: dict[str, Any], pinned: PinnedMixture, entries: list[str],
@@ -163,7 +166,8 @@ def mixture_validate_stage(policy: Policy, params: dict[str, Any], pinned: Pinne
     """One batch of one source's shards checked against that source's contract (``validate_stage``)."""
     from kiln.stages.validation import validate_stage
 
-    source, shards = batch_source(run_sources(policy, params, pinned), entries)
+    name, shards = batch_source([s.name for s in pinned.sources], entries)
+    [source] = run_sources(policy, params, pinned, only=name)  # the XCom checked whole, one contract resolved
     return validate_stage(source.policy(policy), source.snapshot, shards, key, source=source.name)
 
 
