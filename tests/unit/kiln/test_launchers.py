@@ -692,59 +692,21 @@ def test_the_outcome_tells_an_elastic_shrink_of_the_runs_training(tmp_path, monk
 
 
 @pytest.mark.slow
-def test_an_elastic_agents_first_rendezvous_waits_for_every_node_later_ones_for_min_nodes(monkeypatch):
-    """torch's c10d rendezvous, in this process, with the agents' patch (``worker._whole_first_gang``):
-    min 1, max 2, a last call of 1 s (torch's shortest). The first round still needs both nodes;
-    once one of them is gone (its heartbeats stop), the other's next round completes alone."""
-    import threading
-    import time
-    from datetime import timedelta
+def test_an_elastic_agents_first_rendezvous_waits_for_every_node_later_ones_for_min_nodes():
+    """torch's c10d rendezvous with the agents' patch (``worker._whole_first_gang``), two nodes in a
+    fresh interpreter (``rendezvous_two_nodes.py``): min 1, max 2, a last call of 1 s (torch's
+    shortest). The first round still needs both nodes; once one of them is gone (its heartbeats stop),
+    the other's next round completes alone."""
+    import subprocess
+    import sys
 
-    from torch.distributed import TCPStore
-    from torch.distributed.elastic.rendezvous import RendezvousParameters
-    from torch.distributed.elastic.rendezvous import dynamic_rendezvous as dr
-    from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRendezvousBackend
-
-    from kiln.launchers import worker
-
-    handler_class = dr.DynamicRendezvousHandler
-    monkeypatch.setattr(handler_class, "next_rendezvous", handler_class.next_rendezvous)  # restored afterwards
-    monkeypatch.setattr(handler_class, "_kiln_whole_first_gang", False, raising=False)
-    monkeypatch.setenv("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
-    worker._whole_first_gang()
-    master = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, multi_tenant=True,
-                      timeout=timedelta(seconds=30))
-
-    def handler() -> dr.DynamicRendezvousHandler:
-        store = TCPStore("127.0.0.1", master.port, is_master=False, timeout=timedelta(seconds=30))
-        params = RendezvousParameters(backend="c10d", endpoint=f"127.0.0.1:{master.port}", run_id="elastic",
-                                      min_nodes=1, max_nodes=2, last_call_timeout=1, join_timeout=60,
-                                      # A node whose heartbeats are 15 s old is gone, the tolerance of
-                                      # torch's defaults (5 s x 3) that real agents run with. Each node
-                                      # drops every node with stale heartbeats, itself included: a thread
-                                      # starved of the CPU longer than that (6 s was seen in make test,
-                                      # beside torchrun trainings) dropped itself from the completed round,
-                                      # waited for a next one and timed out. The lost node below is dropped
-                                      # after 15 s.
-                                      keep_alive_interval=1, keep_alive_max_attempt=15)
-        return dr.create_handler(store, C10dRendezvousBackend(store, "elastic"), params)
-
-    first, second = handler(), handler()
-    worlds: dict[str, int] = {}
-
-    def join(name: str, h: dr.DynamicRendezvousHandler) -> None:
-        worlds[name] = h.next_rendezvous().world_size
-
-    early = threading.Thread(target=join, args=("first", first))
-    early.start()
-    time.sleep(2.0)  # torch's own rule (min 1, a last call of 1 s) would have completed a world of 1 by now
-    join("second", second)
-    early.join(timeout=60)
-    assert worlds == {"first": 2, "second": 2}, "the first round must wait for every node"
-    second._stop_heartbeats()  # node lost: no more heartbeats, so the rendezvous drops it
-    join("again", first)
-    assert worlds["again"] == 1, "a later round goes on with min_nodes"
-    first.shutdown()
+    script = Path(__file__).with_name("rendezvous_two_nodes.py")
+    env = {**os.environ, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    worlds = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert (worlds.get("first"), worlds.get("second")) == (2, 2), f"the first round must wait for every node: {worlds}"
+    assert worlds.get("again") == 1, f"a later round goes on with min_nodes: {worlds}"
 
 
 def test_a_supervisor_just_started_by_another_process_is_alive_and_a_kernel_thread_is_not():
