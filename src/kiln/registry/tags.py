@@ -75,6 +75,9 @@ TAGS = {
     "rollback_at": "kiln.rollback.at",
     "rollback_from_version": "kiln.rollback.from_version",
     "rollback_reason": "kiln.rollback.reason",
+    # the signed rollback attestation (kiln.provenance.approval) in the restored version's run, and its sha256
+    "rollback_attestation": "kiln.rollback.attestation",
+    "rollback_attestation_sha256": "kiln.rollback.attestation_sha256",
     "rolled_back_by": "kiln.rolled_back.by",
     "rolled_back_at": "kiln.rolled_back.at",
     "rolled_back_reason": "kiln.rolled_back.reason",
