@@ -15,16 +15,20 @@ production name never is, whatever the file says.
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import re
 import tomllib
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from kiln.errors import PolicyError
 from kiln.shipped import CHECKOUT, CONFIG_DIR, RECIPES_DIR
+
+if TYPE_CHECKING:
+    from kiln.data.mixtures import Mixture
 
 PRODUCTION_RECIPES_DIR = RECIPES_DIR / "production"
 PRODUCTION_CONFIG = CONFIG_DIR / "production.toml"
@@ -38,6 +42,9 @@ DEFAULT_PRODUCTION_SCHEDULE = "0 3 * * 1"
 """Production retrains every Monday at 03:00 UTC unless its reviewed config says otherwise."""
 DEFAULT_CHAMPION_WATCH_SCHEDULE = "30 5 * * *"
 """Daily, off the Monday 03:00 retrain: a stale champion is caught within a day."""
+PRODUCTION_MIXTURE_NAME = "production"
+"""The name of the mixture a ``[mixture]`` table of the production config declares (its metrics,
+tags and snapshot set say it)."""
 SANDBOX_PREFIX = "sandbox."
 """Every registered model the sandbox writes is named ``sandbox.*``; no production name may be."""
 _MODEL_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,99}$")
@@ -45,12 +52,18 @@ _MODEL_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,99}$")
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class ProductionConfig:
-    """The reviewed inputs of the production policy (``config/production.toml``)."""
+    """The reviewed inputs of the production policy (``config/production.toml``): one corpus under
+    one contract, or a ``[mixture]`` of corpora each under its own pinned contract."""
 
-    corpus: str
-    """Corpus folder under the corpus root: the only corpus production snapshots."""
-    contract: str
-    """``NAME@VERSION`` of the contract production validates with (the version is required)."""
+    corpus: str = ""
+    """Corpus folder under the corpus root: the only corpus production snapshots. With a mixture,
+    its first source's (the sandbox form's default corpus)."""
+    contract: str = ""
+    """``NAME@VERSION`` of the contract production validates with (the version is required). With a
+    mixture, its first source's."""
+    mixture: Mixture | None = None
+    """The corpora production trains on, mixed by weight (``kiln.data.mixtures``; every source's
+    contract pinned), declared in the file's ``[mixture]`` table; None: ``corpus`` alone."""
     model: str
     """Registered model that serves; candidates go to ``<model>.candidates``, sandbox runs to
     ``sandbox.<model>``."""
@@ -72,6 +85,8 @@ class ProductionConfig:
         from kiln.data.snapshot import CORPUS_NAME
         from kiln.errors import ContractError
 
+        if self.mixture is not None:
+            _pin_mixture(self)
         for name in ("corpus", "contract", "model", "recipe", "schedule", "champion_watch_schedule"):
             if not isinstance(getattr(self, name), str):
                 raise PolicyError(f"{self.source}: {name} must be a string, got {getattr(self, name)!r}")
@@ -112,7 +127,11 @@ class ProductionConfig:
     def values(self) -> dict[str, str]:
         """What the file sets (what a model version records); the recipe only when it is not the
         default, so versions trained before the key existed record the same values."""
-        values = {"corpus": self.corpus, "contract": self.contract, "model": self.model}
+        if self.mixture is None:
+            values = {"corpus": self.corpus, "contract": self.contract, "model": self.model}
+        else:  # the sources as declared, so an edited weight or contract is a changed config too
+            values = {"mixture": json.dumps([s.to_json() for s in self.mixture.sources], sort_keys=True,
+                                            separators=(",", ":")), "model": self.model}
         if self.recipe != DEFAULT_PRODUCTION_RECIPE:
             values["recipe"] = self.recipe
         if self.schedule != DEFAULT_PRODUCTION_SCHEDULE:
@@ -120,6 +139,26 @@ class ProductionConfig:
         if self.champion_watch_schedule != DEFAULT_CHAMPION_WATCH_SCHEDULE:
             values["champion_watch_schedule"] = self.champion_watch_schedule
         return values
+
+
+def _pin_mixture(config: ProductionConfig) -> None:
+    """Production's mixture pins every source's contract (NAME@VERSION) in the reviewed file, as a
+    one-corpus config pins its contract: a corpus' own ``corpus.json`` may not choose it."""
+    from kiln.data.contracts import parse_contract_ref
+
+    mixture = config.mixture
+    assert mixture is not None
+    for i, source in enumerate(mixture.sources):
+        if source.contract is None or parse_contract_ref(source.contract)[1] is None:
+            raise PolicyError(f"{config.source}: mixture.sources[{i}] ({source.name!r}): contract "
+                              f"{source.contract!r} must pin a version (contract = \"NAME@VERSION\"): production's "
+                              "inputs are pinned in this file")
+    first = mixture.sources[0]
+    if not config.corpus and not config.contract:  # frozen: set once, here
+        object.__setattr__(config, "corpus", first.corpus)
+        object.__setattr__(config, "contract", first.contract)
+    elif (config.corpus, config.contract) != (first.corpus, first.contract):
+        raise PolicyError(f"{config.source}: corpus and contract come from the [mixture] table, not beside it")
 
 
 def _is_cron(expression: str) -> bool:
@@ -151,16 +190,32 @@ def load_production_config(path: Path | None = None) -> ProductionConfig:
         raise PolicyError(f"{shown}: not UTF-8 text ({exc.reason} at byte {exc.start})") from None
     except tomllib.TOMLDecodeError as exc:
         raise PolicyError(f"{shown}: not valid TOML: {exc}") from None
-    keys, optional = ("corpus", "contract", "model"), ("recipe", "schedule", "champion_watch_schedule")
-    unknown = sorted(set(data) - set(keys) - set(optional))
+    keys: tuple[str, ...] = ("corpus", "contract", "model")
+    optional = ("recipe", "schedule", "champion_watch_schedule")
+    unknown = sorted(set(data) - set(keys) - set(optional) - {"mixture"})
     if unknown:
         raise PolicyError(f"{shown}: unknown key(s) {', '.join(unknown)}; the file sets "
-                          f"{', '.join(keys)} and optionally {', '.join(optional)}")
+                          f"{', '.join(keys)} (or model and a [mixture] table) and optionally {', '.join(optional)}")
+    values = {k: data[k] for k in (*keys, *optional) if k in data}
+    if "mixture" in data:
+        from kiln.data.mixtures import parse_mixture
+        from kiln.errors import MixtureError
+
+        both = [k for k in ("corpus", "contract") if k in data]
+        if both:
+            raise PolicyError(f"{shown}: {' and '.join(both)} beside a [mixture] table: production trains one corpus "
+                              "(corpus, contract) or a mixture (each source's corpus and contract), not both")
+        try:
+            mixture = parse_mixture(data["mixture"], name=PRODUCTION_MIXTURE_NAME, origin=f"{shown} [mixture]")
+        except MixtureError as exc:
+            raise PolicyError(str(exc)) from None
+        values["mixture"] = mixture
+        keys = ("model",)
     missing = [k for k in keys if k not in data]
     if missing:
-        raise PolicyError(f"{shown}: missing key(s) {', '.join(missing)}")
-    return ProductionConfig(**{k: data[k] for k in (*keys, *optional) if k in data}, source=shown,
-                            sha256=hashlib.sha256(raw).hexdigest())
+        raise PolicyError(f"{shown}: missing key(s) {', '.join(missing)}"
+                          + ("" if "mixture" in data else " (or a [mixture] table instead of corpus and contract)"))
+    return ProductionConfig(**values, source=shown, sha256=hashlib.sha256(raw).hexdigest())
 
 
 PRODUCTION_INPUTS = load_production_config()
@@ -400,6 +455,12 @@ class Policy:
                 f"(writable: {', '.join(self.writable_models)})"
             )
 
+    @property
+    def mixture(self) -> Mixture | None:
+        """The mixture this policy's every run trains (production's reviewed ``[mixture]``), or None:
+        its runs train ``corpus``, or what their ``mixture`` parameter names (sandbox)."""
+        return self.config.mixture if self.config is not None else None
+
     def resolve_recipe(self, recipe: str | None) -> Path:
         """Recipe path for a run; production accepts only its pinned recipes."""
         rel = recipe or self.default_recipe
@@ -415,6 +476,10 @@ class Policy:
         data = asdict(self)
         data["recipes_dir"] = str(Path("training", "recipes", self.recipes_dir.relative_to(RECIPES_DIR)))
         data["config"] = f"{self.config.source} (sha256 {self.config.sha256[:16]}…)" if self.config else None
+        if self.mixture is not None:  # its sources, in place of the first one's corpus and contract
+            data["corpus"] = data["contract"] = None
+            data["mixture"] = ", ".join(f"{s.name}: {s.corpus} under {s.contract} x{s.weight:g}"
+                                        for s in self.mixture.sources)
         return data
 
     def doc_md(self, run_time_settings: Sequence[tuple[str, str, str]] = ()) -> str:

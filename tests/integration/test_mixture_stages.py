@@ -181,6 +181,25 @@ def test_a_mixture_through_the_data_stages_to_a_manifest_the_trainer_trains(home
 
     with pytest.raises(ProvenanceError, match=r"trained a data mixture \(sources code, prose\); kiln reproduce"):
         plan_from_statement(check.verified.statement)  # refused by name, not as a malformed record
+    # Production's champion watch, for a production that trains this mixture (its reviewed [mixture]):
+    # today's held-out split is every source's, so the champion's number is the one recorded at its
+    # evaluation, bit for bit, not a one-corpus number that would read as a regression.
+    from kiln.policy import build_production_policy, load_production_config
+    from kiln.stages.champion_watch import evaluate_version, heldout_manifest
+
+    config = tmp_path / "production.toml"
+    config.write_text('model = "acme-lm"\n[mixture]\n' + "".join(
+        "[[mixture.sources]]\n" + "".join(f"{k} = {json.dumps(v)}\n" for k, v in source.items())
+        for source in ({**CODE, "contract": "stdlib-py@1"}, PROSE)))
+    production = build_production_policy(load_production_config(config))
+    watched = stages.snapshot_run_stage(production, {})
+    assert isinstance(watched, PinnedMixture) and watched.id == pinned.id
+    heldout = TrainingManifest.read(heldout_manifest(watched, production, tmp_path))
+    assert heldout.format == 2 and [s["name"] for s in heldout.sources or []] == ["code", "prose"]
+    assert heldout.eval_shards == final.eval_shards
+    today = evaluate_version(name, candidate.version, tmp_path / runs.HELDOUT_MANIFEST, tmp_path / "watch-eval.json")
+    assert today.current_bits_per_byte == today.recorded_bits_per_byte == evaluation.bits_per_byte
+
     client.set_model_version_tag(name, candidate.version, "kiln.source.prose.weight", "0.9")
     edited = check_version(client.get_model_version(name, candidate.version), "sandbox")
     assert edited.status == "disagrees" and any("kiln.source.prose.weight" in str(m) for m in edited.mismatches)

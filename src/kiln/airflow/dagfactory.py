@@ -27,6 +27,7 @@ import attrs
 from airflow.providers.standard.operators.hitl import ApprovalOperator
 from airflow.sdk import (
     Asset,
+    AssetAny,
     AssetOrTimeSchedule,
     BaseOperator,
     BaseOperatorLink,
@@ -74,6 +75,14 @@ T = TypeVar("T")
 def corpus_asset(corpus: str) -> Asset:
     """The Asset a corpus snapshot producer emits; ``extra`` carries ``{"snapshot_id": "<md5>.dir"}``."""
     return Asset(name=f"kiln.corpus.{corpus}", uri=f"kiln-corpus://{corpus}", group="kiln-corpus")
+
+
+def policy_assets(policy: Policy) -> list[Asset] | AssetAny:
+    """What an announcement must name to start a run of ``policy``: its corpus' Asset, or any one of
+    its mixture's sources' (``AssetAny``: a list would wait for every source to be announced)."""
+    if policy.mixture is None:
+        return [corpus_asset(policy.corpus)]
+    return AssetAny(*(corpus_asset(s.corpus) for s in policy.mixture.sources))
 
 
 def _recipe_choices(policy: Policy) -> list[str]:
@@ -592,8 +601,8 @@ def build_dag(policy: Policy):  # one function, so the wiring reads top to botto
         schedule = _cron(policy.schedule_cron)
         allowed_run_types.append("scheduled")
     if policy.schedule_on_corpus_asset:
-        asset = corpus_asset(policy.corpus)
-        schedule = AssetOrTimeSchedule(timetable=schedule, assets=[asset]) if schedule else [asset]
+        assets = policy_assets(policy)
+        schedule = AssetOrTimeSchedule(timetable=schedule, assets=assets) if schedule else assets
         allowed_run_types.append("asset_triggered")
 
     @dag(

@@ -41,6 +41,7 @@ from kiln.policy import Policy
 from kiln.refs import (
     ApprovalAnswer,
     ChampionEvaluation,
+    PinnedMixture,
     PinnedSnapshot,
     Review,
     RollbackRecord,
@@ -91,12 +92,33 @@ def aliases(policy: Policy) -> dict[str, str | None]:
 
 
 # ----------------------------------------------------------------------------------- re-evaluate
-def heldout_manifest(snapshot: PinnedSnapshot, policy: Policy, out: Path) -> Path:
-    """A TrainingManifest of the pinned snapshot for evaluation: its held-out ``eval/`` split.
+def heldout_manifest(snapshot: PinnedSnapshot | PinnedMixture, policy: Policy, out: Path) -> Path:
+    """A TrainingManifest of the pinned snapshot for evaluation: its held-out ``eval/`` split; of a
+    mixture (production's ``[mixture]``), format 2 with every source's held-out split, as the run's
+    evaluate stage scored the champion on (the evaluator reads them all, in declared order).
 
     Only ``eval_shards`` are read by the evaluator. ``shards`` lists the snapshot's training files
     (path, sha256, rows) because the trainer's manifest reader refuses an empty list; nothing trains
     from this manifest."""
+    if isinstance(snapshot, PinnedMixture):
+        from kiln.stages.mixture import run_sources
+
+        entries = []
+        for source in run_sources(policy, {}, snapshot):
+            train, eval_shards = _heldout_shards(source.snapshot)
+            entries.append({"name": source.name, "weight": source.weight, "corpus": source.snapshot.corpus,
+                            "snapshot_id": source.snapshot.id, "contract": source.contract, "shards": train,
+                            "eval_shards": eval_shards, "quarantined": []})
+        manifest = TrainingManifest.build_mixture(entries)
+    else:
+        train, eval_shards = _heldout_shards(snapshot)
+        manifest = TrainingManifest.build(snapshot_id=snapshot.id, corpus=snapshot.corpus, contract=policy.contract,
+                                          shards=train, eval_shards=eval_shards, quarantined=[])
+    return manifest.write(out / runs.HELDOUT_MANIFEST)
+
+
+def _heldout_shards(snapshot: PinnedSnapshot) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """The snapshot's readable training shards and its held-out ``eval/`` shards (path, sha256, rows)."""
     import pyarrow.parquet as pq
 
     root = Path(snapshot.path)
@@ -114,9 +136,7 @@ def heldout_manifest(snapshot: PinnedSnapshot, policy: Policy, out: Path) -> Pat
     train = [e for e in (entry(root / s) for s in snapshot.shards) if e is not None]
     if not train:
         raise ConfigError(f"snapshot {snapshot.id} has no readable training shard to list")
-    manifest = TrainingManifest.build(snapshot_id=snapshot.id, corpus=snapshot.corpus, contract=policy.contract,
-                                      shards=train, eval_shards=eval_shards, quarantined=[])
-    return manifest.write(out / runs.HELDOUT_MANIFEST)
+    return train, [e for e in eval_shards if e is not None]
 
 
 def evaluate_version(model: str, version: str, manifest: Path, out: Path) -> VersionEvaluation:
@@ -171,14 +191,15 @@ def evaluate_version(model: str, version: str, manifest: Path, out: Path) -> Ver
 
 
 def reevaluate_stage(policy: Policy, key: str) -> ChampionEvaluation:
-    """Evaluate ``champion`` and ``previous`` on the held-out split of the registered corpus as it
-    is now. Read-only towards the registry; idempotent per run (reports are kept in the run dir)."""
-    from kiln.stages import snapshot_stage
+    """Evaluate ``champion`` and ``previous`` on the held-out split of the registered corpus (of
+    every source of production's mixture) as it is now. Read-only towards the registry; idempotent
+    per run (reports are kept in the run dir)."""
+    from kiln.stages.mixture import snapshot_run_stage
 
     held = aliases(policy)
     if held["champion"] is None:
         return ChampionEvaluation(model=policy.target_model, alias=policy.alias)
-    snapshot = snapshot_stage(policy)
+    snapshot = snapshot_run_stage(policy, {})
     out = runs.run_dir(key)
     manifest = heldout_manifest(snapshot, policy, out)
     champion = evaluate_version(policy.target_model, held["champion"], manifest,

@@ -48,15 +48,16 @@ MIXTURE_REPORT_KIND = "kiln.MixtureQuarantineReport"
 
 
 def run_mixture(policy: Policy, params: dict[str, Any]) -> Mixture | None:
-    """The mixture a run trains (its ``mixture`` parameter), or None for a run of one corpus.
-    ``MixtureError`` naming the file and field for one that cannot be trained; a pinned policy
-    (production) takes no mixture from its run's parameters."""
+    """The mixture a run trains: the policy's own (production's reviewed ``[mixture]``), else its
+    ``mixture`` parameter's; None for a run of one corpus. ``MixtureError`` naming the file and field
+    for one that cannot be trained; a pinned policy (production) takes no mixture from its run's
+    parameters."""
     name = params.get(MIXTURE_PARAM)
-    if not name:
-        return None
-    if policy.pinned_inputs:
+    if name and policy.pinned_inputs:
         raise ConfigError(f"{policy.name} runs take no {MIXTURE_PARAM!r} parameter: their inputs are pinned")
-    return load_mixture(str(name))
+    if policy.mixture is not None:
+        return policy.mixture
+    return load_mixture(str(name)) if name else None
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -179,7 +179,8 @@ def test_another_config_moves_production_and_the_sandbox_still_cannot_write_its_
     (GOOD + 'recipe = "/etc/passwd"\n', "recipe '/etc/passwd' is not one of the reviewed"),
     (GOOD + "recipe = 3\n", "production.toml: recipe must be a string, got 3"),
     (GOOD + 'recipes = "production/small.toml"\n', "production.toml: unknown key(s) recipes; the file sets corpus, "
-                                                   "contract, model and optionally recipe, schedule, "
+                                                   "contract, model (or model and a [mixture] table) and "
+                                                   "optionally recipe, schedule, "
                                                    "champion_watch_schedule"),
     (GOOD + 'schedule = "0 3 * *"\n', "production.toml: schedule '0 3 * *' is not a cron expression of five fields"),
     (GOOD + 'schedule = "@weekly"\n', "production.toml: schedule '@weekly' is not a cron expression of five fields"),
@@ -192,3 +193,97 @@ def test_another_config_moves_production_and_the_sandbox_still_cannot_write_its_
 def test_a_bad_production_config_is_refused_naming_the_file_and_the_key_or_line(tmp_path, text, message):
     with pytest.raises(PolicyError, match=re.escape(message)):
         _config(tmp_path, text)
+
+
+# ------------------------------------------------------------------ production's mixture
+MIXED = """model = "acme-lm"
+
+[mixture]
+description = "code and prose"
+
+[[mixture.sources]]
+name = "code"
+corpus = "stdlib-py"
+contract = "stdlib-py@1"
+weight = 0.7
+
+[[mixture.sources]]
+name = "prose"
+corpus = "prose"
+contract = "prose-wrapped@1"
+weight = 0.3
+max_quarantine_share = 0.4
+"""
+
+
+def test_production_trains_the_mixture_its_reviewed_file_declares(tmp_path):
+    """A ``[mixture]`` table instead of corpus and contract: every run of the production policy trains
+    it (a run's ``mixture`` parameter is refused), any source's announcement starts one, and what a
+    version records of the config changes when a weight or a contract does."""
+    import json
+
+    from kiln.airflow.dagfactory import corpus_asset, policy_assets
+    from kiln.errors import ConfigError
+    from kiln.policy import build_production_policy, build_sandbox_policy
+    from kiln.stages.mixture import run_mixture
+
+    config = _config(tmp_path, MIXED)
+    production = build_production_policy(config)
+    mixture = production.mixture
+    assert mixture is not None and mixture.name == "production" and "[mixture]" in mixture.origin
+    assert [(s.name, s.corpus, s.contract, s.weight) for s in mixture.sources] == [
+        ("code", "stdlib-py", "stdlib-py@1", 0.7), ("prose", "prose", "prose-wrapped@1", 0.3)]
+    assert mixture.sources[1].max_quarantine_share == 0.4
+    # What reads one corpus (the sandbox form's default) reads the first source's.
+    assert (config.corpus, config.contract) == ("stdlib-py", "stdlib-py@1")
+    sandbox = build_sandbox_policy(config)
+    assert sandbox.mixture is None and sandbox.corpus == "stdlib-py"
+    assert run_mixture(production, {}) is mixture and run_mixture(production, {"mixture": None}) is mixture
+    with pytest.raises(ConfigError, match="production runs take no 'mixture' parameter: their inputs are pinned"):
+        run_mixture(production, {"mixture": "code-and-prose"})
+    assert run_mixture(sandbox, {}) is None
+    # Any source's announcement starts a run: AssetAny, not a list (which would wait for all of them).
+    assets = policy_assets(production)
+    assert not isinstance(assets, list)
+    assert list(assets.objects) == [corpus_asset("stdlib-py"), corpus_asset("prose")]
+    assert policy_assets(PRODUCTION) == [corpus_asset(PRODUCTION.corpus)]
+    # Recorded on every version: the sources as declared, so an edited weight is a changed config.
+    values = config.values()
+    assert set(values) == {"mixture", "model"}
+    assert [s["weight"] for s in json.loads(values["mixture"])] == [0.7, 0.3]
+    reweighted = _config(tmp_path, MIXED.replace("weight = 0.7", "weight = 0.6"))
+    assert reweighted.values() != values and reweighted.sha256 != config.sha256
+    summary = production.summary()
+    assert summary["corpus"] is None and summary["contract"] is None
+    assert summary["mixture"] == "code: stdlib-py under stdlib-py@1 x0.7, prose: prose under prose-wrapped@1 x0.3"
+    assert "prose: prose under prose-wrapped@1 x0.3" in production.doc_md()
+
+
+@pytest.mark.parametrize("text,message", [
+    ('corpus = "stdlib-py"\n' + MIXED, "production.toml: corpus beside a [mixture] table: production trains one corpus "
+                                        "(corpus, contract) or a mixture"),
+    ('contract = "stdlib-py@1"\n' + MIXED, "production.toml: contract beside a [mixture] table"),
+    (MIXED.replace('contract = "prose-wrapped@1"\n', ""),
+     "production.toml: mixture.sources[1] ('prose'): contract None must pin a version"),
+    (MIXED.replace('"prose-wrapped@1"', '"prose-wrapped"'),
+     "production.toml [mixture]): sources[1] ('prose').contract = 'prose-wrapped': must be NAME@VERSION"),
+    (MIXED.replace("weight = 0.3", "weight = -1"), "production.toml [mixture]): sources[1]"),
+    (MIXED.replace('"prose-wrapped@1"', '"no-such@1"'), "production.toml [mixture]): sources[1]"),
+    (MIXED.replace('model = "acme-lm"\n', ""), "production.toml: missing key(s) model"),
+    ('model = "acme-lm"\nmixture = "code-and-prose"\n', "production.toml [mixture]): must be a table, got str"),
+])
+def test_a_bad_production_mixture_is_refused_naming_the_file_and_the_field(tmp_path, text, message):
+    with pytest.raises(PolicyError, match=re.escape(message)):
+        _config(tmp_path, text)
+
+
+def test_the_shipped_config_s_commented_mixture_is_one_production_accepts(tmp_path):
+    """Uncommented, with corpus and contract removed as it says, the example loads."""
+    from kiln.policy import PRODUCTION_CONFIG
+
+    lines = PRODUCTION_CONFIG.read_text().splitlines()
+    start = lines.index("# [mixture]")
+    kept = [ln for ln in lines[:start] if not ln.startswith(("corpus =", "contract ="))]
+    config = _config(tmp_path, "\n".join(kept + [ln.removeprefix("# ") for ln in lines[start:]]) + "\n")
+    assert config.mixture is not None and [s.name for s in config.mixture.sources] == ["code", "docs"]
+    assert config.model == PRODUCTION_MODEL
