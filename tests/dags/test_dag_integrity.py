@@ -175,6 +175,29 @@ def test_a_deployment_with_nothing_on_the_clock_has_no_cron_timetable_but_keeps_
     assert {str(getattr(t, "value", t)) for t in watch.allowed_run_types} == {"manual"}
 
 
+def test_a_production_mixture_runs_on_any_source_s_announcement(tmp_path):
+    """A ``[mixture]`` production config: the DAG is scheduled on its cron or on an announcement of ANY
+    source's corpus (``AssetAny``; a list would wait for all of them), also as the scheduler reads it
+    back serialized."""
+    from airflow.serialization.decoders import decode_timetable
+    from airflow.serialization.encoders import encode_timetable
+
+    from kiln.airflow.dagfactory import build_dag, corpus_asset
+    from kiln.policy import build_production_policy, load_production_config
+
+    config = tmp_path / "production.toml"
+    config.write_text('model = "acme-lm"\n[mixture]\n' + "".join(
+        f'[[mixture.sources]]\nname = "{n}"\ncorpus = "{c}"\ncontract = "{k}"\nweight = 0.5\n'
+        for n, c, k in (("code", "stdlib-py", "stdlib-py@1"), ("prose", "prose", "prose-wrapped@1"))))
+    prod = build_dag(build_production_policy(load_production_config(config)))
+    for timetable in (prod.timetable, decode_timetable(encode_timetable(prod.timetable))):
+        assert type(timetable).__name__ == "AssetOrTimeSchedule"
+        condition = timetable.asset_condition
+        assert type(condition).__name__.removeprefix("Serialized") == "AssetAny"
+        assert [a.uri for a in condition.objects] == [corpus_asset("stdlib-py").uri, corpus_asset("prose").uri]
+    assert "mixture" not in prod.params  # production's inputs are its reviewed config's
+
+
 def test_linked_tasks_carry_their_extra_links(dagbag):
     from kiln.links import LINK_NAMES, TASK_LINKS
 
