@@ -278,6 +278,10 @@ def test_kiln_audit_reports_each_versions_provenance_and_fails_on_a_disagreement
     printed = json.loads(capsys.readouterr().out)
     assert [e["event"] for e in printed] == ["promotion", "review"] + ["provenance"] * 4
     entries = {(e["model"], e["version"]): e for e in printed[2:]}
+    # the champion's signed approval still verifies: its approval tags were not edited
+    assert [(a["kind"], a["status"]) for a in entries[(target, champion)].pop("attestations")] == [
+        ("approval", "verifies")]
+    assert printed[0]["attestation"]["status"] == "verifies" and printed[0]["attestation"]["approver"] == "alice"
     assert entries[(target, champion)] == {
         "event": "provenance", "model": target, "version": champion, "policy": "production", "status": "disagrees",
         "mismatches": [{"record": "kiln.weights_sha256", "version_says": "f" * 64,
@@ -301,6 +305,163 @@ def test_kiln_audit_of_a_model_no_policy_owns_says_provenance_was_not_checked(
     # --policy names whose keys: then the edited tag is found
     assert kiln_main(["audit", policy.candidate_model, "--policy", "production"]) == 1
     assert f"tag kiln.weights_sha256 is '{'f' * 64}'" in capsys.readouterr().out
+
+
+# ---------------------------------------------------------- signed approvals and rollbacks, checked
+
+
+def _attestation_file(mlflow_server: Any, uri: str) -> Path:
+    """The attestation a ``runs:/`` URI names, in the server's artifact store."""
+    run_id, rest = uri.removeprefix("runs:/").split("/", 1)
+    found = [p for p in Path(mlflow_server.artifacts).rglob(Path(rest).name) if run_id in p.parts]
+    assert len(found) == 1, found
+    return found[0]
+
+
+def _forge_approval(client: Any, tmp_path: Path, policy: Any, mv: Any, statement: dict) -> str:
+    """What an attacker holding production's key (but not the version's statement) can log: an approval
+    of another statement, put in the version's run, its sha256 tag edited to match. Returns its name."""
+    import hashlib
+
+    from kiln.provenance.approval import approval_statement, sign_approval
+
+    other = dict(statement, subject=[{"name": "x", "digest": {"sha256": "0" * 64}}])
+    forged = sign_approval(approval_statement(
+        other, policy="production", candidate=mv.tags["kiln.source_version"], target=f"{mv.name}/{mv.version}",
+        alias="champion", previous="", approver="alice", approved_at=mv.tags["kiln.promotion.approved_at"],
+        approval="review", run_key=mv.tags["kiln.promotion.run_key"], decision={"action": "promote", "reasons": []}),
+        "production")
+    (tmp_path / "forged").mkdir()
+    (tmp_path / "forged" / "forged.dsse.json").write_bytes(forged)
+    client.log_artifact(mv.run_id, str(tmp_path / "forged" / "forged.dsse.json"), "approval")
+    client.set_model_version_tag(mv.name, mv.version, "kiln.promotion.attestation",
+                                 f"runs:/{mv.run_id}/approval/forged.dsse.json")
+    client.set_model_version_tag(mv.name, mv.version, "kiln.promotion.attestation_sha256",
+                                 hashlib.sha256(forged).hexdigest())
+    return "forged.dsse.json"
+
+
+def test_kiln_verify_and_audit_check_the_champion_s_signed_approval(
+        tmp_path, client, unique_name, logged_models, mlflow_server, monkeypatch, capsys):
+    """The approval promote signed: verified by ``kiln verify`` (printed) and ``kiln audit``; an edited
+    attestation file, an edited approval tag, an approval of another statement signed with production's
+    own key, and a champion whose attestation tags were removed each fail, naming what is wrong."""
+    from kiln.provenance.approval import statement_sha256
+
+    policy = production_policy(unique_name)
+    monkeypatch.setitem(POLICIES, "production", policy)
+    target = policy.target_model
+    cand, ref, key = _register(tmp_path, policy, "a", 3.0, unique_name)
+    approve(policy, ref, key, "alice")
+    record = _promote(policy, cand, ref, key)
+    champion = f"{target}@champion"
+    mv = client.get_model_version(target, record.version)
+    tags = dict(mv.tags)
+    capsys.readouterr()
+    assert kiln_main(["verify", champion]) == 0, capsys.readouterr().err
+    out = capsys.readouterr().out
+    assert (f"signed approval: alice (review) at {record.at}, decision promote, promoted "
+            f"{policy.candidate_model}/{ref['version']} as {target}/{record.version} (champion; before it none); "
+            f"{tags['kiln.promotion.attestation']}") in out
+
+    # the logged file edited in the artifact store: its bytes are not the ones the tag names
+    stored = _attestation_file(mlflow_server, tags["kiln.promotion.attestation"])
+    original = stored.read_bytes()
+    stored.write_bytes(original.replace(b'"sig":"', b'"sig":"A', 1))
+    err = _cli_error(capsys, ["verify", champion])
+    assert re.search(rf"approval attestation {re.escape(tags['kiln.promotion.attestation'])} fails: the logged file "
+                     rf"\S+ has sha256 [0-9a-f]{{64}}, tag kiln.promotion.attestation_sha256 says "
+                     rf"{tags['kiln.promotion.attestation_sha256']}", err), err
+    stored.write_bytes(original)
+
+    # an approval tag edited: the signed approval says otherwise
+    client.set_model_version_tag(target, record.version, "kiln.promotion.approver", "mallory")
+    assert ("tag kiln.promotion.approver is 'mallory', the signed approval says 'alice'"
+            in _cli_error(capsys, ["verify", champion]))
+    assert kiln_main(["audit", target]) == 1
+    captured = capsys.readouterr()
+    assert "approval attestation FAILS" in captured.out and "the signed approval says 'alice'" in captured.out
+    assert f"{target}/{record.version} (approval attestation fails)" in captured.err
+    client.set_model_version_tag(target, record.version, "kiln.promotion.approver", "alice")
+
+    # an approval of another statement, signed with production's own key, named in its place
+    check_statement = verify_version(client, client.get_model_version(target, record.version), "production").statement
+    name = _forge_approval(client, tmp_path, policy, mv, check_statement)
+    other = dict(check_statement, subject=[{"name": "x", "digest": {"sha256": "0" * 64}}])
+    err = _cli_error(capsys, ["verify", champion])
+    assert (f"approval attestation {name} approves statement sha256 {statement_sha256(other)}, "
+            f"not this version's {statement_sha256(check_statement)}") in err, err
+    assert kiln_main(["audit", target, "--json"]) == 1
+    printed = json.loads(capsys.readouterr().out)
+    (promotion,) = [e for e in printed if e["event"] == "promotion"]
+    assert promotion["attestation"]["status"] == "fails" and "not this version's" in promotion["attestation"]["problem"]
+
+    # no attestation named at all: under production (approval required) the champion is missing one
+    for tag in ("kiln.promotion.attestation", "kiln.promotion.attestation_sha256"):
+        client.delete_model_version_tag(target, record.version, tag)
+    assert ("no signed approval: it records a promotion (kiln.promotion.run_key, kiln.promotion.approver, "
+            "kiln.promotion.approved_at) under policy production, which requires approval, but names no approval "
+            "attestation") in _cli_error(capsys, ["verify", champion])
+    assert kiln_main(["audit", target]) == 0, "missing is reported; it fails the audit with --require-signed"
+    assert "approval attestation MISSING" in capsys.readouterr().out
+    assert kiln_main(["audit", target, "--require-signed"]) == 1
+    assert f"{target}/{record.version} (approval attestation missing)" in capsys.readouterr().err
+    # the original tags back: it verifies again
+    for tag in ("kiln.promotion.attestation", "kiln.promotion.attestation_sha256"):
+        client.set_model_version_tag(target, record.version, tag, tags[tag])
+    assert kiln_main(["verify", champion]) == 0, capsys.readouterr().err
+
+
+def test_rollback_signs_what_it_restores_and_refuses_one_whose_approval_fails(
+        tmp_path, client, unique_name, logged_models, mlflow_server, writes, monkeypatch, capsys):
+    """A rollback signs an attestation naming the restored version's statement, the version rolled back
+    from, who, why and when; ``kiln verify`` and ``kiln audit`` check it, and an edited rollback tag fails
+    both. A rollback to a version whose signed approval fails is refused before anything moves."""
+    policy = production_policy(unique_name)
+    monkeypatch.setitem(POLICIES, "production", policy)
+    target = policy.target_model
+    for name, bpb in (("a", 3.0), ("b", 2.9)):
+        cand, ref, key = _register(tmp_path / name, policy, name, bpb, unique_name)
+        approve(policy, ref, key, "alice")
+        _promote(policy, cand, ref, key)
+    # version 1, about to be restored, with an edited approval tag: refused, nothing written
+    client.set_model_version_tag(target, "1", "kiln.promotion.approver", "mallory")
+    writes.clear()
+    with pytest.raises(ProvenanceError, match=f"{re.escape(target)} version 1: approval attestation .* fails: tag "
+                                              "kiln.promotion.approver is 'mallory', the signed approval says 'alice'"):
+        registry.rollback(target, policy, "carol", reason="INC-7: wrong language")
+    assert writes == [] and client.get_model_version_by_alias(target, "champion").version == "2"
+    client.set_model_version_tag(target, "1", "kiln.promotion.approver", "alice")
+
+    rolled = registry.rollback(target, policy, "carol", reason="INC-7: wrong language")
+    assert (rolled.version, rolled.previous_version) == ("1", "2")
+    assert writes[-1] == ("set_registered_model_alias", target, "champion", "1"), "the alias moves last"
+    restored = client.get_model_version(target, "1")
+    uri = restored.tags["kiln.rollback.attestation"]
+    assert uri.startswith(f"runs:/{restored.run_id}/approval/rollback-")
+    capsys.readouterr()
+    assert kiln_main(["verify", f"{target}@champion"]) == 0, capsys.readouterr().err
+    assert (f"signed rollback: carol at {rolled.at} moved champion back to it from version 2: INC-7: wrong language; "
+            f"{uri}") in capsys.readouterr().out
+    assert kiln_main(["audit", target, "--json"]) == 0, capsys.readouterr().err
+    (event,) = [e for e in json.loads(capsys.readouterr().out) if e["event"] == "rollback"]
+    assert event["attestation"] == {"kind": "rollback", "status": "verifies", "uri": uri,
+                                    "sha256": restored.tags["kiln.rollback.attestation_sha256"], "actor": "carol",
+                                    "rolled_back_at": rolled.at, "from_version": "2", "reason": "INC-7: wrong language"}
+    # the signed file names the restored statement and the version rolled back from
+    from kiln.provenance.approval import statement_sha256, verify_rollback
+
+    statement = verify_version(client, restored, "production").statement
+    predicate = verify_rollback(_attestation_file(mlflow_server, uri), statement)
+    assert (predicate["target"], predicate["fromVersion"], predicate["actor"]) == (f"{target}/1", "2", "carol")
+    assert statement_sha256(statement)  # the subject: verify_rollback compared it
+
+    # the rollback's reason edited on the version: it disagrees with what was signed
+    client.set_model_version_tag(target, "1", "kiln.rollback.reason", "routine")
+    assert ("rollback attestation " + uri + " fails: tag kiln.rollback.reason is 'routine', the signed rollback says "
+            "'INC-7: wrong language'") in _cli_error(capsys, ["verify", f"{target}/1"])
+    assert kiln_main(["audit", target]) == 1
+    assert f"{target}/1 (rollback attestation fails)" in capsys.readouterr().err
 
 
 # ------------------------------------------------------------------------ kiln export verifies first

@@ -21,9 +21,18 @@ signed one), ``unsigned`` (registered before kiln signed versions: reported, not
 ``does-not-verify`` (what failed). ``--json`` appends one ``{"event": "provenance", ...}`` entry per
 version after the events, with the same fields.
 
-Exit status: 0 when every signed version agrees; 1 when any version disagrees or does not verify
-(after printing the whole report; one ``kiln audit: error:`` line names those versions), and with
-``--require-signed`` also when any is unsigned. Read-only: any MLflow identity with READ may run it;
+The same check covers the signed attestations each version names (docs/provenance.md): its approval,
+signed at promotion, and its latest rollback to it. Each promotion and rollback event says whether
+the attestation that records it ``verifies`` (with the approver, how approved, the decision and the
+time as signed; a rollback's actor, time, from which version and why), ``fails`` (what is wrong),
+is ``missing`` (a policy that requires approval, and the version names none), or is ``unchecked``
+(why); ``--json`` puts it in the event's ``attestation`` entry, and each provenance entry lists its
+version's ``attestations``.
+
+Exit status: 0 when every signed version agrees and every attestation named verifies; 1 when any
+version disagrees or does not verify or an attestation fails (after printing the whole report; one
+``kiln audit: error:`` line names those versions), and with ``--require-signed`` also when any is
+unsigned or misses an attestation its policy requires. Read-only: any MLflow identity with READ may run it;
 it needs the owning policy's trusted public keys (``KILN_HOME/keys/<policy>/trusted/``).
 """
 
@@ -61,7 +70,27 @@ def _policy_for(model: str, name: str | None):  # -> Policy | None
     return owning_policy(model)
 
 
+def _attestation_text(event: dict) -> str:
+    """What a promotion or rollback row says of the attestation that records it ("" for other events)."""
+    a = event.get("attestation")
+    if not a:
+        return ""
+    status = a.get("status")
+    if status == "verifies" and a.get("kind") == "approval":
+        return (f"; approval signed: {a.get('approver')} ({a.get('approval')}) at {a.get('approved_at')}, "
+                f"decision {a.get('decision')}")
+    if status == "verifies":
+        return f"; rollback signed: {a.get('actor')} at {a.get('rolled_back_at')}"
+    if status in ("fails", "missing"):
+        return f"; {str(status).upper()}: {a.get('problem')}"
+    return f"; {a.get('kind')} unchecked: {a.get('problem')}"
+
+
 def _detail(event: dict) -> str:
+    return _what(event) + _attestation_text(event)
+
+
+def _what(event: dict) -> str:
     kind = event["event"]
     if kind == "config":
         return (f"production config: {event.get('changes', '')} (sha256 {str(event.get('from_sha256'))[:12]} -> "
@@ -106,13 +135,23 @@ def format_provenance(checks: list[VersionCheck], policy: str) -> str:
                          "removed); its tags are unchecked, and promote and kiln export refuse it")
         else:
             lines.append(f"  {where}  agrees (signatures, files, tags, logged model)")
+        for a in c.attestations:
+            lines.append(f"      {a.kind} attestation {a.status.upper() if a.status != 'verifies' else 'verifies'}"
+                         + ("" if a.status == "verifies" else f": {a}"))
     return "\n".join(lines)
+
+
+def _failures(check: VersionCheck, require_signed: bool) -> list[str]:
+    """Why ``check`` makes the audit exit non-zero (empty: it does not)."""
+    bad = {"disagrees", "does-not-verify"} | ({"unsigned"} if require_signed else set())
+    why = [check.status] if check.status in bad else []
+    return why + [f"{a.kind} attestation {a.status}" for a in check.attestations
+                  if a.status == "fails" or (a.status == "missing" and require_signed)]
 
 
 def failed_versions(checks: list[VersionCheck], *, require_signed: bool) -> list[VersionCheck]:
     """The checks that make the audit exit non-zero."""
-    bad = {"disagrees", "does-not-verify"} | ({"unsigned"} if require_signed else set())
-    return [c for c in checks if c.status in bad]
+    return [c for c in checks if _failures(c, require_signed)]
 
 
 def handler(args: argparse.Namespace) -> int:
@@ -123,8 +162,11 @@ def handler(args: argparse.Namespace) -> int:
     if policy is None and args.require_signed:
         raise ConfigError(f"--require-signed: no policy owns {args.model}; give --policy production|sandbox "
                           "(whose keys its versions must be signed with)")
+    from kiln.registry.audit import attested_events
+
     events = registry.audit_history(args.model, policy)
     checks = registry.provenance_checks(args.model, policy) if policy is not None else []
+    events = attested_events(events, checks)
     unchecked = (f"provenance not checked: no policy owns {args.model} (give --policy production|sandbox: "
                  "whose keys its versions must be signed with)")
     if args.json:
@@ -138,5 +180,6 @@ def handler(args: argparse.Namespace) -> int:
     failed = failed_versions(checks, require_signed=args.require_signed)
     if failed:
         raise ProvenanceError(f"{len(failed)} version(s) failed the provenance audit: "
-                              + ", ".join(f"{c.model}/{c.version} ({c.status})" for c in failed))
+                              + ", ".join(f"{c.model}/{c.version} ({', '.join(_failures(c, args.require_signed))})"
+                                          for c in failed))
     return 0

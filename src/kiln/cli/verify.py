@@ -17,6 +17,14 @@ itself) and exits 0; on any mismatch exits 1 with one ``kiln verify: error:`` li
 differs (which file changed, is missing or was added, which signature, which key and policy, which
 tag). ``--policy`` defaults to production for a reference (what a champion must be) and is required
 with ``--dir``.
+
+A registered version's signed attestations are checked too (``kiln.registry.verify.attestation_checks``):
+the approval ``promote`` signed (``kiln.promotion.attestation``) and the latest rollback to it
+(``kiln.rollback.attestation``), each the logged file its ``_sha256`` tag names, signed with a key the
+policy trusts, naming this version's statement by its sha256 and this version, and agreeing with the
+version's approval (rollback) tags. One that fails, and, under a policy that requires approval, a
+promoted or rolled-back-to version that names none, exits 1 naming what is wrong; on success each is
+printed (who, how, when, the decision). ``--dir`` has no registry records and checks none.
 """
 
 from __future__ import annotations
@@ -93,6 +101,26 @@ def handler(args: argparse.Namespace) -> int:
     print(f"{what}: verified for policy {args.policy} (statement key {keys[0]}, model.sig key {keys[1]})")
     if args.ref is not None:
         print("  its tags and logged model agree with the signed statement")
+        for line in _attestation_lines(version.attestations):
+            print(f"  {line}")
     for line in describe(statement):
         print(f"  {line}")
     return 0
+
+
+def _attestation_lines(attestations: tuple[Any, ...]) -> list[str]:
+    """Each verified attestation of the version, in words (``verify_version`` refused any other)."""
+    if not attestations:
+        return ["no signed approval or rollback (none named, none required)"]
+    lines = []
+    for a in attestations:
+        p = a.predicate
+        if a.kind == "approval":
+            decision = p.get("decision") if isinstance(p.get("decision"), dict) else {}
+            lines.append(f"signed approval: {p.get('approver')} ({p.get('approval')}) at {p.get('approvedAt')}, "
+                         f"decision {decision.get('action')}, promoted {p.get('candidate')} as {p.get('target')} "
+                         f"({p.get('alias')}; before it {p.get('previousVersion') or 'none'}); {a.uri}")
+        else:
+            lines.append(f"signed rollback: {p.get('actor')} at {p.get('rolledBackAt')} moved {p.get('alias')} back "
+                         f"to it from version {p.get('fromVersion') or 'none'}: {p.get('reason')}; {a.uri}")
+    return lines

@@ -20,6 +20,12 @@ it" section shows the signed approval instead of saying there is none.
 ``verify_approval`` checks one: signed by a key the statement's policy trusts, of this predicate type,
 and naming exactly this statement (an approval of another version, or of an edited statement, is
 refused).
+
+A rollback is signed the same way (``rollback_statement``, predicate ``ROLLBACK_PREDICATE_TYPE``): its
+subject is the provenance statement of the version the alias goes back to, its predicate who rolled back,
+when, why, and from which version. ``rollback`` logs it beside the approvals of the restored version's run
+and names it by ``kiln.rollback.attestation`` and ``_sha256``; ``verify_rollback`` checks one.
+``kiln.registry.verify`` checks both kinds on every version that names one (``kiln verify``, ``kiln audit``).
 """
 
 from __future__ import annotations
@@ -35,6 +41,8 @@ from kiln.provenance.statement import STATEMENT_TYPE, statement_bytes
 
 APPROVAL_PREDICATE_TYPE = "urn:kiln:approval:v1"
 """The predicate of an approval attestation: who approved which version, when, how, on which decision."""
+ROLLBACK_PREDICATE_TYPE = "urn:kiln:rollback:v1"
+"""The predicate of a rollback attestation: who moved the alias back to which version, from which, when, why."""
 APPROVAL_DIR = "approval"
 """Where in the version's run the attestations are logged (one file per approval)."""
 STATEMENT_SUBJECT = "provenance statement"
@@ -78,31 +86,71 @@ def sign_approval(approval: Mapping[str, Any], policy: str, *, home: str | Path 
     return canonical_json(dsse_envelope(statement_bytes(approval), signing_key(policy, home))) + b"\n"
 
 
+def rollback_statement(statement: Mapping[str, Any], *, policy: str, target: str, from_version: str, alias: str,
+                       actor: str, rolled_back_at: str, reason: str) -> dict[str, Any]:
+    """The in-toto statement of one rollback of ``alias`` to ``target`` (``MODEL/VERSION``), the version whose
+    provenance ``statement`` is given, from version ``from_version`` of the same model ("" when none held it)."""
+    return {
+        "_type": STATEMENT_TYPE,
+        "subject": [{"name": f"models:/{target} {STATEMENT_SUBJECT}",
+                     "digest": {"sha256": statement_sha256(statement)}}],
+        "predicateType": ROLLBACK_PREDICATE_TYPE,
+        "predicate": {"policy": policy, "actor": actor, "rolledBackAt": rolled_back_at, "reason": reason,
+                      "target": target, "fromVersion": from_version, "alias": alias},
+    }
+
+
+def rollback_attestation_name(target: str, rolled_back_at: str) -> str:
+    """The file a rollback is logged as under ``APPROVAL_DIR`` (beside the version's approvals)."""
+    return "rollback-" + attestation_name(target, rolled_back_at)
+
+
+def sign_attestation(attestation: Mapping[str, Any], policy: str, *, home: str | Path | None = None) -> bytes:
+    """An approval or rollback statement as a DSSE envelope signed with ``policy``'s key (``sign_approval``)."""
+    return sign_approval(attestation, policy, home=home)
+
+
 def verify_approval(path: str | Path, statement: Mapping[str, Any], *,
                     home: str | Path | None = None) -> dict[str, Any]:
     """The predicate of the approval attestation at ``path`` when it is signed by a key that the policy of
     ``statement`` (a verified provenance statement) trusts and names exactly that statement;
     ``ProvenanceError`` naming what is wrong otherwise."""
+    return _verify(path, statement, APPROVAL_PREDICATE_TYPE, "approval", home)
+
+
+def verify_rollback(path: str | Path, statement: Mapping[str, Any], *,
+                    home: str | Path | None = None) -> dict[str, Any]:
+    """``verify_approval`` for a rollback attestation: signed by a key the statement's policy trusts, of
+    ``ROLLBACK_PREDICATE_TYPE``, naming exactly ``statement`` (the restored version's)."""
+    return _verify(path, statement, ROLLBACK_PREDICATE_TYPE, "rollback", home)
+
+
+def _verify(path: str | Path, statement: Mapping[str, Any], predicate_type: str, kind: str,
+            home: str | Path | None) -> dict[str, Any]:
     from kiln.provenance.keys import trusted_keys
     from kiln.provenance.verify import _open_envelope
 
+    name = Path(path).name
     try:
         policy = str(statement["predicate"]["buildDefinition"]["internalParameters"]["policy"])
     except (KeyError, TypeError) as exc:
-        raise ProvenanceError(f"provenance statement: no policy to verify an approval with ({exc!r})") from exc
+        raise ProvenanceError(f"provenance statement: no policy to verify an {kind} with ({exc!r})") from exc
     try:
         attested, _kid = _open_envelope(Path(path), policy, trusted_keys(policy, home), home)
     except ProvenanceError as exc:
-        raise ProvenanceError(f"approval attestation {Path(path).name}: {exc}") from exc
+        raise ProvenanceError(f"{kind} attestation {name}: {exc}") from exc
     if not isinstance(attested, dict) or attested.get("_type") != STATEMENT_TYPE \
-            or attested.get("predicateType") != APPROVAL_PREDICATE_TYPE or not isinstance(attested.get("predicate"), dict):
-        raise ProvenanceError(f"approval attestation {Path(path).name}: not a kiln approval attestation")
+            or attested.get("predicateType") != predicate_type or not isinstance(attested.get("predicate"), dict):
+        raise ProvenanceError(f"{kind} attestation {name}: not a kiln {kind} attestation "
+                              f"(predicate type {attested.get('predicateType') if isinstance(attested, dict) else None!r}, "
+                              f"expected {predicate_type!r})")
     named = [s.get("digest", {}).get("sha256") for s in attested.get("subject") or [] if isinstance(s, dict)]
     expected = statement_sha256(statement)
+    verb = "approves" if kind == "approval" else "restores"
     if named != [expected]:
-        raise ProvenanceError(f"approval attestation {Path(path).name} approves statement sha256 "
+        raise ProvenanceError(f"{kind} attestation {name} {verb} statement sha256 "
                               f"{', '.join(map(str, named)) or 'none'}, not this version's {expected}")
     if attested["predicate"].get("policy") != policy:
-        raise ProvenanceError(f"approval attestation {Path(path).name} says policy "
+        raise ProvenanceError(f"{kind} attestation {name} says policy "
                               f"{attested['predicate'].get('policy')!r}, the statement {policy!r}")
     return dict(attested["predicate"])

@@ -7,7 +7,9 @@ model took effect, and what it changed. It is read from the versions' lineage ta
 
 ``provenance_checks`` verifies every version the history reads against its signed statement
 (``kiln.registry.verify.check_version``): a tag someone edited after registration is reported with
-both values, a version registered before kiln signed versions as unsigned.
+both values, a version registered before kiln signed versions as unsigned. The same check covers the
+signed approval and rollback attestations each version names (``VersionCheck.attestations``);
+``attested_events`` puts each one's verdict on the promotion or rollback event it records.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from kiln.policy import Policy
 if TYPE_CHECKING:
     from mlflow.entities.model_registry import ModelVersion
 
-    from kiln.registry.verify import VersionCheck
+    from kiln.registry.verify import AttestationCheck, AttestationKind, VersionCheck
 
 from kiln.registry import mlflow_io
 from kiln.registry.mlflow_io import _is_not_found, _quote, _with_retries
@@ -190,3 +192,55 @@ def provenance_checks(model: str, policy: Policy) -> list[VersionCheck]:
         checks.append(_with_retries(f"verifying {mv.name} version {mv.version}",
                                     functools.partial(check_version, mv, policy.name)))
     return checks
+
+
+ATTESTED_EVENTS: dict[str, AttestationKind] = {"promotion": "approval", "rollback": "rollback"}
+"""The audit events a signed attestation records, and its kind (``kiln.registry.verify.ATTESTATION_KINDS``)."""
+
+
+def attested_events(events: list[dict[str, Any]], checks: list[VersionCheck]) -> list[dict[str, Any]]:
+    """``events`` (``audit_history``), each promotion and rollback with an ``attestation`` entry: the
+    verdict on the signed attestation that records it (``checks``: ``provenance_checks`` of the same
+    model). ``status`` is that of the version's check of it (``verifies``, ``fails``, ``missing``) when
+    the version's tags name it for this event (same time), with who, the decision (a promotion's) and the
+    time as signed; otherwise ``unchecked`` and why (the version was not checked or does not verify, or
+    its tags name a later attestation: a version promoted or rolled back to again keeps only the latest)."""
+    by_version = {(c.model, c.version): c for c in checks}
+    out = []
+    for event in events:
+        kind = ATTESTED_EVENTS.get(event["event"])
+        if kind is None:
+            out.append(event)
+            continue
+        check = by_version.get((event.get("model", ""), str(event.get("version", ""))))
+        if check is None:
+            entry = {"kind": kind, "status": "unchecked", "problem": "the version's provenance was not checked"}
+        elif check.verified is None:
+            entry = {"kind": kind, "status": "unchecked",
+                     "problem": f"the version's provenance {check.status.replace('-', ' ')}: no statement to check it with"}
+        else:
+            found = check.attestation(kind)
+            if found is not None and found.at == event.get("at"):
+                entry = _attestation_entry(found)
+            else:
+                entry = {"kind": kind, "status": "unchecked", "problem": (
+                    f"the version's tags name the {kind} of {found.at or 'another time'}, not this one"
+                    if found is not None else f"the version names no {kind} attestation (none required)")}
+        out.append({**event, "attestation": entry})
+    return out
+
+
+def _attestation_entry(check: AttestationCheck) -> dict[str, Any]:
+    """What ``kiln audit`` says of one checked attestation: status, the signed who, decision and time."""
+    entry: dict[str, Any] = {"kind": check.kind, "status": check.status, "uri": check.uri, "sha256": check.sha256}
+    p = check.predicate
+    if check.status == "verifies" and check.kind == "approval":
+        decision = p.get("decision") if isinstance(p.get("decision"), dict) else {}
+        entry |= {"approver": p.get("approver"), "approval": p.get("approval"), "approved_at": p.get("approvedAt"),
+                  "decision": (decision or {}).get("action")}
+    elif check.status == "verifies":
+        entry |= {"actor": p.get("actor"), "rolled_back_at": p.get("rolledBackAt"),
+                  "from_version": p.get("fromVersion"), "reason": p.get("reason")}
+    else:
+        entry["problem"] = str(check)
+    return entry

@@ -18,6 +18,8 @@ if TYPE_CHECKING:
     from mlflow import MlflowClient
     from mlflow.entities.model_registry import ModelVersion
 
+    from kiln.registry.verify import AttestationKind
+
 from kiln.registry import mlflow_io
 from kiln.registry.audit import audit_tag
 from kiln.registry.gate import decide
@@ -215,8 +217,10 @@ def promote(
             _refuse_unless_recorded(decision, recorded, candidate)
             approver, approval_time, how = _approval_of_run(candidate, policy, run_key)
         # Fail closed, before anything moves: the candidate's files, both signatures (with the keys
-        # this policy trusts) and its records must agree (ProvenanceError names what differs).
-        verified = verify_version(client, candidate, policy.name)
+        # this policy trusts) and its records must agree (ProvenanceError names what differs). Not the
+        # attestations it may name: it is about to be approved afresh (and a half-written earlier attempt's
+        # tags must not block its own retry).
+        verified = verify_version(client, candidate, policy.name, attestations=())
 
         holder = _version_by_alias(client, target, policy.alias)
         if holder is not None and holder.tags.get(RUN_KEY_TAG) == candidate.tags[RUN_KEY_TAG]:
@@ -320,6 +324,13 @@ def rollback(model: str, policy: Policy, actor: str, *, reason: str) -> Promotio
     does not flip back). The rolled-back version is marked (``kiln.rolled_back.*``): a later
     promotion of it needs an approval given after this moment (see ``promote``).
     ``RegistryError`` when there is nothing to roll back to.
+
+    Signed, as a promotion is: before anything is written, the restored version is verified for
+    ``policy`` as ``kiln verify`` does (its files, signatures, records and its approval attestation;
+    ``ProvenanceError`` naming what differs, and nothing moves), then a rollback attestation naming its
+    statement by sha256, the version rolled back from, ``actor``, ``reason`` and the time is signed with
+    ``policy``'s key, logged to its run under ``approval/`` and named by ``kiln.rollback.attestation``
+    and ``_sha256`` on it (``_attest_rollback``); the alias moves last.
     """
     if not actor.strip():
         raise PolicyError("rollback needs a named actor")
@@ -343,10 +354,16 @@ def rollback(model: str, policy: Policy, actor: str, *, reason: str) -> Promotio
             )
         from_version = str(current.version) if current is not None else ""
         at = _pending_rollback_time(previous, current) or utc_now()
-        for key, value in {TAGS["rollback_actor"]: actor, TAGS["rollback_at"]: at,
-                           TAGS["rollback_from_version"]: from_version, TAGS["rollback_reason"]: reason,
-                           **audit_tag("rollback", at, actor=actor, model=model, version=version,
-                                       from_version=from_version, to_version=version, reason=reason)}.items():
+        # Fail closed, before anything moves: the version restored verifies, its approval included (not
+        # its own rollback attestation, which this rollback (or its retry) is about to write again).
+        approval_only: tuple[AttestationKind, ...] = ("approval",)
+        restored = verify_version(client, previous, policy.name, attestations=approval_only)
+        tags = {TAGS["rollback_actor"]: actor, TAGS["rollback_at"]: at,
+                TAGS["rollback_from_version"]: from_version, TAGS["rollback_reason"]: reason,
+                **audit_tag("rollback", at, actor=actor, model=model, version=version,
+                            from_version=from_version, to_version=version, reason=reason)}
+        tags |= _attest_rollback(client, policy, previous, restored.statement, from_version, actor, at, reason)
+        for key, value in tags.items():  # the attestation's tags last: until they are written, the old ones fail
             if previous.tags.get(key) != value:
                 client.set_model_version_tag(model, version, key, value)
         if current is not None:
@@ -362,6 +379,40 @@ def rollback(model: str, policy: Policy, actor: str, *, reason: str) -> Promotio
         )
 
     return _with_retries(f"rolling back {model}@{policy.alias}", attempt)
+
+
+def _attest_rollback(client: MlflowClient, policy: Policy, restored: ModelVersion, statement: dict[str, Any],
+                     from_version: str, actor: str, at: str, reason: str) -> dict[str, str]:
+    """Sign the rollback to ``restored`` (whose verified provenance is ``statement``) with ``policy``'s key
+    (``kiln.provenance.approval.rollback_statement``), log it to the version's run under ``approval/`` and
+    return the tags that name it. A retry signs again (new bytes, new sha256 tag)."""
+    import hashlib
+    import tempfile
+    from pathlib import Path
+
+    from kiln.provenance.approval import (
+        APPROVAL_DIR,
+        rollback_attestation_name,
+        rollback_statement,
+        sign_attestation,
+        verify_rollback,
+    )
+
+    target = f"{restored.name}/{restored.version}"
+    attestation = rollback_statement(statement, policy=policy.name, target=target, from_version=from_version,
+                                     alias=policy.alias, actor=actor, rolled_back_at=at, reason=reason)
+    envelope = sign_attestation(attestation, policy.name)
+    name = rollback_attestation_name(target, at)
+    run_id = str(restored.run_id or "")
+    if not run_id:
+        raise RegistryError(f"{restored.name} version {restored.version} names no run to log its rollback to")
+    with tempfile.TemporaryDirectory(prefix="kiln-rollback-") as tmp:
+        local = Path(tmp) / name
+        local.write_bytes(envelope)
+        verify_rollback(local, statement)  # what is logged verifies, or nothing is
+        client.log_artifact(run_id, str(local), APPROVAL_DIR)
+    return {TAGS["rollback_attestation"]: f"runs:/{run_id}/{APPROVAL_DIR}/{name}",
+            TAGS["rollback_attestation_sha256"]: hashlib.sha256(envelope).hexdigest()}
 
 
 def _pending_rollback_time(previous: ModelVersion, current: ModelVersion | None) -> str | None:

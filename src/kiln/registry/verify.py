@@ -23,6 +23,17 @@ the version is refused until someone finds out who edited what. ``check_version`
 outcome as a value (``kiln audit`` lists every version's): ``agrees``, ``disagrees`` (each record
 with both values), ``unsigned`` (neither signature file: registered before kiln signed versions, or
 both files removed since) or ``does-not-verify`` (what failed).
+
+Then the signed attestations the version names (``kiln.provenance.approval``; ``attestation_checks``):
+its approval (``kiln.promotion.attestation`` / ``_sha256``) and its latest rollback to it
+(``kiln.rollback.attestation`` / ``_sha256``). Each must be the file its sha256 tag says, signed by a key
+the policy trusts, name this version's statement by its sha256, name this version, and agree with the
+version's approval (or rollback) tags; otherwise it ``fails``, naming what is wrong. Under a policy that
+requires approval, a version that was promoted (``kiln.promotion.*`` tags, or it holds the policy's
+alias) but names no approval attestation, or was rolled back to (``kiln.rollback.*``) but names no
+rollback attestation, is ``missing`` one. ``verify_version`` refuses both; ``check_version`` reports them
+(``VersionCheck.attestations``), and ``kiln audit`` fails on ``fails`` (on ``missing`` with
+``--require-signed``, as for an unsigned version).
 """
 
 from __future__ import annotations
@@ -30,7 +41,7 @@ from __future__ import annotations
 import math
 import os
 import tempfile
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
@@ -64,6 +75,8 @@ class VerifiedVersion:
     statement: dict[str, Any]
     statement_key_id: str
     model_sig_key_id: str
+    attestations: tuple[AttestationCheck, ...] = ()
+    """The attestations checked (each ``verifies``: ``verify_version`` refuses the others)."""
 
 
 LOGGED_MODEL_RECORD = "logged model"
@@ -83,15 +96,57 @@ class RecordMismatch:
     record: str
     version_says: str | None
     signed_says: str
+    signed_by: str = "statement"
+    """What signed ``signed_says``: the provenance ``statement``, or an ``approval`` or ``rollback`` attestation."""
 
     def __str__(self) -> str:
         if self.record in (LOGGED_MODEL_RECORD, RUN_RECORD):
             return f"the signed MLmodel is of {self.record} {self.signed_says}, the version's is {self.version_says}"
-        return f"tag {self.record} is {self.version_says!r}, the signed statement says {self.signed_says!r}"
+        return f"tag {self.record} is {self.version_says!r}, the signed {self.signed_by} says {self.signed_says!r}"
 
     def to_json(self) -> dict[str, Any]:
         return {"record": self.record, "version_says": self.version_says, "signed_says": self.signed_says,
                 "text": str(self)}
+
+
+AttestationKind = Literal["approval", "rollback"]
+ATTESTATION_KINDS: tuple[AttestationKind, ...] = ("approval", "rollback")
+AttestationStatus = Literal["verifies", "fails", "missing"]
+ATTESTATION_TAGS: dict[str, tuple[str, str, str]] = {
+    "approval": (TAGS["promotion_attestation"], TAGS["promotion_attestation_sha256"], TAGS["approved_at"]),
+    "rollback": (TAGS["rollback_attestation"], TAGS["rollback_attestation_sha256"], TAGS["rollback_at"]),
+}
+"""Per kind: the tag naming the attestation (its ``runs:/`` URI), the tag with its sha256, the tag with its time."""
+
+
+@dataclass(frozen=True, slots=True)
+class AttestationCheck:
+    """One signed attestation a version names (or lacks), checked against its verified statement:
+    ``verifies``, ``fails`` (``problem`` and ``mismatches`` say why) or ``missing`` (the policy requires
+    one and the version names none). ``at`` is the time the version's tags give it (the approval's or the
+    rollback's); ``predicate`` the signed predicate once it verified as a signature."""
+
+    kind: AttestationKind
+    status: AttestationStatus
+    uri: str = ""
+    sha256: str = ""
+    at: str = ""
+    problem: str = ""
+    mismatches: tuple[RecordMismatch, ...] = ()
+    predicate: dict[str, Any] = field(default_factory=dict, compare=False)
+
+    def __str__(self) -> str:
+        if self.status == "missing":
+            return f"no signed {self.kind}: {self.problem}"
+        if self.status == "verifies":
+            return f"{self.kind} attestation {self.uri} verifies"
+        why = "; ".join(([self.problem] if self.problem else []) + [str(m) for m in self.mismatches])
+        return f"{self.kind} attestation {self.uri or '(none named)'} fails: {why}"
+
+    def to_json(self) -> dict[str, Any]:
+        return {"kind": self.kind, "status": self.status, "uri": self.uri, "sha256": self.sha256, "at": self.at,
+                "problem": self.problem, "mismatches": [m.to_json() for m in self.mismatches],
+                "predicate": self.predicate, "text": str(self)}
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,10 +163,23 @@ class VersionCheck:
     problem: str = ""
     verified: VerifiedArtifact | None = field(default=None, compare=False, repr=False)
     cause: ProvenanceError | None = field(default=None, compare=False, repr=False)
+    attestations: tuple[AttestationCheck, ...] = ()
+    """The attestations the version names or lacks (``attestation_checks``; none when it did not verify)."""
 
     def to_json(self) -> dict[str, Any]:
         return {"model": self.model, "version": self.version, "policy": self.policy, "status": self.status,
-                "mismatches": [m.to_json() for m in self.mismatches], "problem": self.problem}
+                "mismatches": [m.to_json() for m in self.mismatches], "problem": self.problem,
+                "attestations": [a.to_json() for a in self.attestations]}
+
+    def attestation(self, kind: AttestationKind) -> AttestationCheck | None:
+        """The check of the version's ``kind`` attestation (None: it names none and needs none)."""
+        return next((a for a in self.attestations if a.kind == kind), None)
+
+    def require_attested(self) -> None:
+        """``ProvenanceError`` naming each attestation that fails or is missing (none: nothing raised)."""
+        bad = [a for a in self.attestations if a.status != "verifies"]
+        if bad:
+            raise ProvenanceError(f"{self.model} version {self.version}: " + "; ".join(str(a) for a in bad))
 
     def require_verified(self) -> VerifiedVersion:
         """The verified version, or ``ProvenanceError`` naming what differs (unsigned included)."""
@@ -123,7 +191,7 @@ class VersionCheck:
                                   "statement: " + "; ".join(str(m) for m in self.mismatches))
         return VerifiedVersion(model=self.model, version=self.version, policy=self.policy,
                                statement=self.verified.statement, statement_key_id=self.verified.statement_key_id,
-                               model_sig_key_id=self.verified.model_sig_key_id)
+                               model_sig_key_id=self.verified.model_sig_key_id, attestations=self.attestations)
 
 
 def download_model_dir(mv: ModelVersion, into: Path) -> Path:
@@ -136,23 +204,31 @@ def download_model_dir(mv: ModelVersion, into: Path) -> Path:
         return Path(mlflow.artifacts.download_artifacts(f"models:/{mv.name}/{mv.version}", dst_path=str(into)))
 
 
-def verify_version(client: MlflowClient, mv: ModelVersion, policy: str, *,
-                   home: str | Path | None = None) -> VerifiedVersion:
-    """Download ``mv``, verify it for ``policy`` and compare its records with its statement (module
-    docstring); ``ProvenanceError`` naming what differs, an unsigned version included."""
-    return check_version(mv, policy, home=home).require_verified()
+def verify_version(client: MlflowClient, mv: ModelVersion, policy: str, *, home: str | Path | None = None,
+                   attestations: Collection[AttestationKind] = ATTESTATION_KINDS) -> VerifiedVersion:
+    """Download ``mv``, verify it for ``policy``, compare its records with its statement and check the
+    ``attestations`` it names or lacks (module docstring); ``ProvenanceError`` naming what differs, an
+    unsigned version, an attestation that fails and a missing one included. ``promote`` checks none of
+    the candidate's (it is about to sign a new approval), ``rollback`` only the restored version's approval."""
+    check = check_version(mv, policy, home=home, attestations=attestations)
+    verified = check.require_verified()
+    check.require_attested()
+    return verified
 
 
-def check_version(mv: ModelVersion, policy: str, *, home: str | Path | None = None) -> VersionCheck:
+def check_version(mv: ModelVersion, policy: str, *, home: str | Path | None = None,
+                  attestations: Collection[AttestationKind] = ATTESTATION_KINDS) -> VersionCheck:
     """``verify_version``'s checks on a fresh download of ``mv``, reported as a ``VersionCheck``
-    (``RegistryError`` only when the version cannot be downloaded)."""
+    (``RegistryError`` only when the version or an attestation cannot be downloaded)."""
     with tempfile.TemporaryDirectory(prefix="kiln-verify-") as tmp:
-        return check_model_dir(mv, download_model_dir(mv, Path(tmp)), policy, home=home)
+        return check_model_dir(mv, download_model_dir(mv, Path(tmp)), policy, home=home, attestations=attestations)
 
 
-def check_model_dir(mv: ModelVersion, local: Path, policy: str, *, home: str | Path | None = None) -> VersionCheck:
+def check_model_dir(mv: ModelVersion, local: Path, policy: str, *, home: str | Path | None = None,
+                    attestations: Collection[AttestationKind] = ATTESTATION_KINDS) -> VersionCheck:
     """Verify ``local``, the model directory of ``mv`` just downloaded (``download_model_dir``), for
-    ``policy`` and compare ``mv``'s records with its signed statement. ``REGISTRY_RECORD`` is removed
+    ``policy``, compare ``mv``'s records with its signed statement and, when it verified, check the
+    ``attestations`` it names or lacks (``attestation_checks``). ``REGISTRY_RECORD`` is removed
     from ``local``; the rest is left as verified, so a caller that then reads from ``local`` reads
     the verified bytes."""
     from kiln.provenance.statement import MODEL_SIGNATURE_FILE, PROVENANCE_FILE
@@ -177,8 +253,130 @@ def check_model_dir(mv: ModelVersion, local: Path, policy: str, *, home: str | P
         mismatches = record_mismatches(mv, verified.statement, local)
     except ProvenanceError as exc:
         return outcome("does-not-verify", exc)
+    attested = attestation_checks(mv, verified.statement, policy, attestations, home=home)
     return VersionCheck(model=name, version=version, policy=policy, status="disagrees" if mismatches else "agrees",
-                        mismatches=tuple(mismatches), verified=verified)
+                        mismatches=tuple(mismatches), verified=verified, attestations=attested)
+
+
+def _required_because(mv: ModelVersion, kind: AttestationKind, policy: str) -> str:
+    """Why ``mv`` must name a signed ``kind`` under ``policy`` ("" when it need not): the policy requires
+    approval and the version was promoted (its approval) or rolled back to (its rollback)."""
+    from kiln.policy import POLICIES
+
+    owner = POLICIES.get(policy)
+    if owner is None or not owner.requires_approval:
+        return ""
+    tags = mv.tags or {}
+    if kind == "rollback":
+        recorded = [t for t in (TAGS["rollback_actor"], TAGS["rollback_at"]) if t in tags]
+        return f"it records a rollback to it ({', '.join(recorded)})" if recorded else ""
+    recorded = [t for t in (TAGS["promotion_run_key"], TAGS["approver"], TAGS["approved_at"]) if t in tags]
+    if recorded:
+        return f"it records a promotion ({', '.join(recorded)})"
+    if owner.alias in (getattr(mv, "aliases", None) or []):
+        return f"it holds alias {owner.alias!r}"
+    return ""
+
+
+def _expected_records(mv: ModelVersion, kind: AttestationKind, predicate: Mapping[str, Any]) -> list[RecordMismatch]:
+    """Each of ``mv``'s approval (or rollback) tags that disagrees with the signed ``predicate``."""
+    import json
+
+    tags = mv.tags or {}
+    if kind == "approval":
+        decision = predicate.get("decision")
+        if not isinstance(decision, dict):
+            decision = {}
+        signed = {TAGS["approver"]: predicate.get("approver"), TAGS["approved_at"]: predicate.get("approvedAt"),
+                  TAGS["promotion_approval"]: predicate.get("approval"), TAGS["promotion_run_key"]: predicate.get("runKey"),
+                  TAGS["previous_version"]: predicate.get("previousVersion"),
+                  TAGS["source_version"]: predicate.get("candidate"), TAGS["decision"]: decision.get("action"),
+                  TAGS["decision_reasons"]: json.dumps(decision.get("reasons"))}
+    else:
+        signed = {TAGS["rollback_actor"]: predicate.get("actor"), TAGS["rollback_at"]: predicate.get("rolledBackAt"),
+                  TAGS["rollback_from_version"]: predicate.get("fromVersion"),
+                  TAGS["rollback_reason"]: predicate.get("reason")}
+    return [RecordMismatch(tag, tags.get(tag), str(value), signed_by=kind)
+            for tag, value in signed.items() if tags.get(tag) != str(value)]
+
+
+def attestation_checks(mv: ModelVersion, statement: Mapping[str, Any], policy: str,
+                       kinds: Collection[AttestationKind] = ATTESTATION_KINDS, *,
+                       home: str | Path | None = None) -> tuple[AttestationCheck, ...]:
+    """Check each of ``kinds`` of signed attestation that ``mv`` names (module docstring) against its
+    verified ``statement`` and ``policy``'s trusted keys; a kind it names none of is left out unless the
+    policy requires it (``missing``). ``RegistryError`` only when the registry cannot be read (retry)."""
+    out = []
+    for kind in ATTESTATION_KINDS:
+        if kind not in kinds:
+            continue
+        uri_tag, sha_tag, at_tag = ATTESTATION_TAGS[kind]
+        tags = mv.tags or {}
+        uri, sha, at = tags.get(uri_tag, ""), tags.get(sha_tag, ""), tags.get(at_tag, "")
+        if not uri and not sha:
+            why = _required_because(mv, kind, policy)
+            if why:
+                out.append(AttestationCheck(kind, "missing", at=at, problem=(
+                    f"{why} under policy {policy}, which requires approval, but names no {kind} attestation "
+                    f"({uri_tag} is not set)")))
+            continue
+        out.append(_check_one(mv, kind, uri, sha, at, statement, home))
+    return tuple(out)
+
+
+def _check_one(mv: ModelVersion, kind: AttestationKind, uri: str, sha: str, at: str,
+               statement: Mapping[str, Any], home: str | Path | None) -> AttestationCheck:
+    import hashlib
+
+    from kiln.provenance.approval import verify_approval, verify_rollback
+
+    uri_tag, sha_tag, _ = ATTESTATION_TAGS[kind]
+
+    def fails(problem: str, mismatches: tuple[RecordMismatch, ...] = (), predicate: dict | None = None) -> AttestationCheck:
+        return AttestationCheck(kind, "fails", uri=uri, sha256=sha, at=at, problem=problem, mismatches=mismatches,
+                                predicate=predicate or {})
+
+    if not uri or not sha:
+        return fails(f"{uri_tag if not uri else sha_tag} is not set (the other is): "
+                     "the attestation cannot be named and checked")
+    with tempfile.TemporaryDirectory(prefix="kiln-attestation-") as tmp:
+        path = _download_attestation(uri, Path(tmp))
+        if path is None:
+            return fails(f"{uri} (tag {uri_tag}) is not in the artifact store")
+        actual = hashlib.sha256(path.read_bytes()).hexdigest()
+        if actual != sha:
+            return fails(f"the logged file {uri} has sha256 {actual}, tag {sha_tag} says {sha}")
+        try:
+            predicate = (verify_approval if kind == "approval" else verify_rollback)(path, statement, home=home)
+        except ProvenanceError as exc:
+            return fails(str(exc))
+    this = f"{mv.name}/{mv.version}"
+    named = {str(predicate.get("target")), str(predicate.get("candidate"))} if kind == "approval" else {
+        str(predicate.get("target"))}
+    if this not in named:
+        return fails(f"the signed {kind} is of {' and '.join(sorted(named))}, not this version {this}",
+                     predicate=predicate)
+    mismatches = tuple(_expected_records(mv, kind, predicate))
+    if mismatches:
+        return fails("", mismatches, predicate)
+    return AttestationCheck(kind, "verifies", uri=uri, sha256=sha, at=at, predicate=predicate)
+
+
+def _download_attestation(uri: str, into: Path) -> Path | None:
+    """The attestation file ``uri`` names, downloaded into ``into``; None when the store has no such file
+    (``RegistryError`` when the store cannot be read: a retry may)."""
+    import mlflow
+
+    from kiln.registry.mlflow_io import _is_not_found, _translated
+
+    with _translated(f"downloading {uri}"):
+        try:
+            path = Path(mlflow.artifacts.download_artifacts(artifact_uri=uri, dst_path=str(into)))
+        except Exception as exc:
+            if _is_not_found(exc) or isinstance(exc, FileNotFoundError):
+                return None
+            raise
+    return path if path.is_file() else None
 
 
 def _deps(statement: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
