@@ -54,7 +54,8 @@ SAMPLES = (4000, 4600)
 """Samples of the one corpus (and of the three sources together), in two sizes: 4000 fill 98% of the
 one corpus' Feistel domain (4**6) while the sources' 2800, 800 and 400 fill 68%, 78% and 39% of theirs,
 and 4600 fill 28% of 4**7 against 79%, 90% and 45%. The permutation walks until its value falls inside
-``[0, n)``, so the first size is the one-source side's best case for the draw, the second its worst."""
+``[0, n)``, so the first size is the one-source side's best case for the draw, the second its worst (the
+mixture permutes each source's epoch in kept blocks, so its draw no longer walks per step)."""
 STEPS = int(os.environ.get("KILN_BENCH_MIX_STEPS", "300"))
 REPEATS = int(os.environ.get("KILN_BENCH_MIX_REPEATS", "5"))
 
@@ -310,17 +311,20 @@ def main() -> dict[str, Any]:
 WHY = (
     "Per step the loader draws its positions' sample ids, then reads each shard they touch once (an np.memmap per "
     "shard and call, rows copied out, unmapped): the mappings are most of a step's CPU and both sides make about "
-    "as many ('shard mappings/step'). What the three sources add: the mixture's draw ('draw alone'; the split is "
-    "about 0.05 ms of it, the rest the sources' Feistel permutations in one vectorised pass, which walks until the "
-    "element of the sparsest domain -- prose's 400 of 1024 samples -- falls inside its range, and carries a key per "
-    "element), and three PackedTokens.read calls instead of one plus the copy back into position order (about "
-    "0.25 ms a step in a profile). Where the one corpus fills its Feistel domain (4000 of 4096) its own draw is "
-    "cheap and these costs show (below the goal); where it fills 28% of it (4600 of 16384) its draw costs more "
-    "than the mixture's and the sides are about even. Memory: nothing per sample is held; per shard only its "
-    "token manifest entry (path, sha256, counts: about 0.3 KiB as Python objects, by tracemalloc), its offset and "
-    "whether it was scanned, so the peak is the interpreter, numpy and prefetch_steps batches; the anonymous "
-    "RSS per shard is that entry plus the JSON parse's and the allocator's slack. At the packer's default "
-    "128 MiB shards a thousand shards per source would add about a MiB"
+    "as many ('shard mappings/step'; the three sources' half a mapping more a step is most of what is left between "
+    "them). The mixture's draw ('draw alone') costs what the one corpus' does: the split (a pair of divisions per "
+    "tree level), then a lookup per source in blocks of 4096 consecutive ids of its epoch, each block permuted "
+    "once and kept (Mixture._block), instead of the Feistel rounds and their cycle walking every step (which "
+    "walked until the element of the sparsest domain -- prose's 400 of 1024 -- fell in range: about 6 passes of "
+    "70 us, 0.38-0.55 ms a step before). The three sources are read in one call over their concatenated id "
+    "space (ConcatenatedTokens: the mixture's global ids), not one read per source and a copy back into position "
+    "order. The one corpus' plain SampleOrder still walks every step: where it fills its domain (4000 of 4096) "
+    "that is cheap and the sides are even; where it fills 28% (4600 of 16384) it costs 0.6 ms more than the "
+    "mixture's lookups. Memory: nothing per sample is held beyond the kept blocks (3 per source, 32 KiB each); per "
+    "shard only its token manifest entry (path, sha256, counts: about 0.3 KiB as Python objects, by tracemalloc), "
+    "its offset and whether it was scanned, so the peak is the interpreter, numpy and prefetch_steps batches; the "
+    "anonymous RSS per shard is that entry plus the JSON parse's and the allocator's slack. At the packer's "
+    "default 128 MiB shards a thousand shards per source would add about a MiB"
 )
 
 

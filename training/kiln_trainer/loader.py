@@ -61,7 +61,7 @@ import numpy as np
 from kiln_trainer.contract.training_manifest import metric_name, mixture_tokens_sha256
 from kiln_trainer.errors import BlockSizeMismatchError, RecipeError, ResumeMismatchError
 from kiln_trainer.mixture import QUOTA_DENOMINATOR, Mixture, MixtureSource
-from kiln_trainer.packed import PackedTokens
+from kiln_trainer.packed import ConcatenatedTokens, PackedTokens
 from kiln_trainer.sample_order import SampleOrder
 
 __all__ = ["LOADER_STATE_KIND", "LoaderSource", "StepBatch", "TokenLoader", "rank_positions"]
@@ -160,6 +160,7 @@ class TokenLoader:
                         f"{first.tokens.sample_tokens}: a mixture's sources must be packed with one block size")
             self.mixture = Mixture([MixtureSource(s.name, s.weight, s.tokens.shard_samples) for s in self.sources],
                                    seed=seed, window_shards=window_shards)
+            self._concatenated = ConcatenatedTokens([s.tokens for s in self.sources])
         self.prefetch_steps = prefetch_steps
         self.sample_log = Path(sample_log) if sample_log is not None else None
         self.consumed_samples = 0
@@ -235,8 +236,8 @@ class TokenLoader:
     def _epoch_at(self, position: int) -> int:
         if self.mixture is None:
             return self.order.epoch_of(position)
-        source, draw = self.mixture.split(np.array([position], dtype=np.int64))  # no permutation needed
-        return int(draw[0]) // self.mixture.num_samples[int(source[0])]
+        source, draw = self.mixture.locate(position)  # no permutation needed
+        return draw // self.mixture.num_samples[source]
 
     @property
     def step(self) -> int:
@@ -300,10 +301,7 @@ class TokenLoader:
         else:
             drawn = self.mixture.draw(positions)
             ids, sources = drawn.global_ids, drawn.sources
-            rows = np.empty((positions.size, self.sources[0].tokens.sample_tokens), dtype=np.int64)
-            for j in np.unique(sources):
-                mine = np.flatnonzero(sources == j)  # ascending: each source's rows go back to their positions
-                rows[mine] = self.sources[int(j)].tokens.read(drawn.samples[mine])
+            rows = self._concatenated.read(ids)  # the global ids: every source's shards in one read
         b = self.micro_batch_size
         micro = tuple(rows[m * b : (m + 1) * b] for m in range(self.accum_steps))
         return StepBatch(

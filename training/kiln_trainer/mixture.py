@@ -66,20 +66,26 @@ a check: ``resume(state)`` refuses a state of another mixture, naming the field
 (``ResumeMismatchError``), and a state whose counts this code does not recompute (a changed draw).
 Resuming from any state gives, position for position, the ids of an uninterrupted run.
 
-Cost (measured 2026-12-07 on the shared 2-core development machine at load 5-8, process CPU, best
-of 3, two runs): drawing 10**4 global batches of 512 positions from 3 sources of 10**7, 3*10**6
-and 10**6 samples (``window_shards = 0``) takes 5.1-5.3 s, about 0.5 ms a step on the loader's
-prefetch thread. ``SampleOrder`` over the largest source alone takes 4.4-5.1 s, over one source of
-all 1.4*10**7 samples 2.5 s: the Feistel's cycle walking dominates, and its length follows how far
-each size falls below its power of 4, not the number of sources; the split itself is 0.55 s. The
-sources' permutations run in one vectorised pass (``_permute``); a loop of ``SampleOrder.ids``
-per source took 8.6 s. With ``window_shards > 0`` each source's ``SampleOrder`` is called in turn.
+Cost. A loader's step draws a few dozen consecutive draws of each source, and the Feistel
+permutation's cost per call is its cycle walking: it runs pass after pass until the element of the
+sparsest domain is back in range, each pass a fixed numpy cost. So each source's epoch is permuted in
+blocks of ``_BLOCK`` consecutive draws, each block once (one vectorised call, the walk paid once for
+4096 ids) and kept (``_BLOCKS_KEPT`` per source, least recently used dropped); a step is then a lookup
+per source. Draws that scatter over more than two blocks of a source's epoch (a test's random
+positions) are permuted directly, all sources in one vectorised pass (``_permute_direct``). Both give
+the permutation's ids: the sequence is the same either way. Measured 2026-12-07 on the shared 2-core
+development machine at load 3.6, process CPU, best of 3: drawing 10**4 global batches of 512
+positions from 3 sources of 10**7, 3*10**6 and 10**6 samples (``window_shards = 0``) takes 2.1 s
+(5.1-5.3 s before the blocks, at load 5-8), about 0.2 ms a step on the loader's prefetch thread, of
+which the split is 0.45 s; ``SampleOrder`` over the largest source alone, which walks every call,
+takes 4.5 s. With ``window_shards > 0`` each source's ``SampleOrder`` is called in turn.
 """
 
 from __future__ import annotations
 
 import hashlib
 import math
+import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from fractions import Fraction
@@ -96,6 +102,11 @@ MIXTURE_STATE_KIND = "kiln.MixtureState"
 QUOTA_DENOMINATOR = 1 << 24
 """The weights are resolved to quotas out of 2**24 (shares to ~6e-8); the split's integer products
 stay below 2**48, far inside int64, for any position."""
+
+_BLOCK = 1 << 12
+"""Draws of a source's epoch permuted together and kept (``Mixture._block``): 32 KiB of ids."""
+_BLOCKS_KEPT = 3
+"""Blocks kept per source (the current one, the next, and the next epoch's first)."""
 
 _ALGORITHM = "binary-split/1"
 """Names the draw; a state written by another draw is refused rather than continued differently."""
@@ -225,6 +236,9 @@ class Mixture:
             SampleOrder(s.shard_samples, seed=_source_seed(seed, s.name), window_shards=window_shards) for s in self.sources
         )
         self._perms: dict[tuple[int, int], FeistelPermutation] = {}
+        self._blocks: tuple[dict[tuple[int, int], np.ndarray], ...] = tuple({} for _ in self.sources)
+        """Per source, its kept blocks by (epoch, block), least recently used first."""
+        self._lock = threading.Lock()  # the loader's prefetch thread and its caller both draw
         self._build_tree()
 
     def _build_tree(self) -> None:
@@ -252,6 +266,8 @@ class Mixture:
         self._children = np.array(children, dtype=np.int64)
         self._leaf = np.array(leaf, dtype=np.int64)
         self.depth = math.ceil(math.log2(len(self.sources))) if len(self.sources) > 1 else 0
+        self._left_list, self._total_list, self._leaf_list = left_quota, total, leaf  # for locate's Python ints
+        self._children_list = [tuple(c) for c in children]
 
     # ------------------------------------------------------------------ the draw
 
@@ -262,15 +278,38 @@ class Mixture:
             raise RecipeError("stream positions must be >= 0")
         m = given.reshape(-1).copy()  # rewritten level by level
         node = np.zeros(m.shape, dtype=np.int64)
-        for _ in range(self.depth):
-            inner = np.flatnonzero(self._leaf[node] < 0)
-            here, mm = node[inner], m[inner]
+        for level in range(self.depth):
+            # L(m) = whole*a + floor((rest*a + floor(t/2)) / t) with (whole, rest) = divmod(m, t); L(m+1)
+            # exceeds it (by 1: a < t) exactly when that remainder r has r + a >= t. One pair of
+            # divisions a level instead of two _left_count calls.
+            inner: slice | np.ndarray
+            if level == 0:  # every position is at the root (an inner node: depth > 0)
+                inner, here, mm = slice(None), np.zeros(1, dtype=np.int64), m
+            else:
+                inner = np.flatnonzero(self._leaf[node] < 0)
+                here, mm = node[inner], m[inner]
             left, total = self._left[here], self._total[here]
-            before = _left_count(mm, left, total)
-            goes_left = _left_count(mm + 1, left, total) > before
+            whole, rest = np.divmod(mm, total)
+            carried, remainder = np.divmod(rest * left + total // 2, total)
+            before = whole * left + carried
+            goes_left = remainder + left >= total
             m[inner] = np.where(goes_left, before, mm - before)
             node[inner] = np.where(goes_left, self._children[here, 0], self._children[here, 1])
         return self._leaf[node].reshape(given.shape), m.reshape(given.shape)
+
+    def locate(self, position: int) -> tuple[int, int]:
+        """``split`` of one position, in Python ints: (source index, draw index within that source)."""
+        if isinstance(position, bool) or not isinstance(position, (int, np.integer)) or position < 0:
+            raise RecipeError(f"stream position {position!r}: must be an int >= 0")
+        node, m = 0, int(position)
+        while self._leaf_list[node] < 0:
+            left, total = self._left_list[node], self._total_list[node]
+            before = _left_count(m, left, total)
+            if _left_count(m + 1, left, total) > before:
+                node, m = self._children_list[node][0], before
+            else:
+                node, m = self._children_list[node][1], m - before
+        return self._leaf_list[node], m
 
     def draw(self, positions: np.ndarray | Sequence[int]) -> MixtureDraw:
         """What the given stream positions train on (any positions, any order, any epoch)."""
@@ -297,7 +336,60 @@ class Mixture:
             perm = self._perms[(source, epoch)] = FeistelPermutation(order.num_samples, round_keys(order.seed, epoch))
         return perm
 
+    def _block(self, source: int, epoch: int, block: int) -> np.ndarray:
+        """The ids of draws ``[block*B, (block+1)*B)`` of this source's epoch (``B = _BLOCK``, the last
+        block shorter), computed once and kept: ``_BLOCKS_KEPT`` per source, the least recently used dropped
+        (per source, so a small source's short epochs never push out a large one's block)."""
+        kept, key = self._blocks[source], (epoch, block)
+        with self._lock:
+            table = kept.pop(key, None)
+            if table is not None:
+                kept[key] = table  # now the most recently used
+        if table is None:
+            within = np.arange(block * _BLOCK, min((block + 1) * _BLOCK, self.num_samples[source]), dtype=np.int64)
+            table = self._permute_direct(np.full_like(within, source), np.full_like(within, epoch), within)
+            table.setflags(write=False)
+            with self._lock:
+                kept[key] = table
+                while len(kept) > _BLOCKS_KEPT:
+                    del kept[next(iter(kept))]
+        return table
+
     def _permute(self, sources: np.ndarray, epochs: np.ndarray, within: np.ndarray) -> np.ndarray:
+        """Each source's own ``SampleOrder`` ids of (epoch, index within it). A loader's step draws a
+        few dozen consecutive draws of each source, so a source's epoch is read through blocks of
+        ``_BLOCK`` consecutive draws, each permuted once in one vectorised call and kept
+        (``_block``): a step then costs a lookup per source instead of the Feistel rounds and their
+        cycle walking (which runs until the element of the sparsest domain is back in range). Draws
+        of a (source, epoch) that spread over more than two blocks (a scattered query) are permuted
+        directly (``_permute_direct``); both give the same ids, the permutation's."""
+        k = len(self.sources)
+        out = np.empty(within.shape, dtype=np.int64)
+        direct: list[np.ndarray] = []
+        for source in range(k):
+            idx = np.flatnonzero(sources == source) if k > 1 else np.arange(sources.size)
+            if not idx.size:
+                continue
+            first, last = int(epochs[idx].min()), int(epochs[idx].max())
+            for epoch in range(first, last + 1) if last - first < 8 else np.unique(epochs[idx]).tolist():
+                mine = idx if first == last else idx[epochs[idx] == epoch]
+                if not mine.size:
+                    continue
+                got = within[mine]
+                lo, hi = int(got.min()) // _BLOCK, int(got.max()) // _BLOCK
+                if hi - lo > 1:
+                    direct.append(mine)
+                    continue
+                table = self._block(source, epoch, lo)
+                if hi > lo:
+                    table = np.concatenate([table, self._block(source, epoch, hi)])
+                out[mine] = table[got - lo * _BLOCK]
+        if direct:
+            idx = np.concatenate(direct)
+            out[idx] = self._permute_direct(sources[idx], epochs[idx], within[idx])
+        return out
+
+    def _permute_direct(self, sources: np.ndarray, epochs: np.ndarray, within: np.ndarray) -> np.ndarray:
         """Each source's own ``SampleOrder`` ids of (epoch, index within it), for every source in one
         vectorised pass: the Feistel rounds of ``FeistelPermutation`` with a key, a width and a range
         per element, so a draw from three sources costs about what one source's order does (a loop of

@@ -43,7 +43,7 @@ import hashlib
 import json
 import os
 import threading
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -70,6 +70,7 @@ from kiln_trainer.tokenizer import Tokenizer
 
 __all__ = [
     "DEFAULT_SHARD_BYTES",
+    "ConcatenatedTokens",
     "TOKEN_MANIFEST_KIND",
     "TOKEN_MANIFEST_NAME",
     "LocalShardStore",
@@ -718,6 +719,24 @@ class LocalShardStore:
         pass
 
 
+def _read_by_shard(sample_ids: np.ndarray | Sequence[int], offsets: np.ndarray, sample_tokens: int,
+                   rows_of: Callable[[int, np.ndarray], np.ndarray]) -> np.ndarray:
+    """Samples ``sample_ids`` of an id space cut into shards at ``offsets`` (``offsets[-1]`` samples in
+    all), as int64 ``[len(ids), sample_tokens]``: each shard touched is read once, its rows in
+    ascending order, by ``rows_of(shard, rows within it)``."""
+    ids = np.asarray(sample_ids, dtype=np.int64)
+    if ids.size and (ids.min() < 0 or ids.max() >= offsets[-1]):
+        raise RecipeError(f"sample ids must be in [0, {int(offsets[-1])}), got {ids.min()}..{ids.max()}")
+    out = np.empty((len(ids), sample_tokens), dtype=np.int64)
+    shards = np.searchsorted(offsets, ids, side="right") - 1
+    for shard in np.unique(shards):
+        here = np.nonzero(shards == shard)[0]
+        rows = ids[here] - offsets[shard]
+        order = np.argsort(rows, kind="stable")  # ascending offsets: sequential-ish reads
+        out[here[order]] = rows_of(int(shard), rows[order])
+    return out
+
+
 class PackedTokens:
     """One global sample index space over a token manifest's shards, read row by row.
 
@@ -752,17 +771,7 @@ class PackedTokens:
         return [s.samples for s in self.manifest.shards]
 
     def read(self, sample_ids: np.ndarray | Sequence[int]) -> np.ndarray:
-        ids = np.asarray(sample_ids, dtype=np.int64)
-        if ids.size and (ids.min() < 0 or ids.max() >= self.num_samples):
-            raise RecipeError(f"sample ids must be in [0, {self.num_samples}), got {ids.min()}..{ids.max()}")
-        out = np.empty((len(ids), self.sample_tokens), dtype=np.int64)
-        shards = np.searchsorted(self.offsets, ids, side="right") - 1
-        for shard in np.unique(shards):
-            here = np.nonzero(shards == shard)[0]
-            rows = ids[here] - self.offsets[shard]
-            order = np.argsort(rows, kind="stable")  # ascending offsets: sequential-ish reads
-            out[here[order]] = self._rows(int(shard), rows[order])
-        return out
+        return _read_by_shard(sample_ids, self.offsets, self.sample_tokens, self._rows)
 
     def _rows(self, shard: int, rows: np.ndarray) -> np.ndarray:
         entry = self.manifest.shards[shard]
@@ -782,3 +791,31 @@ class PackedTokens:
                 del mapped
         finally:
             self.store.release(entry)
+
+
+class ConcatenatedTokens:
+    """Several ``PackedTokens`` (of one sample size) as one id space, in the given order: part ``j``'s
+    sample ``i`` is id ``offsets_j + i``, what a mixture calls its global ids. ``read(ids)`` reads
+    them as ``PackedTokens.read`` does, each shard touched once, in one call whatever the parts:
+    a mixed loader's step costs what one corpus' does, not a read per source and a copy back."""
+
+    def __init__(self, parts: Sequence[PackedTokens]) -> None:
+        self.parts = tuple(parts)
+        if not self.parts:
+            raise RecipeError("ConcatenatedTokens needs at least one PackedTokens, got none")
+        sizes = {p.sample_tokens for p in self.parts}
+        if len(sizes) > 1:
+            raise BlockSizeMismatchError(f"the parts' samples are of {sorted(sizes)} tokens: one id space needs one size")
+        self.sample_tokens = self.parts[0].sample_tokens
+        self.part_offsets = np.concatenate([[0], np.cumsum([p.num_samples for p in self.parts])]).astype(np.int64)
+        self.num_samples = int(self.part_offsets[-1])
+        self.offsets = np.concatenate(
+            [[0], *(base + p.offsets[1:] for base, p in zip(self.part_offsets[:-1], self.parts, strict=True))]).astype(np.int64)
+        self._owner = [(j, k) for j, p in enumerate(self.parts) for k in range(len(p.offsets) - 1)]
+
+    def read(self, sample_ids: np.ndarray | Sequence[int]) -> np.ndarray:
+        return _read_by_shard(sample_ids, self.offsets, self.sample_tokens, self._rows)
+
+    def _rows(self, shard: int, rows: np.ndarray) -> np.ndarray:
+        part, local = self._owner[shard]
+        return self.parts[part]._rows(local, rows)

@@ -16,7 +16,7 @@ from kiln_trainer.contract.training_manifest import mixture_tokens_sha256
 from kiln_trainer.errors import BlockSizeMismatchError, RecipeError, ResumeMismatchError
 from kiln_trainer.loader import LoaderSource, TokenLoader
 from kiln_trainer.mixture import Mixture, MixtureSource
-from kiln_trainer.packed import PackedTokens, TokenManifest, pack_corpus
+from kiln_trainer.packed import ConcatenatedTokens, PackedTokens, TokenManifest, pack_corpus
 from kiln_trainer.sample_order import SampleOrder
 from kiln_trainer.tokenizer import ByteTokenizer
 
@@ -45,15 +45,16 @@ def packed(tmp_path_factory: pytest.TempPathFactory) -> dict[str, TokenManifest]
 
 
 class RecordingTokens(PackedTokens):
-    """The real reader, also recording which of its sample ids it was asked for."""
+    """The real reader, also recording which of its sample ids were read (by its shard reads: the mixed
+    loader reads every source's shards through one ``ConcatenatedTokens``)."""
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.requested: list[int] = []
 
-    def read(self, sample_ids):
-        self.requested.extend(np.asarray(sample_ids).tolist())
-        return super().read(sample_ids)
+    def _rows(self, shard, rows):
+        self.requested.extend((self.offsets[shard] + np.asarray(rows)).tolist())
+        return super()._rows(shard, rows)
 
 
 def _sources(packed, weights=WEIGHTS, recording=False) -> list[LoaderSource]:
@@ -100,6 +101,26 @@ def test_each_row_is_its_sources_sample_in_position_order(packed):
         name = list(WEIGHTS)[int(j)]
         assert np.array_equal(rows[i], PackedTokens(packed[name]).read([int(sample)])[0])
     assert rows.dtype == np.int64 and rows.shape == (96, B + 1)
+
+
+def test_concatenated_tokens_read_the_parts_as_one_id_space(packed, tmp_path):
+    """The mixed loader's reader: part j's sample i is id offset_j + i, read as the part reads it."""
+    parts = [PackedTokens(packed[name]) for name in WEIGHTS]
+    both = ConcatenatedTokens(parts)
+    sizes = [p.num_samples for p in parts]
+    assert both.num_samples == sum(sizes) and both.part_offsets.tolist() == [0, sizes[0], sizes[0] + sizes[1], sum(sizes)]
+    ids = np.random.default_rng(5).permutation(both.num_samples)[:300]
+    ids = np.concatenate([ids, [0, sizes[0] - 1, sizes[0], both.num_samples - 1, 7, 7]])
+    got = both.read(ids)
+    part = np.searchsorted(both.part_offsets, ids, side="right") - 1
+    want = np.stack([parts[j].read([i - both.part_offsets[j]])[0] for j, i in zip(part, ids, strict=True)])
+    assert np.array_equal(got, want) and got.dtype == np.int64
+    with pytest.raises(RecipeError, match=rf"sample ids must be in \[0, {both.num_samples}\)"):
+        both.read([both.num_samples])
+    other = pack_corpus(tmp_path, snapshot_id="wide.dir", tokenizer=ByteTokenizer(), block_size=B * 2,
+                        parts=[_synthetic_docs(1, 2)])
+    with pytest.raises(BlockSizeMismatchError, match=rf"\[{B + 1}, {2 * B + 1}\]"):
+        ConcatenatedTokens([parts[0], PackedTokens(other)])
 
 
 def test_shares_are_within_one_percent_of_the_weights_over_many_batches(packed):
@@ -152,7 +173,7 @@ def test_the_same_global_ids_and_rows_at_world_sizes_1_2_and_4(packed, window):
                                             for s in range(ahead)]))
             for j, source in enumerate(loader.sources):
                 asked = set(source.tokens.requested)  # type: ignore[attr-defined]
-                assert asked <= set(mine.samples[mine.sources == j].tolist()), (rank, source.name)
+                assert asked and asked <= set(mine.samples[mine.sources == j].tolist()), (rank, source.name)
 
 
 @pytest.mark.parametrize(("before", "after"), [(1, 2), (2, 1), (2, 4), (1, 1)])

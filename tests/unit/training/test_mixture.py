@@ -14,6 +14,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kiln_trainer import mixture as mixture_module
 from kiln_trainer.errors import RecipeError, ResumeMismatchError, TrainerError
 from kiln_trainer.loader import rank_positions
 from kiln_trainer.mixture import MIXTURE_STATE_KIND, QUOTA_DENOMINATOR, Mixture, MixtureSource
@@ -133,6 +134,51 @@ def test_a_sources_draws_follow_its_own_sample_order(window_shards):
         shards = len(mix.sources[j].shard_samples)
         assert isinstance(order, SampleOrder) and order.window_shards == (window_shards if window_shards < shards else 0)
     assert np.array_equal(mix.draw(positions.reshape(5, -1)).global_ids.reshape(-1), d.global_ids)
+
+
+def test_step_sized_draws_through_kept_blocks_equal_each_sources_sample_order():
+    """A loader's draws (a step's consecutive positions, step after step) go through blocks of ids kept
+    per source (``_block``); scattered ones are permuted directly. Both are each source's SampleOrder:
+    across block ends, epoch ends, blocks dropped and made again, and a draw that spans many blocks."""
+    block = mixture_module._BLOCK
+    mix = Mixture([MixtureSource("big", 5.0, [2 * block + 123, block // 2]), MixtureSource("mid", 3.0, [block - 5]),
+                   MixtureSource("small", 1.0, [7, 0, 3]), MixtureSource("one", 0.5, [1])], seed=77)
+    assert mix.num_samples[0] > 2 * block
+    g = 96
+    # From 'big''s draw N - 2500: its steps below cross a block end (2 * block) and its epoch's end.
+    start = (mix.num_samples[0] - 2500) * D // mix.quotas[0]
+    assert mix.num_samples[0] - 2500 < 2 * block
+    for step in range(60):
+        positions = np.arange(start + step * g, start + (step + 1) * g)
+        d = mix.draw(positions)
+        for j, order in enumerate(mix.orders):
+            mine = d.sources == j
+            assert np.array_equal(d.samples[mine], order.ids(d.draws[mine])), (step, j)
+        assert all(len(kept) <= mixture_module._BLOCKS_KEPT for kept in mix._blocks)
+    # 'big' was read through its kept blocks, not pushed out by 'one''s epoch (a block) a step.
+    assert (0, 2) in mix._blocks[0] and (1, 0) in mix._blocks[0]
+    # Far back (blocks made again after being dropped), and scattered over many blocks (direct).
+    for positions in (np.arange(0, 5 * g), np.random.default_rng(1).integers(0, 10**9, 500),
+                      np.arange(0, 60_000, 37)):
+        d = mix.draw(positions)
+        for j, order in enumerate(mix.orders):
+            mine = d.sources == j
+            assert np.array_equal(d.samples[mine], order.ids(d.draws[mine]))
+    # A kept block is the permutation's, read-only: nothing a caller does to a draw changes the next one.
+    d = mix.draw(np.arange(g))
+    d.samples[:] = -1
+    assert (mix.draw(np.arange(g)).samples >= 0).all()
+
+
+def test_locate_is_split_of_one_position():
+    mix = three()
+    positions = np.concatenate([np.arange(300), np.random.default_rng(2).integers(0, 2**40, 200)])
+    sources, draws = mix.split(positions)
+    assert [mix.locate(int(p)) for p in positions] == list(zip(sources.tolist(), draws.tolist(), strict=True))
+    single = Mixture([MixtureSource("only", 1.0, [5])], seed=0)
+    assert single.locate(12) == (0, 12)
+    with pytest.raises(RecipeError, match="stream position -1"):
+        mix.locate(-1)
 
 
 def test_adding_reweighting_or_reordering_sources_keeps_each_sources_own_order():
