@@ -5,6 +5,7 @@ A mixture is a TOML file under ``training/mixtures/`` (shipped with kiln like th
 name is its name), or production's ``[mixture]`` table in the reviewed ``config/production.toml``::
 
     description = "Python code and documentation prose"
+    on_exhausted = "recycle"    # optional: "recycle" (the default) or "stop"; before the first [[sources]]
 
     [[sources]]
     name = "code"               # the source's name: keys its metrics, tags and shares (a-z 0-9 _ . -)
@@ -12,11 +13,20 @@ name is its name), or production's ``[mixture]`` table in the reviewed ``config/
     contract = "stdlib-py@1"    # optional: NAME@VERSION; absent, the one the corpus' corpus.json names
     weight = 0.7                # > 0: the source's share is its weight over the sum of the weights
     max_quarantine_share = 0.25 # optional: this source's gate; absent, the policy's
+    max_epochs = 3              # optional cap: the run stops before a 4th pass over this source
 
     [[sources]]
     name = "docs"
     corpus = "python-docs"
     weight = 0.3
+    max_tokens = 50_000_000     # optional budget: the run stops before this source gives more tokens
+
+A source that runs out of samples starts a new epoch of its own order (``on_exhausted = "recycle"``);
+with ``on_exhausted = "stop"`` a source without a cap of its own is capped at one epoch. A cap (its
+``max_epochs`` or ``max_tokens``) ends the run: the draw follows the weights position by position, so a
+source cannot leave it mid-run without moving every later sample; the trainer stops before the first
+step that would draw a capped source past its cap, commits a checkpoint there and says so in its
+result. ``resolved_limits`` gives each source's cap as the training manifest carries it.
 
 A run of a mixture snapshots each source, validates each against its own contract, gates each by its
 own threshold, packs every source with the run's one tokenizer, and trains on the draw
@@ -45,8 +55,10 @@ MIXTURE_NAME = CORPUS_NAME
 """A mixture's name (its file's stem): a corpus name's alphabet."""
 MAX_SOURCES = 64
 """A mixture's sources, at most: each one is mapped tasks and a tag set on every version."""
-_SOURCE_KEYS = frozenset({"name", "corpus", "contract", "weight", "max_quarantine_share"})
-_MIXTURE_KEYS = frozenset({"description", "sources"})
+_SOURCE_KEYS = frozenset({"name", "corpus", "contract", "weight", "max_quarantine_share", "max_epochs", "max_tokens"})
+_MIXTURE_KEYS = frozenset({"description", "sources", "on_exhausted"})
+ON_EXHAUSTED = ("recycle", "stop")
+"""What a source without a cap of its own does when it runs out: start a new epoch, or stop the run."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -60,13 +72,16 @@ class MixtureSource:
     weight: float
     max_quarantine_share: float | None = None
     """This source's data gate; None: the policy's ``max_quarantine_share``."""
+    max_epochs: int | None = None
+    """Cap: the run stops before this source's ``max_epochs + 1``-th epoch; None: no epoch cap."""
+    max_tokens: int | None = None
+    """Budget: the run stops before this source gives more than ``max_tokens`` tokens; None: none."""
 
     def to_json(self) -> dict[str, Any]:
         data: dict[str, Any] = {"name": self.name, "corpus": self.corpus, "weight": self.weight}
-        if self.contract is not None:
-            data["contract"] = self.contract
-        if self.max_quarantine_share is not None:
-            data["max_quarantine_share"] = self.max_quarantine_share
+        for key in ("contract", "max_quarantine_share", "max_epochs", "max_tokens"):
+            if getattr(self, key) is not None:
+                data[key] = getattr(self, key)
         return data
 
 
@@ -79,6 +94,16 @@ class Mixture:
     origin: str
     """Where it was declared (a file, or ``config/production.toml [mixture]``), for messages."""
     description: str = ""
+    on_exhausted: str = "recycle"
+    """``ON_EXHAUSTED``: "stop" caps every source without a cap of its own at one epoch."""
+
+    def resolved_limits(self, source: MixtureSource) -> dict[str, int]:
+        """The source's caps as its training manifest entry carries them (``max_epochs``, ``max_tokens``;
+        none: it recycles): its own, or one epoch where the mixture says ``on_exhausted = "stop"``."""
+        limits = {key: value for key in ("max_epochs", "max_tokens") if (value := getattr(source, key)) is not None}
+        if not limits and self.on_exhausted == "stop":
+            limits["max_epochs"] = 1
+        return limits
 
     def source(self, name: str) -> MixtureSource:
         for s in self.sources:
@@ -93,7 +118,10 @@ class Mixture:
         return {s.name: s.weight / total for s in self.sources}
 
     def to_json(self) -> dict[str, Any]:
-        return {"name": self.name, "description": self.description, "sources": [s.to_json() for s in self.sources]}
+        data = {"name": self.name, "description": self.description, "sources": [s.to_json() for s in self.sources]}
+        if self.on_exhausted != "recycle":
+            data["on_exhausted"] = self.on_exhausted
+        return data
 
 
 def parse_mixture(data: Any, *, name: str, origin: str) -> Mixture:
@@ -109,7 +137,11 @@ def parse_mixture(data: Any, *, name: str, origin: str) -> Mixture:
         raise fail(f"must be a table, got {type(data).__name__}")
     unknown = sorted(set(data) - _MIXTURE_KEYS)
     if unknown:
-        raise fail(f"unknown key(s) {', '.join(unknown)}; a mixture has 'description' and 'sources'")
+        raise fail(f"unknown key(s) {', '.join(unknown)}; a mixture has {', '.join(map(repr, sorted(_MIXTURE_KEYS)))}")
+    on_exhausted = data.get("on_exhausted", "recycle")
+    if on_exhausted not in ON_EXHAUSTED:
+        raise fail(f"on_exhausted = {on_exhausted!r:.40}: must be one of {', '.join(map(repr, ON_EXHAUSTED))} (what a "
+                   "source without max_epochs or max_tokens does when it runs out)")
     description = data.get("description", "")
     if not isinstance(description, str):
         raise fail(f"description must be a string, got {type(description).__name__}")
@@ -149,6 +181,13 @@ def parse_mixture(data: Any, *, name: str, origin: str) -> Mixture:
         share = item.get("max_quarantine_share")
         if share is not None and (isinstance(share, bool) or not isinstance(share, (int, float)) or not 0 <= share <= 1):
             raise fail(f"{label}.max_quarantine_share = {share!r:.40}: must be a number in [0, 1]")
+        limits: dict[str, int] = {}
+        for key, what in (("max_epochs", "epochs"), ("max_tokens", "tokens")):
+            value = item.get(key)
+            if value is not None:
+                if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                    raise fail(f"{label}.{key} = {value!r:.40}: must be a whole number of {what} >= 1")
+                limits[key] = value
         for j, other in enumerate(sources):
             if other.name == source_name or metric_name(other.name) == metric_name(source_name):
                 raise fail(f"{label}.name: same name (or metric name {metric_name(source_name)!r}) as sources[{j}]")
@@ -156,8 +195,8 @@ def parse_mixture(data: Any, *, name: str, origin: str) -> Mixture:
                 raise fail(f"{label}.corpus = {corpus!r}: sources[{j}] ({other.name!r}) reads it already; a corpus "
                            "is one source (give it more weight instead)")
         sources.append(MixtureSource(name=source_name, corpus=corpus, contract=contract, weight=float(weight),
-                                     max_quarantine_share=None if share is None else float(share)))
-    return Mixture(name=name, sources=tuple(sources), origin=origin, description=description)
+                                     max_quarantine_share=None if share is None else float(share), **limits))
+    return Mixture(name=name, sources=tuple(sources), origin=origin, description=description, on_exhausted=on_exhausted)
 
 
 def mixtures_dir() -> Path:

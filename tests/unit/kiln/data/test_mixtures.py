@@ -33,6 +33,23 @@ def test_a_mixture_reads_with_its_shares_in_declared_order() -> None:
     assert parse_mixture(again, name="mix", origin="mix.toml") == mixture
 
 
+def test_caps_and_on_exhausted_read_and_resolve_to_the_manifests_limits() -> None:
+    plain = parse_mixture(GOOD, name="mix", origin="mix.toml")
+    assert plain.on_exhausted == "recycle" and [plain.resolved_limits(s) for s in plain.sources] == [{}, {}]
+    capped = parse_mixture(with_source(1, max_epochs=2), name="mix", origin="mix.toml")
+    assert capped.sources[1].max_epochs == 2 and capped.sources[1].max_tokens is None
+    assert [capped.resolved_limits(s) for s in capped.sources] == [{}, {"max_epochs": 2}]
+    stop = parse_mixture({**with_source(0, max_tokens=10_000), "on_exhausted": "stop"}, name="mix", origin="mix.toml")
+    # "stop": a source without a cap of its own stops the run at the end of its first epoch.
+    assert [stop.resolved_limits(s) for s in stop.sources] == [{"max_tokens": 10_000}, {"max_epochs": 1}]
+    both = parse_mixture(with_source(0, max_tokens=7, max_epochs=3), name="mix", origin="mix.toml")
+    assert both.resolved_limits(both.sources[0]) == {"max_epochs": 3, "max_tokens": 7}
+    for mixture in (capped, stop, both):  # to_json reads back as the same mixture
+        again = {k: v for k, v in mixture.to_json().items() if k != "name"}
+        assert parse_mixture(again, name="mix", origin="mix.toml") == mixture
+    assert "on_exhausted" not in plain.to_json() and stop.to_json()["on_exhausted"] == "stop"
+
+
 @pytest.mark.parametrize(("data", "message"), [
     (with_source(1, weight=0), r"sources\[1\] \('prose'\)\.weight = 0: must be a finite number > 0"),
     (with_source(1, weight=-2.5), r"sources\[1\] \('prose'\)\.weight = -2\.5"),
@@ -52,9 +69,19 @@ def test_a_mixture_reads_with_its_shares_in_declared_order() -> None:
     ({**GOOD, "sources": []}, r"'sources' must be a non-empty array"),
     ({"sources": GOOD["sources"], "weights": {}}, r"unknown key\(s\) weights"),
     ({**GOOD, "sources": [1]}, r"sources\[0\] must be a table"),
+    (with_source(1, max_epochs=0), r"sources\[1\] \('prose'\)\.max_epochs = 0: must be a whole number of epochs >= 1"),
+    (with_source(1, max_epochs=1.5), r"sources\[1\] \('prose'\)\.max_epochs = 1\.5: must be a whole number"),
+    (with_source(0, max_epochs=True), r"sources\[0\] \('code'\)\.max_epochs = True"),
+    (with_source(0, max_tokens=-5), r"sources\[0\] \('code'\)\.max_tokens = -5: must be a whole number of tokens >= 1"),
+    (with_source(0, max_tokens="1e9"), r"sources\[0\] \('code'\)\.max_tokens = '1e9'"),
+    (with_source(0, max_epoch=2), r"sources\[0\] \('code'\): unknown key\(s\) max_epoch"),
+    ({**GOOD, "on_exhausted": "halt"}, r"on_exhausted = 'halt': must be one of 'recycle', 'stop'"),
+    ({**GOOD, "on_exhausted": 1}, r"on_exhausted = 1: must be one of"),
 ], ids=["weight-zero", "weight-negative", "weight-nan", "weight-bool", "weight-missing", "bad-name", "duplicate-name",
         "same-metric-name", "corpus-twice", "corpus-path", "contract-unpinned", "contract-unknown", "share-above-1",
-        "unknown-source-key", "no-sources", "unknown-key", "source-not-table"])
+        "unknown-source-key", "no-sources", "unknown-key", "source-not-table", "max-epochs-zero", "max-epochs-float",
+        "max-epochs-bool", "max-tokens-negative", "max-tokens-string", "cap-typo", "on-exhausted-unknown",
+        "on-exhausted-not-string"])
 def test_a_bad_mixture_is_refused_naming_the_field(data: dict[str, Any], message: str) -> None:
     with pytest.raises(MixtureError, match=message) as caught:
         parse_mixture(data, name="mix", origin="training/mixtures/mix.toml")
