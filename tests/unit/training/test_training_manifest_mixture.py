@@ -153,6 +153,21 @@ def test_the_writer_replaces_one_sources_tokens_under_a_new_hash():
         KilnManifest.build(**copy.deepcopy(FIXED_V1)).with_source_tokens("web", tokens)
 
 
+def test_a_sources_caps_are_carried_hashed_and_read_when_present(tmp_path: Path):
+    """``max_epochs`` and ``max_tokens`` are optional source keys: absent, the hash is what it was."""
+    plain = KilnManifest.build_mixture(copy.deepcopy(FIXED_MIXTURE))
+    sources = copy.deepcopy(FIXED_MIXTURE)
+    sources[2]["max_epochs"] = 2
+    sources[0]["max_tokens"] = 10**6
+    capped = KilnManifest.build_mixture(sources)
+    assert capped.sha256 != plain.sha256 and capped.sources is not None and capped.sources[2]["max_epochs"] == 2
+    read = load_training_manifest(capped.write(tmp_path / "capped.json"))
+    assert read.sha256 == capped.sha256
+    assert [(s.max_epochs, s.max_tokens) for s in read.data_sources] == [(None, 10**6), (None, None), (2, None)]
+    assert [(s.max_epochs, s.max_tokens) for s in load_training_manifest(plain.write(tmp_path / "p.json")).data_sources] \
+        == [(None, None)] * 3
+
+
 # ------------------------------------------------------------------ refusals, each naming its field
 
 REFUSALS: list[tuple[str, dict[str, Any], str]] = [
@@ -171,6 +186,10 @@ REFUSALS: list[tuple[str, dict[str, Any], str]] = [
      r"sources\[1\] \('code'\)\.tokens: the source names no packed tokens while others do"),
     ("null-tokens", wire([source("web", tokens=None), source("code")]),
      r"sources\[0\] \('web'\)\.tokens: the source names no packed tokens while others do"),
+    ("max-epochs-zero", wire([source("web", max_epochs=0)]),
+     r"sources\[0\] \('web'\)\.max_epochs = 0: must be an int >= 1 \(absent: no cap\)"),
+    ("max-tokens-float", wire([source("web"), source("code", max_tokens=1.5)]), r"sources\[1\] \('code'\)\.max_tokens = 1\.5"),
+    ("max-tokens-null", wire([source("web", max_tokens=None)]), r"sources\[0\] \('web'\)\.max_tokens = None"),
     ("no-corpus", wire([{k: v for k, v in source("web").items() if k != "corpus"}]), r"sources\[0\] \('web'\) lacks 'corpus'"),
     ("empty-contract", wire([source("web", contract="")]), r"sources\[0\] \('web'\)\.contract = '': must be a non-empty"),
     ("weight-zero", wire([source("web"), source("code", 0)]),

@@ -28,7 +28,7 @@ own contract and snapshot, packed with the run's one tokenizer, drawn by weight
                   "eval_shards": [...], "quarantined": ["path", ...],
                   "tokens": {"manifest": "...", "sha256": "<hex>", "tokenizer_sha256": "<hex>",
                              "block_size": 128}},
-                 {"name": "code", "weight": 0.3, ...}],
+                 {"name": "code", "weight": 0.3, ..., "max_epochs": 2}],   # optional caps
      "trainer": {...},                                    # optional, as in format 1
      "sha256": "<hex>"}
 
@@ -39,8 +39,10 @@ stage packs every source (then on none of them: all sources or none). The traine
 itself: it refuses one whose sources name no tokens, before step 1. Once packed, each names the
 tokenizer and block size it was packed with, so a manifest of mixed tokenizers or block sizes is
 refused from the manifest alone, before a shard is opened; the trainer then checks each token
-manifest against what its source names. Refusals
-(``TrainingManifestError``) name the field: ``sources[1] ('code').weight = -1: ...``.
+manifest against what its source names. A source's optional ``max_epochs`` and ``max_tokens``
+(ints >= 1, absent when it has none) cap it: the trainer stops before the first step that would
+draw it past either (``kiln_trainer.mixture.Mixture.cap_step``); a source without them recycles by
+epochs. Refusals (``TrainingManifestError``) name the field: ``sources[1] ('code').weight = -1: ...``.
 
 For what reads one value, a format-2 manifest answers for all its sources (``mixture_summary``,
 which kiln's writer calls too): ``snapshot_id``, ``corpus`` and ``contract`` are
@@ -90,7 +92,7 @@ SOURCE_NAME: Final = re.compile(r"^[a-z0-9][a-z0-9_.-]{0,63}$")
 """A source's name: a corpus name's alphabet (1-64 of ``a-z 0-9 _ . -``), so it can key tags and metrics."""
 _MIXTURE_KEYS: Final = frozenset({"kind", "format", "sources", "trainer", "sha256"})
 _SOURCE_REQUIRED: Final = ("name", "weight", "corpus", "snapshot_id", "contract", "shards")
-_SOURCE_OPTIONAL: Final = ("eval_shards", "quarantined", "tokens")
+_SOURCE_OPTIONAL: Final = ("eval_shards", "quarantined", "tokens", "max_epochs", "max_tokens")
 _MIXTURE_TOKENS_KEYS: Final = frozenset({"manifest", "sha256", "tokenizer_sha256", "block_size"})
 _MIXTURE_TOKENS_KIND: Final = "kiln.MixtureTokens"
 
@@ -137,6 +139,10 @@ class ManifestSource:
     quarantined: tuple[str, ...] = ()
     tokens: TokensRef | None = None
     """Always set in a format-2 manifest; a format-1 manifest may name none (the trainer packs them)."""
+    max_epochs: int | None = None
+    """Cap: the run stops before this source's ``max_epochs + 1``-th epoch would be drawn; None: none."""
+    max_tokens: int | None = None
+    """Budget: the run stops before this source would give more than ``max_tokens`` tokens; None: none."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -316,12 +322,17 @@ def _source(i: int, item: Any, where: str) -> ManifestSource:
     quarantined = item.get("quarantined", [])
     if not isinstance(quarantined, list) or not all(isinstance(q, str) for q in quarantined):
         raise TrainingManifestError(f"{where}: {label}.quarantined must be a list of paths")
+    for key in ("max_epochs", "max_tokens"):
+        value = item.get(key)
+        if key in item and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise TrainingManifestError(f"{where}: {label}.{key} = {value!r:.40}: must be an int >= 1 (absent: no cap)")
     return ManifestSource(
         name=name, weight=float(weight), corpus=item["corpus"], snapshot_id=item["snapshot_id"],
         contract=item["contract"], shards=shards,
         eval_shards=_shard_entries(item.get("eval_shards", []), f"{label}.eval_shards", where),
         quarantined=tuple(quarantined),
         tokens=_tokens_ref(item.get("tokens"), where, f"{label}.tokens", mixture=True),
+        max_epochs=item.get("max_epochs"), max_tokens=item.get("max_tokens"),
     )
 
 
