@@ -625,6 +625,12 @@ class EvalReport(Ref):
     snapshot_id: str = ""
     training_manifest_sha256: str = ""
     checkpoint_manifest_sha256: str = ""
+    sources: list[dict[str, Any]] | None = None
+    """A mixture's score per source (``name``, ``weight``, ``bits_per_byte``, ``loss``, ``tokens``,
+    ``bytes``, ``windows``; ``bits_per_byte`` None for a source without held-out shards): the figures
+    above are their mean weighted by the declared weights. Absent for a run of one corpus."""
+
+    _absent_when_none = frozenset({"sources"})
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

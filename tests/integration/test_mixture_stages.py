@@ -169,6 +169,18 @@ def test_a_mixture_through_the_data_stages_to_a_manifest_the_trainer_trains(home
         assert int(mv.tags[tag + "tokens"]) == drawn[src["name"]]["tokens"] > 0
     assert abs(sum(float(mv.tags[f"kiln.source.{n}.share"]) for n in ("code", "prose")) - 1) < 1e-9
     assert "Data mixture" in mv.description and "| prose | prose | `" in mv.description  # the version page's table
+    # Scored source by source, each on its own held-out split (one stream of both would score the code
+    # only, once its text filled the window budget); the version's figure is their weighted mean.
+    assert evaluation.sources is not None and [s["name"] for s in evaluation.sources] == ["code", "prose"]
+    assert all(s["windows"] > 0 and s["bits_per_byte"] > 0 for s in evaluation.sources)
+    weighted = sum(s["weight"] * s["bits_per_byte"] for s in evaluation.sources) / sum(s["weight"] for s in evaluation.sources)
+    assert evaluation.bits_per_byte == pytest.approx(weighted, rel=1e-12)
+    assert evaluation.sources[0]["bits_per_byte"] != evaluation.sources[1]["bits_per_byte"]
+    for s in evaluation.sources:
+        assert float(mv.tags[f"kiln.source.{s['name']}.eval_bits_per_byte"]) == s["bits_per_byte"]
+        assert f"| {s['bits_per_byte']:.4f} |" in mv.description
+    logged = client.get_run(candidate.run_id).data.metrics
+    assert logged["eval_bits_per_byte_prose"] == evaluation.sources[1]["bits_per_byte"]
     check = check_version(mv, "sandbox")
     assert check.status == "agrees", check.problem
     assert check.verified is not None

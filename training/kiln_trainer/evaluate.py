@@ -25,6 +25,13 @@ so the report is deterministic.
 
     bits_per_byte = total NLL in bits / UTF-8 bytes of the text scored
 
+A mixture (a format-2 manifest of several sources) is scored source by source: each source's
+held-out shards are a stream of their own, with the whole window budget, and the report's figures
+are the sources' ``bits_per_byte`` and ``loss`` averaged with the declared weights (``tokens``,
+``bytes`` and ``windows`` summed), next to each source's own under ``sources``. One stream of every
+source in turn would score only the first once its text fills the budget. A source without held-out
+shards is listed with ``bits_per_byte: null`` and weighs nothing.
+
 EOS predictions count in the NLL and add no bytes (a document boundary is information every
 tokenizer has to predict once per document), so the figure compares across tokenizers; ``loss`` is
 the mean NLL per predicted token (nats).
@@ -35,7 +42,9 @@ Report (``kind == "kiln.EvalReport"``)::
      "split": "eval", "bits_per_byte": 2.31, "loss": 1.60, "tokens": 8192, "bytes": 8133,
      "windows": 64, "step": 300, "checkpoint_manifest_sha256": "<hex>",
      "training_manifest_sha256": "<hex>", "snapshot_id": "<md5>.dir",
-     "tokenizer_sha256": "<hex>", "token_manifest_sha256": "<hex>", "trainer": "kiln"}
+     "tokenizer_sha256": "<hex>", "token_manifest_sha256": "<hex>", "trainer": "kiln",
+     "sources": [{"name": "code", "weight": 0.7, "bits_per_byte": 2.1, "loss": 1.4, "tokens": 8192,
+                  "bytes": 9001, "windows": 64}, ...]}         # a mixture's only
 """
 
 from __future__ import annotations
@@ -256,40 +265,51 @@ def evaluate_checkpoint(
         raise TrainingManifestError(f"{manifest_path}: no eval_shards to evaluate on")
     block = recipe.model.block_size
     windows_asked = max_windows or recipe.eval.max_windows
-    text = scored_text(iter_training_texts(training_manifest.eval_shards), tokenizer, windows_asked * block)
-    if len(text.ids) < 2 or text.text_bytes == 0:
-        raise ShardIntegrityError(f"{manifest_path}: the eval shards hold no text to score")
-    stream = torch.tensor(text.ids, dtype=torch.long)
-    starts = list(range(0, len(stream) - 1, block))
     batch = batch_size or recipe.eval.batch_size
-    total_nats, total_tokens = 0.0, 0
-    for i in range(0, len(starts), batch):
-        for length, group in _same_length(stream, starts[i : i + batch], block):
-            chunk = torch.stack([stream[a : a + length] for a in group]).to(device)
-            inputs, targets = chunk[:, :-1], chunk[:, 1:]
-            logits = model(inputs)
-            if not (isinstance(logits, torch.Tensor) and logits.dim() == 3 and logits.shape[:2] == inputs.shape
-                    and logits.size(-1) >= tokenizer.vocab_size):
-                got = tuple(logits.shape) if isinstance(logits, torch.Tensor) else type(logits).__name__
-                raise TrainerError(f"{step_dir}: the model of trainer {made_by!r} gave {got} for token ids of shape "
-                                   f"{tuple(inputs.shape)}; expected logits (batch, T, vocab >= "
-                                   f"{tokenizer.vocab_size})")
-            nats = F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), targets.reshape(-1), reduction="sum")
-            total_nats += float(nats.item())
-            total_tokens += targets.numel()
-    loss = total_nats / total_tokens
+
+    def score(eval_shards: Any, where: str) -> _Score:
+        text = scored_text(iter_training_texts(eval_shards), tokenizer, windows_asked * block)
+        if len(text.ids) < 2 or text.text_bytes == 0:
+            raise ShardIntegrityError(f"{manifest_path}: the eval shards{where} hold no text to score")
+        return _score_stream(model, text, block, batch, device, step_dir, made_by, tokenizer.vocab_size)
+
+    sources = training_manifest.data_sources
+    per_source: list[dict[str, Any]] = []
+    if training_manifest.is_mixture:
+        # Each source is scored on its own held-out split with the whole window budget (one stream
+        # would score the first source only, once its text fills the budget); the run's figure is
+        # their mean weighted by the declared weights, the distribution the mixture trains toward.
+        # A source without held-out shards is listed, unscored, and weighs nothing.
+        scored: list[tuple[float, _Score]] = []
+        for source in sources:
+            entry: dict[str, Any] = {"name": source.name, "weight": source.weight}
+            if source.eval_shards:
+                result = score(source.eval_shards, f" of source {source.name!r}")
+                scored.append((source.weight, result))
+                entry.update(result.fields())
+            else:
+                entry.update(bits_per_byte=None, loss=None, tokens=0, bytes=0, windows=0)
+            per_source.append(entry)
+        total_weight = sum(w for w, _ in scored)
+        bits_per_byte = sum(w * r.bits_per_byte for w, r in scored) / total_weight
+        loss = sum(w * r.loss for w, r in scored) / total_weight
+        tokens, text_bytes, windows = (sum(getattr(r, k) for _, r in scored) for k in ("tokens", "bytes", "windows"))
+    else:
+        whole = score(training_manifest.eval_shards, "")
+        bits_per_byte, loss, tokens, text_bytes, windows = (whole.bits_per_byte, whole.loss, whole.tokens, whole.bytes,
+                                                            whole.windows)
     if not math.isfinite(loss):
         raise TrainerError(f"{step_dir}: evaluation loss is not finite ({loss})")
-    return {
+    report: dict[str, Any] = {
         "kind": EVAL_KIND,
         "checkpoint": str(step_dir),
         "weights_sha256": ck_manifest["weights_sha256"],
         "split": "eval",
-        "bits_per_byte": total_nats / math.log(2) / text.text_bytes,
+        "bits_per_byte": bits_per_byte,
         "loss": loss,
-        "tokens": total_tokens,
-        "bytes": text.text_bytes,
-        "windows": len(starts),
+        "tokens": tokens,
+        "bytes": text_bytes,
+        "windows": windows,
         "step": ck_manifest["step"],
         "checkpoint_manifest_sha256": manifest_sha256(step_dir),
         "training_manifest_sha256": training_manifest.sha256,
@@ -298,8 +318,50 @@ def evaluate_checkpoint(
         "token_manifest_sha256": ck_manifest["token_manifest_sha256"],
         "trainer": made_by,
     }
+    if per_source:
+        report["sources"] = per_source
+    return report
 
 
+@dataclass(frozen=True, slots=True)
+class _Score:
+    """One token stream's score."""
+
+    bits_per_byte: float
+    loss: float
+    tokens: int
+    bytes: int
+    windows: int
+
+    def fields(self) -> dict[str, Any]:
+        return {"bits_per_byte": self.bits_per_byte, "loss": self.loss, "tokens": self.tokens, "bytes": self.bytes,
+                "windows": self.windows}
+
+
+def _score_stream(model: Callable[[torch.Tensor], Any], text: ScoredText, block: int, batch: int, device: str,
+                  step_dir: Path, made_by: str, vocab_size: int) -> _Score:
+    """NLL of every token of ``text`` after the first, in windows of ``block + 1`` overlapping by one."""
+    stream = torch.tensor(text.ids, dtype=torch.long)
+    starts = list(range(0, len(stream) - 1, block))
+    total_nats, total_tokens = 0.0, 0
+    for i in range(0, len(starts), batch):
+        for length, group in _same_length(stream, starts[i : i + batch], block):
+            chunk = torch.stack([stream[a : a + length] for a in group]).to(device)
+            inputs, targets = chunk[:, :-1], chunk[:, 1:]
+            logits = model(inputs)
+            if not (isinstance(logits, torch.Tensor) and logits.dim() == 3 and logits.shape[:2] == inputs.shape
+                    and logits.size(-1) >= vocab_size):
+                got = tuple(logits.shape) if isinstance(logits, torch.Tensor) else type(logits).__name__
+                raise TrainerError(f"{step_dir}: the model of trainer {made_by!r} gave {got} for token ids of shape "
+                                   f"{tuple(inputs.shape)}; expected logits (batch, T, vocab >= {vocab_size})")
+            nats = F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), targets.reshape(-1), reduction="sum")
+            total_nats += float(nats.item())
+            total_tokens += targets.numel()
+    loss = total_nats / total_tokens
+    if not math.isfinite(loss):
+        raise TrainerError(f"{step_dir}: evaluation loss is not finite ({loss})")
+    return _Score(bits_per_byte=total_nats / math.log(2) / text.text_bytes, loss=loss, tokens=total_tokens,
+                  bytes=text.text_bytes, windows=len(starts))
 def _same_length(stream: torch.Tensor, starts: list[int], block: int) -> list[tuple[int, list[int]]]:
     """Window starts grouped by window length (all ``block + 1`` but the stream's last, shorter one)."""
     groups: dict[int, list[int]] = {}

@@ -22,6 +22,7 @@ from kiln.refs import (
     sha256_file,
 )
 from kiln.runs import RUN_KEY_TAG, split_run_key
+from kiln_trainer.contract.training_manifest import metric_name
 
 if TYPE_CHECKING:
     from mlflow import MlflowClient
@@ -234,6 +235,18 @@ def source_tags(sources: tuple[dict[str, Any], ...]) -> dict[str, str]:
     return tags
 
 
+SOURCE_EVAL_FACT = "eval_bits_per_byte"
+"""A mixture's held-out bits per byte of one source (``kiln.source.<name>.eval_bits_per_byte``): the
+version's ``kiln.eval_bits_per_byte`` is their mean weighted by the declared weights."""
+
+
+def source_eval_tags(sources: list[dict[str, Any]] | None) -> dict[str, str]:
+    """Each source's held-out score as a tag (the evaluation report's ``sources``; "" for a source
+    without held-out shards). Empty for a run of one corpus."""
+    return {f"{SOURCE_TAG_PREFIX}{src['name']}.{SOURCE_EVAL_FACT}":
+            "" if src.get("bits_per_byte") is None else repr(float(src["bits_per_byte"])) for src in sources or ()}
+
+
 def _find_or_start_run(client: MlflowClient, policy: Policy, train: TrainResult, run_key: str) -> tuple[str, bool]:
     """The run to log into, and whether registration owns it (and so ends it)."""
     if train.mlflow_run_id:
@@ -284,6 +297,7 @@ def register_candidate(
     tags = lineage_tags(policy=policy, train=train, eval_report=eval_report, snapshot=snapshot,
                         manifest=manifest, run_key=run_key, verified=verified, lineage=lineage or {})
     tags |= source_tags((records or RunRecords()).sources)
+    tags |= source_eval_tags(eval_report.sources)
     model = policy.candidate_model
 
     def attempt() -> dict[str, Any]:
@@ -373,6 +387,9 @@ def _log_into_run(
                         ("eval_tokens", float(eval_report.tokens))):
         if math.isfinite(value):
             client.log_metric(run_id, name, value)
+    for src in eval_report.sources or ():  # a mixture's score per source, next to the weighted one
+        if src.get("bits_per_byte") is not None and math.isfinite(src["bits_per_byte"]):
+            client.log_metric(run_id, f"eval_bits_per_byte_{metric_name(src['name'])}", float(src["bits_per_byte"]))
     client.log_dict(run_id, eval_report.to_json(), f"{REPORT_DIR}/eval_report.json")
     client.log_dict(run_id, decision.to_json(), f"{REPORT_DIR}/decision.json")
     if champion is not None:

@@ -267,7 +267,7 @@ def _description(tags: dict[str, str], decision: Decision, run_id: str, experime
 def _sources_table(tags: dict[str, str]) -> str:
     """A mixture's sources as the version page shows them (``kiln.registry.register.source_tags``);
     "" for a run of one corpus."""
-    from kiln.registry.register import MIXTURE_SOURCES_TAG, SOURCE_TAG_PREFIX
+    from kiln.registry.register import MIXTURE_SOURCES_TAG, SOURCE_EVAL_FACT, SOURCE_TAG_PREFIX
 
     names = [n for n in tags.get(MIXTURE_SOURCES_TAG, "").split(",") if n]
     if not names:
@@ -275,13 +275,15 @@ def _sources_table(tags: dict[str, str]) -> str:
     rows = []
     for name in names:
         fact = {k: tags.get(f"{SOURCE_TAG_PREFIX}{name}.{k}", "") for k in
-                ("corpus", "snapshot_id", "contract", "weight", "share", "tokens")}
+                ("corpus", "snapshot_id", "contract", "weight", "share", "tokens", SOURCE_EVAL_FACT)}
         share = f"{float(fact['share']):.1%}" if fact["share"] else "-"
+        scored = f"{float(fact[SOURCE_EVAL_FACT]):.4f}" if fact[SOURCE_EVAL_FACT] else "-"
         rows.append(f"| {name} | {fact['corpus']} | `{fact['snapshot_id']}` | `{fact['contract']}` | {fact['weight']} "
-                    f"| {share} | {fact['tokens']} |")
-    return ("Data mixture (each source under its own contract; share: of the samples trained):\n\n"
-            "| source | corpus | snapshot | contract | weight | share | tokens seen |\n|---|---|---|---|---|---|---|\n"
-            + "\n".join(rows) + "\n\n")
+                    f"| {share} | {fact['tokens']} | {scored} |")
+    return ("Data mixture (each source under its own contract; share: of the samples trained; held-out bits/byte: "
+            "the source's own, of which the version's is the weighted mean):\n\n"
+            "| source | corpus | snapshot | contract | weight | share | tokens seen | held-out bits/byte |\n"
+            "|---|---|---|---|---|---|---|---|\n" + "\n".join(rows) + "\n\n")
 
 
 def _datasheet_line(run_id: str, experiment_id: str) -> str:
