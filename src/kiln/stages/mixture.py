@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import html
 import json
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -70,6 +70,8 @@ class RunSource:
     contract: str
     max_quarantine_share: float
     snapshot: PinnedSnapshot
+    limits: dict[str, int] = field(default_factory=dict)
+    """Its caps as its training manifest entry carries them (``Mixture.resolved_limits``; empty: it recycles)."""
 
     def policy(self, policy: Policy) -> Policy:
         """``policy`` as this source's validation sees it: its contract."""
@@ -139,7 +141,7 @@ def run_sources(policy: Policy, params: dict[str, Any], pinned: PinnedMixture,
         share = declared_source.max_quarantine_share
         out.append(RunSource(name=declared_source.name, weight=declared_source.weight, contract=contract,
                              max_quarantine_share=policy.max_quarantine_share if share is None else share,
-                             snapshot=pinned_source.snapshot))
+                             snapshot=pinned_source.snapshot, limits=mixture.resolved_limits(declared_source)))
     return out
 
 
@@ -237,7 +239,7 @@ def mixture_data_gate_stage(policy: Policy, params: dict[str, Any], pinned: Pinn
         ))
         entries.append({"name": source.name, "weight": source.weight, "corpus": source.snapshot.corpus,
                         "snapshot_id": source.snapshot.id, "contract": source.contract, "shards": manifest.shards,
-                        "eval_shards": manifest.eval_shards, "quarantined": manifest.quarantined})
+                        "eval_shards": manifest.eval_shards, "quarantined": manifest.quarantined, **source.limits})
     if breaches:
         raise DataGateError(f"mixture {pinned.mixture!r}: " + "; ".join(breaches))
     try:
