@@ -90,11 +90,30 @@ class StepBatch:
 
 @dataclass(frozen=True, slots=True)
 class LoaderSource:
-    """One source of a mixed loader: its name and weight in the mixture, and its packed tokens."""
+    """One source of a mixed loader: its name and weight in the mixture, its packed tokens, and its
+    caps (the training manifest's ``max_epochs`` and ``max_tokens``; None: it recycles by epochs)."""
 
     name: str
     weight: float
     tokens: PackedTokens
+    max_epochs: int | None = None
+    max_tokens: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class CapStop:
+    """Where a capped source ends the run: the first global batch (``step``, 0-based, counted in the
+    loader's batches: the guard's skipped ones included) that would draw ``source`` past ``limit``
+    (``max_epochs = 2`` or ``max_tokens = N``), i.e. past ``draws`` samples of it."""
+
+    step: int
+    source: str
+    limit: str
+    draws: int
+
+    def to_json(self) -> dict[str, Any]:
+        return {"reason": "mixture_cap", "source": self.source, "limit": self.limit, "draws": self.draws,
+                "loader_step": self.step}
 
 
 def rank_positions(consumed: int, *, global_batch_size: int, rank: int, world_size: int) -> np.ndarray:
@@ -161,12 +180,44 @@ class TokenLoader:
             self.mixture = Mixture([MixtureSource(s.name, s.weight, s.tokens.shard_samples) for s in self.sources],
                                    seed=seed, window_shards=window_shards)
             self._concatenated = ConcatenatedTokens([s.tokens for s in self.sources])
+        self.cap_stop = self._cap_stop()
+        """Where a capped source ends the run (None: no source has a cap); the same at every world size."""
         self.prefetch_steps = prefetch_steps
         self.sample_log = Path(sample_log) if sample_log is not None else None
         self.consumed_samples = 0
         self._queue: queue.Queue[tuple[str, Any]] | None = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+
+    def _cap_stop(self) -> CapStop | None:
+        block = self.sources[0].tokens.sample_tokens - 1  # the tokens a sample trains, as mixture_report counts
+        sizes = self.mixture.num_samples if self.mixture is not None else (self.order.num_samples,)
+        caps: list[tuple[int, str] | None] = []
+        for i, (source, size) in enumerate(zip(self.sources, sizes, strict=True)):
+            limits = []
+            for key, value in (("max_epochs", source.max_epochs), ("max_tokens", source.max_tokens)):
+                if value is None:
+                    continue
+                if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                    raise RecipeError(f"sources[{i}] ({source.name!r}).{key} = {value!r}: must be an int >= 1 (None: no cap)")
+                limits.append((value * size if key == "max_epochs" else value // block, f"{key} = {value}"))
+            caps.append(min(limits) if limits else None)
+        if all(cap is None for cap in caps):
+            return None
+        draws_caps = [cap[0] if cap else None for cap in caps]
+        if self.mixture is not None:
+            found = self.mixture.cap_step(draws_caps, self.global_batch_size)
+        else:  # one source: its k-th draw is position k
+            found = None if draws_caps[0] is None else (draws_caps[0] // self.global_batch_size, 0)
+        assert found is not None
+        step, j = found
+        cap = caps[j]
+        assert cap is not None
+        draws, limit = cap
+        if step == 0:
+            raise RecipeError(f"source {self.sources[j].name!r}: its cap {limit} ({draws} samples) is reached within "
+                              f"the first global batch of {self.global_batch_size}: nothing could be trained; raise it")
+        return CapStop(step=step, source=self.sources[j].name, limit=limit, draws=draws)
 
     @property
     def tokens(self) -> PackedTokens:

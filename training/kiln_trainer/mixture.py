@@ -45,8 +45,9 @@ keyed by a seed derived from (seed, source name) only. So:
 
 * a source runs out by wrapping: draw ``k`` is in the source's epoch ``k // N_j``, and each of its
   epochs is a new permutation of its ``N_j`` samples (each seen once per epoch); how many epochs
-  a source is into is ``Mixture.epochs(consumed)`` and is recorded in the state. An epoch cap
-  ("stop after 2 epochs of books") is not drawn here: ``drawn(consumed)`` says when one is reached;
+  a source is into is ``Mixture.epochs(consumed)`` and is recorded in the state. A cap ("stop
+  after 2 epochs of books", a token budget) does not change the draw: it ends the run, at
+  ``cap_step`` -- the first global batch that would draw a capped source past its cap;
 * adding, removing or reweighting a source, or reordering the list, leaves every other source's
   order unchanged -- its ``k``-th draw is the same sample -- but changes which positions are its
   (their number follows the new shares); renaming a source, or changing its shard sizes, gives it
@@ -446,6 +447,35 @@ class Mixture:
 
         walk(0, consumed)
         return tuple(counts)
+
+    def first_past(self, source: int, cap: int) -> int:
+        """The stream position of ``source``'s draw number ``cap`` (0-based): the first position that
+        would draw it past ``cap`` draws. Exact, by bisection on ``drawn`` (monotone in the position)."""
+        if isinstance(cap, bool) or not isinstance(cap, int) or cap < 0:
+            raise RecipeError(f"cap = {cap!r}: must be an int >= 0 (draws)")
+        lo, hi = 0, 1  # drawn(lo) <= cap < drawn(hi), the answer is hi - 1 once they meet
+        while self.drawn(hi)[source] <= cap:
+            lo, hi = hi, hi * 2
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            if self.drawn(mid)[source] <= cap:
+                lo = mid
+            else:
+                hi = mid
+        return hi - 1
+
+    def cap_step(self, caps: Sequence[int | None], global_batch_size: int) -> tuple[int, int] | None:
+        """Where capped sources stop a run: ``(step, source)``, the first global batch (0-based) that
+        would draw a source past its cap and that source (the earliest position when several do), or
+        None when no source has a cap. ``caps[j]`` is source ``j``'s most draws (None: no cap). A
+        function of the weights, sizes and caps only: the same at every world size."""
+        if len(caps) != len(self.sources):
+            raise RecipeError(f"caps: one per source ({len(self.sources)}), got {len(caps)}")
+        firsts = [(self.first_past(j, cap), j) for j, cap in enumerate(caps) if cap is not None]
+        if not firsts:
+            return None
+        position, source = min(firsts)
+        return position // global_batch_size, source
 
     def epochs(self, consumed: int) -> tuple[int, ...]:
         """Per source, the epoch its next draw is in (whole epochs of it trained after ``consumed``)."""

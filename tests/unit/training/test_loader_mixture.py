@@ -123,6 +123,44 @@ def test_concatenated_tokens_read_the_parts_as_one_id_space(packed, tmp_path):
         ConcatenatedTokens([parts[0], PackedTokens(other)])
 
 
+def test_a_capped_source_stops_the_loader_at_the_same_step_at_every_world_size(packed):
+    """``cap_stop``: the first global batch that would draw a capped source past its cap (an epoch
+    cap or a token budget, the earlier wins), from the draw alone: the same at world sizes 1, 2 and 4."""
+    books = PackedTokens(packed["books"]).num_samples
+    capped = {"books": {"max_epochs": 2}, "code": {"max_tokens": 10_000}}
+
+    def loader(world_size=1, rank=0, caps=capped, global_batch=24):
+        srcs = [LoaderSource(name, w, PackedTokens(packed[name]), **caps.get(name, {})) for name, w in WEIGHTS.items()]
+        return TokenLoader(srcs, global_batch_size=global_batch, micro_batch_size=2, rank=rank, world_size=world_size, seed=3)
+
+    stops = {(w, r): loader(w, r).cap_stop for w in (1, 2, 4) for r in range(w)}
+    stop = stops[(1, 0)]
+    assert stop is not None and set(stops.values()) == {stop}
+    # Brute force over the loader's own global batches: the first that draws a source past its cap.
+    one = loader()
+    mix = one.mixture
+    assert mix is not None
+    limits = {"books": 2 * books, "code": 10_000 // B}
+    first = {name: next(step for step in range(10_000) if mix.drawn((step + 1) * 24)[j] > limits[name])
+             for j, name in enumerate(WEIGHTS) if name in limits}
+    name = min(first, key=lambda n: (first[n], mix.first_past(list(WEIGHTS).index(n), limits[n])))
+    assert (stop.step, stop.source, stop.draws) == (first[name], name, limits[name])
+    assert stop.limit == ("max_epochs = 2" if name == "books" else "max_tokens = 10000")
+    assert stop.to_json() == {"reason": "mixture_cap", "source": name, "limit": stop.limit, "draws": limits[name],
+                              "loader_step": stop.step}
+    assert loader(caps={}).cap_stop is None
+    only_books = loader(caps={"books": {"max_epochs": 2}}).cap_stop
+    assert only_books is not None and only_books.source == "books" and only_books.step == first["books"]
+    # One source (the plain order): its k-th draw is position k.
+    single = TokenLoader([LoaderSource("web", 1.0, PackedTokens(packed["web"]), max_tokens=100 * B)], global_batch_size=24,
+                         micro_batch_size=2, rank=0, world_size=1, seed=3)
+    assert single.mixture is None and single.cap_stop is not None and single.cap_stop.step == 100 // 24
+    with pytest.raises(RecipeError, match=r"source 'code': its cap max_tokens = 16 \(1 samples\) is reached within the first"):
+        loader(caps={"code": {"max_tokens": 16}})
+    with pytest.raises(RecipeError, match=r"sources\[2\] \('books'\)\.max_epochs = 0: must be an int >= 1"):
+        loader(caps={"books": {"max_epochs": 0}})
+
+
 def test_shares_are_within_one_percent_of_the_weights_over_many_batches(packed):
     """Through the loader (reading every row): each source's share of 400 global batches of 24, and of
     every batch, follows its weight (the draw's bound: within ceil(log2 3) = 2 samples a batch)."""

@@ -170,6 +170,27 @@ def test_step_sized_draws_through_kept_blocks_equal_each_sources_sample_order():
     assert (mix.draw(np.arange(g)).samples >= 0).all()
 
 
+def test_a_caps_first_past_position_and_stop_step_follow_the_draw():
+    """``first_past(j, c)`` is the position of source j's draw number c (0-based), found without
+    drawing; ``cap_step`` is the first global batch holding such a position, the earliest source's."""
+    mix = three()
+    sources, draws = mix.split(np.arange(12_000))  # books: 1200 draws
+    for j in range(3):
+        for cap in (0, 1, 5, 62, 63, 200, 1000):
+            where = np.flatnonzero((sources == j) & (draws == cap))
+            assert mix.first_past(j, cap) == int(where[0]), (j, cap)
+    caps = [None, 2 * 17, 9]  # code: two epochs; books: one epoch
+    step, source = mix.cap_step(caps, 24)
+    positions = {j: mix.first_past(j, c) for j, c in enumerate(caps) if c is not None}
+    assert source == min(positions, key=lambda j: positions[j]) and step == positions[source] // 24
+    assert (mix.drawn(step * 24)[source] <= caps[source]) and mix.drawn((step + 1) * 24)[source] > caps[source]
+    assert mix.cap_step([None, None, None], 24) is None
+    with pytest.raises(RecipeError, match=r"caps: one per source \(3\), got 2"):
+        mix.cap_step([None, 3], 24)
+    with pytest.raises(RecipeError, match="cap = -1"):
+        mix.first_past(0, -1)
+
+
 def test_locate_is_split_of_one_position():
     mix = three()
     positions = np.concatenate([np.arange(300), np.random.default_rng(2).integers(0, 2**40, 200)])

@@ -149,3 +149,37 @@ def test_a_mixture_whose_sources_name_no_packed_tokens_is_refused_before_step_1(
     names = ", ".join(s["name"] for s in unpacked)
     assert f"source(s) {names} name no packed tokens" in caplog.text, caplog.text[-2000:]
     assert not (run_dir / "checkpoints").exists() and not (run_dir / "result.json").exists()
+
+
+@pytest.mark.usefixtures("in_process")
+def test_a_capped_source_stops_the_run_with_a_committed_checkpoint_and_a_resume_trains_no_further(
+    sources: list[dict], tmp_path: Path
+) -> None:
+    """prose's token budget (16 samples of 64 tokens, and a few tokens more) allows its draws of
+    global batches 0-3 (4 a batch); batch 4 would draw past it: the run stops after step 4 of 8,
+    commits a checkpoint there (checkpoints every 3 steps: the stop's own), and says why in result.json.
+    Run again on the same run directory, it resumes at step 4 and trains nothing more."""
+    capped = [sources[0], {**sources[1], "max_tokens": 16 * 64 + 10}]
+    manifest = write_mixture(tmp_path / "capped.json", capped)
+    run_dir = tmp_path / "run"
+    assert _main(manifest, run_dir, "checkpoint.every_steps=3") == 0
+    result = read_result(run_dir)
+    assert result["step"] == 4 and result["total_steps"] == 8 and result["completed"]
+    assert result["stop"] == {"reason": "mixture_cap", "source": "prose", "limit": "max_tokens = 1034", "draws": 16,
+                              "loader_step": 4, "step": 4}
+    assert [r["drawn"] for r in result["mixture"]] == [48, 16] and [r["share"] for r in result["mixture"]] == [0.75, 0.25]
+    checkpoint = verify_checkpoint(Path(result["checkpoint"]))
+    assert checkpoint["step"] == 4 and checkpoint["weights_sha256"] == result["weights_sha256"]
+    steps = [json.loads(line).get("step") for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert max(s for s in steps if s is not None) == 4
+
+    assert _main(manifest, run_dir, "checkpoint.every_steps=3") == 0
+    again = read_result(run_dir)
+    assert again["step"] == 4 and again["weights_sha256"] == result["weights_sha256"] and again["stop"] == result["stop"]
+    assert again["checkpoint"] == result["checkpoint"]
+    steps = [json.loads(line).get("step") for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert max(s for s in steps if s is not None) == 4
+
+    # Without the cap the same sources train all 8 steps (the stop is the cap's, not the data's).
+    free = _main(write_mixture(tmp_path / "free.json", sources), tmp_path / "free", "checkpoint.every_steps=3")
+    assert free == 0 and read_result(tmp_path / "free")["step"] == 8 and "stop" not in read_result(tmp_path / "free")

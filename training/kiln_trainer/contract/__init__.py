@@ -329,8 +329,10 @@ class TrainResultRecord(TypedDict):
     step: int
     """The checkpoint's step."""
     total_steps: int
-    """Steps the recipe asks for; ``step == total_steps`` when ``completed``."""
+    """Steps the recipe asks for; ``step == total_steps`` when ``completed``, unless ``stop`` says a
+    capped source ended the run sooner."""
     completed: bool
+    """Nothing is left to train: the recipe's steps are done, or a capped source ended the run (``stop``)."""
     recipe_sha256: str
     training_manifest_sha256: str
     token_manifest_sha256: str
@@ -347,6 +349,11 @@ class TrainResultRecord(TypedDict):
     ``weight``, ``weight_share`` (its share of the weights), ``drawn`` (samples drawn from it, the guard's
     skipped batches included), ``epoch`` (of its next draw), ``share`` (realized: drawn over all drawn),
     ``trained_samples`` and ``tokens`` (without the skipped batches), ``token_manifest_sha256``."""
+    stop: NotRequired[dict[str, Any]]
+    """Only when a capped source ended the run at ``step`` (< ``total_steps``): ``reason``
+    (``"mixture_cap"``), ``source`` (its name), ``limit`` (``"max_epochs = 2"`` or ``"max_tokens = N"``),
+    ``draws`` (the samples of it the cap allows), ``loader_step`` (the first global batch that would have
+    drawn past it) and ``step``; ``mixture`` holds the realized shares up to there."""
 
 
 # -- writing and hashing files ----------------------------------------------------------------------

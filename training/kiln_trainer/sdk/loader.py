@@ -7,7 +7,9 @@ A manifest of several sources (format 2) opens each source's packed tokens, chec
 source's are and against what the manifest says of them (tokenizer, block size), and mixes them
 by weight (``TokenLoader`` over ``LoaderSource``s, ``kiln_trainer.mixture``). Its ``RunTokens`` is
 then the first source's: the tokenizer is every source's; the loader holds every source's tokens
-(``loader.sources``) and names the set (``loader.token_manifest_sha256``)."""
+(``loader.sources``) and names the set (``loader.token_manifest_sha256``). A source's caps
+(``max_epochs``, ``max_tokens``) go to its ``LoaderSource``: the loader says where they end the run
+(``loader.cap_stop``)."""
 
 from __future__ import annotations
 
@@ -49,11 +51,14 @@ def open_loader(
         opened = [_open_source(source, recipe, run_dir=run_dir, rank=env.rank, recipe_path=recipe_path)
                   for source in manifest.data_sources]
         data = opened[0]
-        tokens = [LoaderSource(s.name, s.weight, d.tokens) for s, d in zip(manifest.data_sources, opened, strict=True)]
+        tokens = [LoaderSource(s.name, s.weight, d.tokens, s.max_epochs, s.max_tokens)
+                  for s, d in zip(manifest.data_sources, opened, strict=True)]
     else:
         ref = manifest.tokens or _pack_on_rank0(manifest, recipe, env, run_dir=run_dir, recipe_path=recipe_path)
         data = open_run_tokens(ref, recipe, run_dir=run_dir, rank=env.rank, recipe_path=recipe_path)
-        tokens = data.tokens
+        only = manifest.data_sources[0]  # a format-2 manifest of one source may cap it; its order stays the plain one
+        capped = only.max_epochs is not None or only.max_tokens is not None
+        tokens = [LoaderSource(only.name, only.weight, data.tokens, only.max_epochs, only.max_tokens)] if capped else data.tokens
     loader = TokenLoader(
         tokens,
         global_batch_size=recipe.data.global_batch_size,

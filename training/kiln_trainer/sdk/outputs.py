@@ -57,10 +57,12 @@ def open_metrics(run_dir: Path, recipe: Recipe, identity: CheckpointIdentity, *,
 def train_result(
     *, run_dir: Path, last_dir: Path, recipe: Recipe, identity: CheckpointIdentity, state: TrainState,
     world_size: int, tokens_per_s: float, checkpoint_blocking_s: float, mlflow_run_id: str,
-    mixture: list[dict[str, Any]] | None = None,
+    mixture: list[dict[str, Any]] | None = None, stop: dict[str, Any] | None = None,
 ) -> TrainResultRecord:
     """The ``kiln.TrainResult`` of this invocation, naming its newest committed checkpoint; with
-    ``mixture`` (``TokenLoader.mixture_report``: what each source gave) for a run of several sources."""
+    ``mixture`` (``TokenLoader.mixture_report``: what each source gave) for a run of several sources,
+    and ``stop`` when a capped source ended the run before ``train.steps`` (then ``completed`` too:
+    nothing is left to train)."""
     ck_manifest = read_own_json(last_dir / MANIFEST_NAME)
     result: TrainResultRecord = {
         "kind": TRAIN_RESULT_KIND,
@@ -70,7 +72,7 @@ def train_result(
         "weights_sha256": ck_manifest["weights_sha256"],
         "step": ck_manifest["step"],
         "total_steps": recipe.train.steps,
-        "completed": ck_manifest["step"] >= recipe.train.steps,
+        "completed": ck_manifest["step"] >= recipe.train.steps or (stop is not None and ck_manifest["step"] == stop["step"]),
         "recipe_sha256": identity.recipe_sha256,
         "training_manifest_sha256": identity.training_manifest_sha256,
         "token_manifest_sha256": ck_manifest["token_manifest_sha256"],
@@ -90,6 +92,8 @@ def train_result(
     }
     if mixture is not None:
         result["mixture"] = mixture
+    if stop is not None and ck_manifest["step"] == stop["step"]:
+        result["stop"] = stop
     return result
 
 

@@ -91,8 +91,7 @@ class Session:
             torch.backends.cudnn.allow_tf32 = True
         cfg = self.recipe
         self.accum_steps = cfg.data.accum_steps(self.env.world_size)  # a geometry that does not divide: before any I/O
-        self.target_step = cfg.train.steps if max_steps is None else min(cfg.train.steps, max_steps)
-        """This invocation ends after this step: ``train.steps``, or ``--max-steps`` when lower."""
+        self._asked_step = cfg.train.steps if max_steps is None else min(cfg.train.steps, max_steps)
         self.tokens_per_step = cfg.data.global_batch_size * cfg.model.block_size
 
         self.manifest: TrainingManifest = load_training_manifest(manifest_path)
@@ -124,6 +123,26 @@ class Session:
         self._loop_tokens = 0
         # Same seed on every rank: each builds the same initial model (wrap then seeds each rank apart).
         seed_rngs(cfg.train.seed)
+
+    @property
+    def target_step(self) -> int:
+        """This invocation ends after this step: ``train.steps``, or ``--max-steps`` when lower, or where
+        a capped source of the mixture ends the run (``stopped_by_cap``) when sooner."""
+        return min(self._asked_step, self.cap_target) if self.cap_target is not None else self._asked_step
+
+    @property
+    def cap_target(self) -> int | None:
+        """The optimizer step at which a capped source ends the run (None: no cap): the loader's
+        ``cap_stop.step`` less the global batches the guard skipped before it (each uses up draws)."""
+        stop = self.loader.cap_stop
+        if stop is None:
+            return None
+        return stop.step - sum(1 for b in set(self.state.skipped_batches) if b < stop.step)
+
+    @property
+    def stopped_by_cap(self) -> bool:
+        """The run has reached the step where a capped source ends it: nothing is left to train."""
+        return self.cap_target is not None and self.state.step >= self.cap_target
 
     @classmethod
     def start(cls, args: argparse.Namespace, *, hooks: list[StepHook] | None = None) -> Session:
@@ -397,6 +416,7 @@ class Session:
                 world_size=self.env.world_size, tokens_per_s=tokens_per_s,
                 checkpoint_blocking_s=self.checkpoints.blocking_s, mlflow_run_id=self.mlflow_run_id,
                 mixture=self.loader.mixture_report(st.skipped_batches),
+                stop=self._cap_record(),
             )
             self.metrics.drain()  # metrics.prom is written off the loop's thread; result.json comes last
             path = write_result(self.run_dir, result)
@@ -409,6 +429,13 @@ class Session:
             )
         wait_for_all_ranks(self.env)
         return result
+
+    def _cap_record(self) -> dict[str, Any] | None:
+        """``result.json``'s ``stop`` when a capped source ended the run at the committed step."""
+        stop = self.loader.cap_stop
+        if stop is None or not self.stopped_by_cap:
+            return None
+        return {**stop.to_json(), "step": self.state.step}
 
     def close(self) -> None:
         """Stop the loader, wait for and close the checkpoint writer, flush the metrics, free DDP and
