@@ -188,6 +188,17 @@ def test_a_mixture_through_the_data_stages_to_a_manifest_the_trainer_trains(home
     assert {"source:code", "source:prose"} <= set(deps)
     assert deps["source:prose"]["annotations"]["contract"] == "web-text@1"
     assert deps["source:prose"]["digest"]["md5"] == pinned.source("prose").snapshot.id.removesuffix(".dir")
+    # The datasheet, made from the signed statement, lists each source and each source's held-out score.
+    from kiln.provenance.datasheet import build_datasheet, datasheet_markdown
+
+    sheet = datasheet_markdown(build_datasheet(check.verified.statement))
+    for src in final.sources or []:
+        assert f"| {src['name']} | {src['corpus']} | `{src['snapshot_id']}`" in sheet or \
+            f"| {src['name']} | {src['corpus']} | {src['snapshot_id']}" in sheet, sheet
+    assert "Sources of the mixture" in sheet and "Held-out score per source" in sheet
+    for scored in evaluation.sources:
+        assert f"| {scored['name']} | {scored['weight']:.6g} | {scored['bits_per_byte']:.6g} |" in sheet
+
     from kiln.errors import ProvenanceError
     from kiln.provenance.reproduce import plan_from_statement
 

@@ -137,6 +137,8 @@ class _Statement:
     builder: Mapping[str, Any]
     metadata: Mapping[str, Any]
     byproducts: dict[str, Mapping[str, Any]]
+    sources: tuple[Mapping[str, Any], ...] = ()
+    """A mixture's ``source:<name>`` dependencies, in declared order (none for one corpus)."""
 
 
 def _read(statement: Mapping[str, Any]) -> _Statement:
@@ -148,7 +150,8 @@ def _read(statement: Mapping[str, Any]) -> _Statement:
             sha256=hashlib.sha256(canonical_json(statement)).hexdigest(), subjects=len(statement["subject"]),
             external=build["externalParameters"], internal=build["internalParameters"], deps=deps,
             dep_names={kind: str(d["name"]) for kind, d in deps.items()}, builder=run["builder"],
-            metadata=run["metadata"], byproducts={str(b["name"]): b for b in run.get("byproducts", [])})
+            metadata=run["metadata"], byproducts={str(b["name"]): b for b in run.get("byproducts", [])},
+            sources=tuple(d for d in build["resolvedDependencies"] if str(d["name"]).startswith("source:")))
     except (KeyError, TypeError, AttributeError, ValueError) as exc:
         raise ProvenanceError(f"provenance statement: not kiln's shape, no datasheet can be made ({exc!r})") from exc
 
@@ -311,7 +314,24 @@ def _data_section(st: _Statement, c: _Checked) -> Section:
         Fact("token manifest sha256", _digest(st.deps.get("token-manifest")) or "none (trained on the byte stream)",
              FROM_STATEMENT, code=bool(_digest(st.deps.get("token-manifest")))),
     ]
-    return Section("Training data: where it came from", tuple(facts), notes=tuple(notes))
+    tables: tuple[Table, ...] = ()
+    if st.sources:
+        notes.append("A data mixture: the snapshot, contract and tokens above name every source; each source is "
+                     "below, under its own contract and data gate (its quarantine report and contract suite by sha256).")
+        tables = (Table("Sources of the mixture (share: of the samples trained)",
+                        ("source", "corpus", "snapshot (DVC id)", "contract", "contract suite sha256",
+                         "quarantine report sha256", "token manifest sha256", "weight", "share", "tokens seen"),
+                        tuple(_source_row(dep) for dep in st.sources), FROM_STATEMENT),)
+    return Section("Training data: where it came from", tuple(facts), tables=tables, notes=tuple(notes))
+
+
+def _source_row(dep: Mapping[str, Any]) -> tuple[str, ...]:
+    a = dep.get("annotations") or {}
+    share = a.get("share")
+    return (str(dep["name"]).split(":", 1)[1], _text(a.get("corpus")), _text(a.get("dvc_id")), _text(a.get("contract")),
+            _text(a.get("contract_suite_sha256")), _text(a.get("quarantine_report_sha256")),
+            _text(a.get("token_manifest_sha256")), _text(a.get("weight")),
+            f"{float(share):.1%}" if isinstance(share, int | float) else _text(share), _text(a.get("tokens")))
 
 
 def _rule_ids(suite: Mapping[str, Any] | None) -> dict[tuple[str, str], str]:
@@ -484,9 +504,19 @@ def _evaluation_section(st: _Statement) -> Section:
     if decision.get("champion_bits_per_byte") is not None:
         facts.append(Fact("champion at registration", f"{_text(decision.get('champion_bits_per_byte'))} bits per byte",
                           FROM_STATEMENT))
-    return Section("How the model was evaluated", tuple(facts),
-                   notes=("Held-out evaluation on the corpus' eval split, which the contamination rules keep out of "
-                          "training (above).",))
+    notes = ["Held-out evaluation on the corpus' eval split, which the contamination rules keep out of training "
+             "(above)."]
+    tables: tuple[Table, ...] = ()
+    per_source = report.get("sources")
+    if isinstance(per_source, list) and per_source:
+        notes.append("A data mixture: each source is scored on its own held-out split; the bits per byte and loss "
+                     "above are the sources' figures averaged with the declared weights.")
+        tables = (Table("Held-out score per source", ("source", "weight", "bits per byte", "loss", "tokens evaluated"),
+                        tuple((_text(src.get("name")), _text(src.get("weight")),
+                               _text(src.get("bits_per_byte")) if src.get("bits_per_byte") is not None
+                               else "not scored (no held-out shards)", _text(src.get("loss")), _text(src.get("tokens")))
+                              for src in per_source if isinstance(src, Mapping)), FROM_STATEMENT),)
+    return Section("How the model was evaluated", tuple(facts), tables=tables, notes=tuple(notes))
 
 
 def _approval_section(st: _Statement, sources: DatasheetSources) -> Section:
