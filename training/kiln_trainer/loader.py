@@ -30,15 +30,18 @@ order is refused (``ResumeMismatchError``).
 Mixtures: given several ``LoaderSource`` (name, weight, ``PackedTokens``) instead of one
 ``PackedTokens``, the loader draws each position through ``kiln_trainer.mixture.Mixture`` (seed,
 weights, the sources' shard sizes): ``draw(rank_positions(...))`` says which source and which of its
-samples each of this rank's positions is; each source's rows are read from its own ``PackedTokens``
-and put back in position order. The ids (``sample_ids``, the sample log) are the mixture's global
-ids (the sources' samples concatenated in declared order), the same at every world size. The state
+samples each of this rank's positions is; the rows are read in one call over every source's shards
+(``ConcatenatedTokens`` of the global ids), each source's from its own ``PackedTokens``. The ids
+(``sample_ids``, the sample log) are the mixture's global ids (the sources' samples concatenated in
+declared order), the same at every world size. The state
 adds ``sources`` (name, weight and token manifest sha256 of each: part of the identity a resume
 checks; ``token_manifest_sha256`` is then ``mixture_tokens_sha256`` of them) and ``mixture``
 (``Mixture.state_dict``: per source the draws made and the epoch reached), and a resume checks it
 with ``Mixture.resume``. ``mixture_report`` and ``mixture_metrics`` give each source's draws,
 epoch and realized share. One source (one ``PackedTokens``, or one ``LoaderSource``) is the plain
-order above, unchanged.
+order above, unchanged. A ``LoaderSource``'s ``max_epochs`` / ``max_tokens`` cap it: ``cap_stop``
+is the first global batch that would draw it past a cap (``Mixture.cap_step``), where the session
+ends the run; the loader itself draws on (its prefetch reads ahead).
 
 Prefetch: a background thread reads the next ``prefetch_steps`` steps into a bounded queue;
 ``state_dict`` counts only the steps handed out by ``next_step``. ``sample_log`` (a path) makes
