@@ -183,3 +183,23 @@ def test_a_capped_source_stops_the_run_with_a_committed_checkpoint_and_a_resume_
     # Without the cap the same sources train all 8 steps (the stop is the cap's, not the data's).
     free = _main(write_mixture(tmp_path / "free.json", sources), tmp_path / "free", "checkpoint.every_steps=3")
     assert free == 0 and read_result(tmp_path / "free")["step"] == 8 and "stop" not in read_result(tmp_path / "free")
+
+
+@pytest.mark.usefixtures("in_process")
+def test_a_batch_the_guard_skips_counts_against_the_cap(
+    sources: list[dict], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A skipped global batch still drew its samples: with prose capped at 48 draws (global batches
+    0-11) and batch 9 skipped after a loss spike at step 10, the run ends after step 11, not 12."""
+    monkeypatch.setenv("KILN_FAULT_SPIKE_AT_STEP", "10")
+    capped = [sources[0], {**sources[1], "max_tokens": 48 * 64 + 10}]
+    run_dir = tmp_path / "run"
+    assert _main(write_mixture(tmp_path / "capped.json", capped), run_dir, "train.steps=16", "checkpoint.every_steps=3",
+                 "guard.spike_factor=3.0", "guard.max_rollbacks=1") == 0
+    result = read_result(run_dir)
+    [event] = result["events"]
+    assert event["kind"] == "rollback" and event["skipped_batch"] == 9
+    assert result["step"] == 11 and result["completed"] and result["stop"]["loader_step"] == 12
+    assert result["stop"]["step"] == 11 and result["stop"]["source"] == "prose"
+    prose = result["mixture"][1]
+    assert prose["drawn"] == 48 and prose["trained_samples"] == 44  # batch 9's 4 prose samples drawn, not trained
