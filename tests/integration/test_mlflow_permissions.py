@@ -290,7 +290,7 @@ def test_library_acting_as_each_policys_identity(provisioned: AuthServer, monkey
 
     The candidate is registered by ``register_candidate`` (signed before upload, through the auth
     server's artifact proxy), since ``promote`` verifies a candidate's files and signatures before
-    its first write."""
+    its first write; so is the version ``previous`` names, which ``rollback`` verifies before its first."""
     from mlflow import MlflowClient
 
     from kiln.mlflow_auth import MlflowIdentity, use_identity
@@ -310,10 +310,14 @@ def test_library_acting_as_each_policys_identity(provisioned: AuthServer, monkey
 
     with use_identity(production):
         client = MlflowClient(tracking_uri=provisioned.url, registry_uri=provisioned.url)
-        old = _kiln_version(client, PRODUCTION_MODEL, 3.0, f"{key}-old")
         current = _kiln_version(client, PRODUCTION_MODEL, 2.9, f"{key}-current")
-        client.set_registered_model_alias(PRODUCTION_MODEL, registry.PREVIOUS_ALIAS, old.version)
         client.set_registered_model_alias(PRODUCTION_MODEL, PRODUCTION.alias, current.version)
+        # the version a rollback restores is verified first (and its rollback signed): registered and signed,
+        # then copied into the production model as promote copies a candidate
+        old_cand = make_candidate(tmp_path, "old", 3.0)
+        old_ref = registry.register_candidate(policy=PRODUCTION, run_key=f"{key}-old", **old_cand.kwargs())
+        old = client.copy_model_version(f"models:/{PRODUCTION.candidate_model}/{old_ref['version']}", PRODUCTION_MODEL)
+        client.set_registered_model_alias(PRODUCTION_MODEL, registry.PREVIOUS_ALIAS, old.version)
         cand = make_candidate(tmp_path, "candidate", 2.8)
         decision = registry.decide(cand.eval_report, _report(2.9), PRODUCTION.gate)
         assert decision.action == "promote"

@@ -58,9 +58,17 @@ def _refusal(exc: BaseException) -> KilnError | None:
     """
     from mlflow.exceptions import MlflowException, RestException
 
-    if not isinstance(exc, MlflowException):
-        return None
     who = os.environ.get("MLFLOW_TRACKING_USERNAME") or "anonymous"
+    if not isinstance(exc, MlflowException):
+        # an artifact upload through the server's proxy (log_artifact) fails as requests' HTTPError
+        status = getattr(getattr(exc, "response", None), "status_code", None)
+        if not type(exc).__module__.startswith("requests") or status not in (401, 403):
+            return None
+        if status == 403:
+            return PolicyError(f"MLflow refused MLflow identity {who!r} (403 PERMISSION_DENIED): {exc}")
+        return ConfigError(
+            f"MLflow did not accept the credentials of identity {who!r} (401); check the policy's MLflow "
+            "connection (Policy.mlflow_conn_id) or KILN_MLFLOW_<POLICY>_USERNAME/PASSWORD")
     status = exc.get_http_status_code() if isinstance(exc, RestException) else None
     if exc.error_code == "PERMISSION_DENIED" or status == 403 or _FORBIDDEN.search(str(exc)):
         return PolicyError(f"MLflow refused MLflow identity {who!r} (403 PERMISSION_DENIED): {exc.message}")

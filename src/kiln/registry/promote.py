@@ -385,7 +385,8 @@ def _attest_rollback(client: MlflowClient, policy: Policy, restored: ModelVersio
                      from_version: str, actor: str, at: str, reason: str) -> dict[str, str]:
     """Sign the rollback to ``restored`` (whose verified provenance is ``statement``) with ``policy``'s key
     (``kiln.provenance.approval.rollback_statement``), log it to the version's run under ``approval/`` and
-    return the tags that name it. A retry signs again (new bytes, new sha256 tag)."""
+    return the tags that name it. A retry of the same rollback (same time, actor, reason, from version)
+    whose attestation is already named and verifies reuses it: no second file, no tag rewritten."""
     import hashlib
     import tempfile
     from pathlib import Path
@@ -397,8 +398,17 @@ def _attest_rollback(client: MlflowClient, policy: Policy, restored: ModelVersio
         sign_attestation,
         verify_rollback,
     )
+    from kiln.registry.verify import ATTESTATION_TAGS, attestation_checks
 
     target = f"{restored.name}/{restored.version}"
+    uri_tag, sha_tag, _ = ATTESTATION_TAGS["rollback"]
+    if restored.tags.get(uri_tag):
+        rollback_only: tuple[AttestationKind, ...] = ("rollback",)
+        (done,) = attestation_checks(restored, statement, policy.name, rollback_only) or (None,)
+        if done is not None and done.status == "verifies" and (
+                done.predicate.get("rolledBackAt"), done.predicate.get("actor"), done.predicate.get("reason"),
+                done.predicate.get("fromVersion")) == (at, actor, reason, from_version):
+            return {uri_tag: done.uri, sha_tag: done.sha256}
     attestation = rollback_statement(statement, policy=policy.name, target=target, from_version=from_version,
                                      alias=policy.alias, actor=actor, rolled_back_at=at, reason=reason)
     envelope = sign_attestation(attestation, policy.name)
