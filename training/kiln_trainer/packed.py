@@ -719,6 +719,37 @@ class LocalShardStore:
         pass
 
 
+def read_rows(path: Path, rows: np.ndarray, sample_tokens: int, dtype: np.dtype[Any]) -> np.ndarray:
+    """Rows ``rows`` (ascending) of the shard at ``path`` as int64 ``[len(rows), sample_tokens]``: one
+    ``preadv`` per run of consecutive rows straight into the result, nothing mapped, so the pages read
+    stay out of this process' RSS (in the page cache only). It replaced an ``np.memmap`` per call, whose
+    set-up (a path resolve of several ``lstat``s) and unmapping were most of a training step's read:
+    the loader thread's work between steps runs beside the training loop. ``TokenShardError`` for a
+    shard shorter than its rows (changed since it was checked)."""
+    out = np.empty((len(rows), sample_tokens), dtype=dtype)
+    if not len(rows):
+        return out.astype(np.int64)
+    row_bytes = sample_tokens * dtype.itemsize
+    starts = np.flatnonzero(np.diff(rows) != 1) + 1
+    bounds = np.concatenate([[0], starts, [len(rows)]]).tolist()
+    first = rows.tolist()
+    view = out.data.cast("B")
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        for lo, hi in zip(bounds[:-1], bounds[1:], strict=False):
+            at, end, offset = lo * row_bytes, hi * row_bytes, first[lo] * row_bytes
+            while at < end:  # a regular file reads whole, but a short read is legal: go on from there
+                got = os.preadv(fd, [view[at:end]], offset)
+                if got <= 0:
+                    raise TokenShardError(
+                        f"token shard {path} ends at byte {offset}: rows up to {first[hi - 1]} were asked for "
+                        "(the shard changed after it was checked)")
+                at, offset = at + got, offset + got
+    finally:
+        os.close(fd)
+    return out.astype(np.int64)
+
+
 def _read_by_shard(sample_ids: np.ndarray | Sequence[int], offsets: np.ndarray, sample_tokens: int,
                    rows_of: Callable[[int, np.ndarray], np.ndarray]) -> np.ndarray:
     """Samples ``sample_ids`` of an id space cut into shards at ``offsets`` (``offsets[-1]`` samples in
@@ -741,8 +772,8 @@ class PackedTokens:
     """One global sample index space over a token manifest's shards, read row by row.
 
     ``read(ids)`` returns the samples ``ids`` (global, in manifest order) as an int64
-    ``[len(ids), block_size+1]`` array; each call maps the shards it touches (``np.memmap``),
-    copies the rows out and unmaps them again, so resident memory does not grow with the corpus.
+    ``[len(ids), block_size+1]`` array; each call reads the rows of the shards it touches with
+    ``preadv`` (``read_rows``), nothing mapped, so resident memory does not grow with the corpus.
     """
 
     def __init__(
@@ -782,13 +813,7 @@ class PackedTokens:
                     check_shard_size(path, entry, self.manifest)
                     _scan_shard(path, entry, self.manifest, vocab_size=self.vocab_size, check_sha256=self.verify_sha256)
                     self._scanned.add(shard)
-            # A mapping per call, dropped at once: pages touched stay out of this process' RSS
-            # (nanoGPT re-creates its memmap per batch for the same reason).
-            mapped = np.memmap(path, dtype=self.manifest.numpy_dtype, mode="r", shape=(entry.samples, self.sample_tokens))
-            try:
-                return mapped[rows].astype(np.int64)
-            finally:
-                del mapped
+            return read_rows(path, rows, self.sample_tokens, self.manifest.numpy_dtype)
         finally:
             self.store.release(entry)
 

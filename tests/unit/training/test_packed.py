@@ -287,3 +287,20 @@ def test_the_data_path_imports_neither_torch_nor_kiln_nor_airflow():
         "assert not bad, bad\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_read_rows_equals_the_shard_indexed_and_names_a_shard_cut_after_its_check(tmp_path):
+    """``read_rows`` (one ``preadv`` per run of consecutive rows) gives what indexing the whole shard
+    gives, runs, gaps and repeats alike; a shard shorter than the rows asked for is named."""
+    from kiln_trainer.packed import read_rows
+
+    shard = np.arange(40 * 5, dtype="<u2").reshape(40, 5)
+    path = tmp_path / "shard.bin"
+    shard.tofile(path)
+    for rows in ([0], [3, 4, 5, 9, 10, 39], [7, 7, 8], list(range(40)), []):
+        got = read_rows(path, np.array(rows, dtype=np.int64), 5, np.dtype("<u2"))
+        assert got.dtype == np.int64 and got.shape == (len(rows), 5)
+        assert np.array_equal(got, shard[rows].astype(np.int64))
+    path.write_bytes(shard[:20].tobytes())
+    with pytest.raises(TokenShardError, match="shard.bin ends at byte 200: rows up to 20 "):
+        read_rows(path, np.array([19, 20, 25], dtype=np.int64), 5, np.dtype("<u2"))
