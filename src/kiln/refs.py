@@ -584,6 +584,11 @@ class TrainResult(Ref):
     training_manifest_sha256: str = ""
     events: list[dict[str, Any]] = field(default_factory=list)
     """Notable trainer events (resumes, rollbacks after a loss spike), in order."""
+    stop: dict[str, Any] | None = None
+    """Why training ended before ``total_steps`` although ``completed``: a mixture's capped source
+    (``{"reason": "mixture_cap", "source", "limit", "draws", "loader_step", "step"}``); None otherwise."""
+
+    _absent_when_none = frozenset({"stop"})
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -193,6 +193,7 @@ def lineage_tags(
         TAGS["train_completed"]: str(train.completed).lower(),
         TAGS["train_steps"]: f"{train.step}/{train.total_steps or train.step}",
         **_eval_tags(eval_report),
+        **train_stop_tags(train),
     }
     if policy.config is not None:  # the reviewed inputs it ran under: `kiln audit` shows where they change
         tags[TAGS["policy_config"]] = json.dumps(policy.config.values(), sort_keys=True)
@@ -233,6 +234,20 @@ def source_tags(sources: tuple[dict[str, Any], ...]) -> dict[str, str]:
     for src in sources:
         tags |= {f"{SOURCE_TAG_PREFIX}{src['name']}.{fact}": str(src[fact]) for fact in SOURCE_TAG_FACTS}
     return tags
+
+
+def train_stop_tags(train: TrainResult) -> dict[str, str]:
+    """``kiln.train.stop``: why a completed training ended before its recipe's steps, in words (a
+    mixture's source reaching its cap); no tag when it ran them all."""
+    stop = train.stop
+    if not stop:
+        return {}
+    if stop.get("reason") == "mixture_cap":
+        said = (f"mixture_cap: source {stop.get('source')!r} reached {stop.get('limit')} after {stop.get('draws')} "
+                f"draws; stopped at step {stop.get('step')} of {train.total_steps}")
+    else:
+        said = json.dumps(stop, sort_keys=True)
+    return {TAGS["train_stop"]: said}
 
 
 SOURCE_EVAL_FACT = "eval_bits_per_byte"

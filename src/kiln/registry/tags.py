@@ -58,6 +58,8 @@ TAGS = {
     "world_size": "kiln.checkpoint.world_size",
     "train_completed": "kiln.train.completed",
     "train_steps": "kiln.train.steps",
+    # why a completed training ended before its recipe's steps (a mixture's capped source); absent otherwise
+    "train_stop": "kiln.train.stop",
     "eval_split": "kiln.eval.split",
     "eval_bits_per_byte": "kiln.eval.bits_per_byte",
     "eval_loss": "kiln.eval.loss",

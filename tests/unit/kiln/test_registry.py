@@ -515,3 +515,21 @@ def test_an_unreadable_s3_artifact_store_is_a_registry_error_naming_the_action()
         with (pytest.raises(RegistryError, match="downloading models:/m/1: .*(credentials|endpoint)"),
               registry.mlflow_io._translated("downloading models:/m/1")):
             raise exc
+
+
+def test_a_training_a_mixture_cap_ended_says_so_in_a_tag_and_on_the_version_page():
+    """The trainer's ``result.json`` ``stop`` (a mixture's capped source) reaches ``TrainResult`` and
+    the version's ``kiln.train.stop``; a training that ran its recipe's steps has no such tag."""
+    from kiln.refs import TrainResult
+    from kiln.registry.register import train_stop_tags
+
+    base = {"run_dir": "/r", "checkpoint": "/r/c", "checkpoint_manifest_sha256": "a" * 64, "weights_sha256": "b" * 64,
+            "step": 4, "metrics": {}, "total_steps": 8, "completed": True}
+    stop = {"reason": "mixture_cap", "source": "prose", "limit": "max_epochs = 1", "draws": 48, "loader_step": 4,
+            "step": 4}
+    capped = TrainResult.from_json({**base, "stop": stop})
+    assert capped.stop == stop and TrainResult.from_json(capped.to_json()) == capped
+    assert train_stop_tags(capped) == {"kiln.train.stop": "mixture_cap: source 'prose' reached max_epochs = 1 after 48 "
+                                                           "draws; stopped at step 4 of 8"}
+    full = TrainResult.from_json({**base, "step": 8})
+    assert full.stop is None and "stop" not in full.to_json() and train_stop_tags(full) == {}
