@@ -17,13 +17,14 @@ import hashlib
 import json
 import math
 import os
+import re
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from kiln import registry
-from kiln.errors import ManifestError, PolicyError, RegistryError, RunMismatchError
+from kiln.errors import ManifestError, PolicyError, ProvenanceError, RegistryError, RunMismatchError
 from kiln.policy import POLICIES, PRODUCTION, PRODUCTION_MODEL, SANDBOX, Policy
 from kiln.refs import Decision, EvalReport, SnapshotRef, TrainingManifest, TrainResult, sha256_file
 from kiln.runs import experiment_name
@@ -789,11 +790,12 @@ def test_rerun_after_rollback_needs_a_fresh_approval_and_audit_tells_the_story(
     args = parser.parse_args(["audit", target, "--json"])
     assert args.func(args) == 0
     printed = json.loads(capsys.readouterr().out)
-    # each promotion and rollback says whether its signed attestation verifies; the version's tags name the
-    # latest only, so bob's promotion of version 2 (promoted again by erin since) is not checked
-    attested = [(e["event"], e["actor"], e["attestation"]["status"]) for e in printed[:len(events)] if "attestation" in e]
-    assert attested == [("promotion", "alice", "verifies"), ("promotion", "bob", "unchecked"),
-                        ("rollback", "carol", "verifies"), ("promotion", "erin", "verifies")], attested
+    # each promotion and rollback says whether its signed attestation verifies: bob's promotion of version 2
+    # too (promoted again by erin since, its tags name erin's), from the file logged for it in the run
+    attested = [(e["event"], e["actor"], e["attestation"]["status"], e["attestation"].get("approver", e["actor"]))
+                for e in printed[:len(events)] if "attestation" in e]
+    assert attested == [("promotion", "alice", "verifies", "alice"), ("promotion", "bob", "verifies", "bob"),
+                        ("rollback", "carol", "verifies", "carol"), ("promotion", "erin", "verifies", "erin")], attested
     assert [{k: v for k, v in e.items() if k != "attestation"} for e in printed[:len(events)]] == events
     # then every version it read, each agreeing with its signed statement (untouched since registration)
     checked = [(e["event"], e["model"], e["version"], e["status"]) for e in printed[len(events):]]
@@ -803,6 +805,17 @@ def test_rerun_after_rollback_needs_a_fresh_approval_and_audit_tells_the_story(
     assert args.func(args) == 0
     table = capsys.readouterr().out
     assert "champion 2 -> 1: INC-7" in table and "review: rejected — loss curve spikes" in table
+
+    # bob's earlier promotion event edited: the approval signed for it then says otherwise, and the audit fails
+    [(audit_key, body)] = [(k, v) for k, v in client.get_model_version(target, "2").tags.items()
+                           if k.startswith("kiln.audit.") and k.endswith(".promotion") and '"actor": "bob"' in v]
+    client.set_model_version_tag(target, "2", audit_key, body.replace('"actor": "bob"', '"actor": "mallory"'))
+    with pytest.raises(ProvenanceError, match=rf"{re.escape(target)}/2 \(approval attestation of {re.escape(approved_b)} "
+                                              r"fails\)"):
+        args.func(args)
+    table = capsys.readouterr().out
+    assert re.search(r"mallory .*; FAILS: approval attestation runs:/\S+ fails: the event's actor is 'mallory', the "
+                     r"signed approval says 'bob'", table), table
     assert f"{target}/2  agrees" in table and f"{policy.candidate_model}/3  agrees" in table
     with pytest.raises(RegistryError, match="does not exist"):
         registry.audit_history(f"{target}-missing")

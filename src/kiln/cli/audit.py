@@ -178,8 +178,14 @@ def handler(args: argparse.Namespace) -> int:
         print()
         print(format_provenance(checks, policy.name) if policy is not None else unchecked)
     failed = failed_versions(checks, require_signed=args.require_signed)
-    if failed:
-        raise ProvenanceError(f"{len(failed)} version(s) failed the provenance audit: "
-                              + ", ".join(f"{c.model}/{c.version} ({', '.join(_failures(c, args.require_signed))})"
-                                          for c in failed))
+    listed = {(c.model, c.version) for c in failed}
+    earlier = [e for e in events if (e.get("attestation") or {}).get("status") == "fails"
+               and (e["model"], e["version"]) not in listed]
+    if failed or earlier:
+        raise ProvenanceError(
+            f"{len(failed) + len({(e['model'], e['version']) for e in earlier})} version(s) failed the provenance "
+            "audit: " + ", ".join(
+                [f"{c.model}/{c.version} ({', '.join(_failures(c, args.require_signed))})" for c in failed]
+                + [f"{e['model']}/{e['version']} ({e['attestation']['kind']} attestation of {e['at']} fails)"
+                   for e in earlier]))
     return 0

@@ -203,8 +203,13 @@ def attested_events(events: list[dict[str, Any]], checks: list[VersionCheck]) ->
     verdict on the signed attestation that records it (``checks``: ``provenance_checks`` of the same
     model). ``status`` is that of the version's check of it (``verifies``, ``fails``, ``missing``) when
     the version's tags name it for this event (same time), with who, the decision (a promotion's) and the
-    time as signed; otherwise ``unchecked`` and why (the version was not checked or does not verify, or
-    its tags name a later attestation: a version promoted or rolled back to again keeps only the latest)."""
+    time as signed. An earlier event of a version promoted or rolled back to again (its tags name the
+    latest only) is checked from the file promote or rollback logged for it (``event_attestation``: the
+    event's fields against the signed predicate). ``unchecked`` and why otherwise: the version was not
+    checked or does not verify, or no attestation was logged for that event (one from before they were
+    signed). Reads the earlier events' files from the registry (``RegistryError`` when it cannot)."""
+    from kiln.registry.verify import event_attestation
+
     by_version = {(c.model, c.version): c for c in checks}
     out = []
     for event in events:
@@ -220,12 +225,13 @@ def attested_events(events: list[dict[str, Any]], checks: list[VersionCheck]) ->
                      "problem": f"the version's provenance {check.status.replace('-', ' ')}: no statement to check it with"}
         else:
             found = check.attestation(kind)
-            if found is not None and found.at == event.get("at"):
-                entry = _attestation_entry(found)
-            else:
-                entry = {"kind": kind, "status": "unchecked", "problem": (
-                    f"the version's tags name the {kind} of {found.at or 'another time'}, not this one"
-                    if found is not None else f"the version names no {kind} attestation (none required)")}
+            if found is None or found.at != event.get("at"):
+                found = _with_retries(f"reading the {kind} attestation of {check.model}/{check.version} at "
+                                      f"{event.get('at')}", functools.partial(event_attestation, check, kind, event))
+            entry = _attestation_entry(found) if found is not None else {
+                "kind": kind, "status": "unchecked",
+                "problem": f"no {kind} attestation was logged for this {event['event']} in the version's run "
+                           "(made before kiln signed them)"}
         out.append({**event, "attestation": entry})
     return out
 

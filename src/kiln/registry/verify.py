@@ -165,6 +165,8 @@ class VersionCheck:
     cause: ProvenanceError | None = field(default=None, compare=False, repr=False)
     attestations: tuple[AttestationCheck, ...] = ()
     """The attestations the version names or lacks (``attestation_checks``; none when it did not verify)."""
+    run_id: str = field(default="", compare=False)
+    """The version's MLflow run (where its attestations are logged)."""
 
     def to_json(self) -> dict[str, Any]:
         return {"model": self.model, "version": self.version, "policy": self.policy, "status": self.status,
@@ -255,7 +257,8 @@ def check_model_dir(mv: ModelVersion, local: Path, policy: str, *, home: str | P
         return outcome("does-not-verify", exc)
     attested = attestation_checks(mv, verified.statement, policy, attestations, home=home)
     return VersionCheck(model=name, version=version, policy=policy, status="disagrees" if mismatches else "agrees",
-                        mismatches=tuple(mismatches), verified=verified, attestations=attested)
+                        mismatches=tuple(mismatches), verified=verified, attestations=attested,
+                        run_id=str(mv.run_id or ""))
 
 
 def _required_because(mv: ModelVersion, kind: AttestationKind, policy: str) -> str:
@@ -360,6 +363,60 @@ def _check_one(mv: ModelVersion, kind: AttestationKind, uri: str, sha: str, at: 
     if mismatches:
         return fails("", mismatches, predicate)
     return AttestationCheck(kind, "verifies", uri=uri, sha256=sha, at=at, predicate=predicate)
+
+
+EVENT_FIELDS: dict[str, dict[str, str]] = {
+    "approval": {"actor": "approver", "at": "approvedAt", "approval": "approval", "run_key": "runKey",
+                 "from_version": "previousVersion"},
+    "rollback": {"actor": "actor", "at": "rolledBackAt", "from_version": "fromVersion", "reason": "reason"},
+}
+"""An audit event's fields (``kiln.registry.audit``) and the signed predicate's that must say the same."""
+
+
+def event_attestation(check: VersionCheck, kind: AttestationKind, event: Mapping[str, Any], *,
+                      home: str | Path | None = None) -> AttestationCheck | None:
+    """The attestation an earlier promotion (``kind`` approval) or rollback ``event`` of the verified version
+    ``check`` was signed as, found where promote and rollback log it (the version's run, ``approval/``, named by
+    the version and the event's time) and checked as ``attestation_checks`` checks one, with the event's
+    fields against the signed predicate instead of the tags; None when that file does not exist (an event
+    from before attestations were signed) or the version did not verify."""
+    import hashlib
+
+    from kiln.provenance.approval import (
+        APPROVAL_DIR,
+        attestation_name,
+        rollback_attestation_name,
+        verify_approval,
+        verify_rollback,
+    )
+    from kiln.registry.audit import AUDIT_TEXT_MAX
+
+    if check.verified is None or not check.run_id:
+        return None
+    at, target = str(event.get("at", "")), f"{check.model}/{check.version}"
+    name = (attestation_name if kind == "approval" else rollback_attestation_name)(target, at)
+    uri = f"runs:/{check.run_id}/{APPROVAL_DIR}/{name}"
+    with tempfile.TemporaryDirectory(prefix="kiln-attestation-") as tmp:
+        path = _download_attestation(uri, Path(tmp))
+        if path is None:
+            return None
+        sha = hashlib.sha256(path.read_bytes()).hexdigest()
+        try:
+            predicate = (verify_approval if kind == "approval" else verify_rollback)(
+                path, check.verified.statement, home=home)
+        except ProvenanceError as exc:
+            return AttestationCheck(kind, "fails", uri=uri, sha256=sha, at=at, problem=str(exc))
+    said = {field_: str(event[field_]) for field_ in EVENT_FIELDS[kind] if field_ in event}
+    signed = {field_: str(predicate.get(key) or "")[:AUDIT_TEXT_MAX] for field_, key in EVENT_FIELDS[kind].items()}
+    if kind == "approval" and "decision" in event:
+        said["decision"] = str(event["decision"])
+        decision = predicate.get("decision")
+        signed["decision"] = str(decision.get("action")) if isinstance(decision, dict) else ""
+    differ = [f"the event's {f} is {v!r}, the signed {kind} says {signed[f]!r}" for f, v in said.items() if v != signed[f]]
+    if str(predicate.get("target")) != target:
+        differ.insert(0, f"the signed {kind} is of {predicate.get('target')}, not this version {target}")
+    return AttestationCheck(kind, "fails" if differ else "verifies", uri=uri, sha256=sha, at=at,
+                            problem="; ".join(differ), predicate=predicate)
 
 
 def _download_attestation(uri: str, into: Path) -> Path | None:
