@@ -226,6 +226,11 @@ def test_a_mixture_through_the_data_stages_to_a_manifest_the_trainer_trains(home
     client.set_model_version_tag(name, candidate.version, "kiln.source.prose.weight", "0.9")
     edited = check_version(client.get_model_version(name, candidate.version), "sandbox")
     assert edited.status == "disagrees" and any("kiln.source.prose.weight" in str(m) for m in edited.mismatches)
+    client.set_model_version_tag(name, candidate.version, "kiln.source.prose.weight", str(PROSE["weight"]))
+    client.set_model_version_tag(name, candidate.version, "kiln.source.code.eval_bits_per_byte", "0.5")
+    edited = check_version(client.get_model_version(name, candidate.version), "sandbox")
+    assert edited.status == "disagrees"
+    assert [m.record for m in edited.mismatches] == ["kiln.source.code.eval_bits_per_byte"], edited.mismatches
 
 
 def test_a_source_that_breaches_its_gate_stops_the_run_naming_it(home: Path) -> None:

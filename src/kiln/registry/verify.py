@@ -477,6 +477,9 @@ def stated_records(statement: Mapping[str, Any], model_dir: Path, *, promoted: b
             stated[TAGS["git_sha"]] = deps["code"]["digest"]["gitCommit"]
         stated[TAGS["eval_bits_per_byte"]] = repr(float(eval_report["bits_per_byte"]))
         stated |= _stated_sources(statement)
+        from kiln.registry.register import source_eval_tags
+
+        stated |= source_eval_tags(eval_report.get("sources"))  # a mixture's score per source, as signed
     except (KeyError, TypeError, ValueError) as exc:
         raise ProvenanceError(f"the signed statement lacks a record kiln compares with the tags ({exc!r})") from exc
     manifest_file = model_dir / SIGNED_CHECKPOINT_MANIFEST
