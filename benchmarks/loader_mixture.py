@@ -57,7 +57,7 @@ and 4600 fill 28% of 4**7 against 79%, 90% and 45%. The permutation walks until 
 ``[0, n)``, so the first size is the one-source side's best case for the draw, the second its worst (the
 mixture permutes each source's epoch in kept blocks, so its draw no longer walks per step)."""
 STEPS = int(os.environ.get("KILN_BENCH_MIX_STEPS", "300"))
-REPEATS = int(os.environ.get("KILN_BENCH_MIX_REPEATS", "5"))
+REPEATS = int(os.environ.get("KILN_BENCH_MIX_REPEATS", "15"))  # a repeat is half a second: 5 left the median to two outliers
 
 RSS_SHARDS = (8, 64, 512)
 RSS_SHARD_SAMPLES = 4
@@ -135,7 +135,7 @@ ONE, MIXED = "1 source", "3 sources"
 
 
 def _mappings(loader: Any, steps: int) -> float:
-    """Shard mappings per step: the distinct (source, shard) pairs a step's reads touch (one memmap each)."""
+    """Shard mappings per step: the distinct (source, shard) pairs a step's reads touch (one open each)."""
     import numpy as np
 
     from kiln_trainer.loader import rank_positions
@@ -309,10 +309,15 @@ def main() -> dict[str, Any]:
 
 
 WHY = (
-    "Per step the loader draws its positions' sample ids, then reads each shard they touch once (an np.memmap per "
-    "shard and call, rows copied out, unmapped): the mappings are most of a step's CPU and both sides make about "
-    "as many ('shard mappings/step'; the three sources' half a mapping more a step is most of what is left between "
-    "them). The mixture's draw ('draw alone') costs what the one corpus' does: the split (a pair of divisions per "
+    "Per step the loader draws its positions' sample ids, then reads each shard they touch once (since 0fec07f one "
+    "open and a preadv per run of consecutive rows, packed.read_rows; an np.memmap per shard and call before): the "
+    "reads are most of a step's CPU and both sides make about as many ('shard mappings/step': the shards a step "
+    "touches; the three sources' half a shard more a step is most of what is left between them). Timed without "
+    "the prefetch thread (TokenLoader._build, 300 steps at 4000 samples, cProfile), the two sides' steps cost the "
+    "same CPU (2.137 and 2.136 ms on 2 Intel Xeon cores, 2026-12-07): the spread of the per-repeat ratios at "
+    "4000 samples (about 0.89-1.04 there) is the prefetch thread's scheduling on a 2-core host, and a median "
+    "below 0.95 there is within it. The mixture's draw ('draw alone') costs what the one corpus' does: the "
+    "split (a pair of divisions per "
     "tree level), then a lookup per source in blocks of 4096 consecutive ids of its epoch, each block permuted "
     "once and kept (Mixture._block), instead of the Feistel rounds and their cycle walking every step (which "
     "walked until the element of the sparsest domain -- prose's 400 of 1024 -- fell in range: about 6 passes of "
