@@ -54,6 +54,11 @@ def statement_sha256(statement: Mapping[str, Any]) -> str:
     return hashlib.sha256(statement_bytes(statement)).hexdigest()
 
 
+def _statement_subject(version: str, statement: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """An attestation's subject: the provenance ``statement`` of ``version`` (``MODEL/VERSION``), by sha256."""
+    return [{"name": f"models:/{version} {STATEMENT_SUBJECT}", "digest": {"sha256": statement_sha256(statement)}}]
+
+
 def approval_statement(statement: Mapping[str, Any], *, policy: str, candidate: str, target: str, alias: str,
                        previous: str, approver: str, approved_at: str, approval: str, run_key: str,
                        decision: Mapping[str, Any]) -> dict[str, Any]:
@@ -62,8 +67,7 @@ def approval_statement(statement: Mapping[str, Any], *, policy: str, candidate: 
     ``approval`` how it was approved (``kiln.registry.tags.APPROVAL_*``); ``run_key`` the promoting run."""
     return {
         "_type": STATEMENT_TYPE,
-        "subject": [{"name": f"models:/{candidate} {STATEMENT_SUBJECT}",
-                     "digest": {"sha256": statement_sha256(statement)}}],
+        "subject": _statement_subject(candidate, statement),
         "predicateType": APPROVAL_PREDICATE_TYPE,
         "predicate": {"policy": policy, "approver": approver, "approvedAt": approved_at, "approval": approval,
                       "runKey": run_key, "decision": dict(decision), "candidate": candidate, "target": target,
@@ -92,8 +96,7 @@ def rollback_statement(statement: Mapping[str, Any], *, policy: str, target: str
     provenance ``statement`` is given, from version ``from_version`` of the same model ("" when none held it)."""
     return {
         "_type": STATEMENT_TYPE,
-        "subject": [{"name": f"models:/{target} {STATEMENT_SUBJECT}",
-                     "digest": {"sha256": statement_sha256(statement)}}],
+        "subject": _statement_subject(target, statement),
         "predicateType": ROLLBACK_PREDICATE_TYPE,
         "predicate": {"policy": policy, "actor": actor, "rolledBackAt": rolled_back_at, "reason": reason,
                       "target": target, "fromVersion": from_version, "alias": alias},
