@@ -343,6 +343,10 @@ class Policy:
     mlflow_conn_id: str | None = None
     """Airflow connection (login/password) of the MLflow identity every task of this policy uses
     (``kiln.mlflow_auth.MlflowIdentity``); without it ``KILN_MLFLOW_<POLICY>_USERNAME/PASSWORD``."""
+    signing_conn_id: str | None = None
+    """Airflow connection holding this policy's private signing key (PEM in its password or its extra's
+    ``private_key``), read in this policy's tasks only (``kiln.provenance.keys.use_policy_key``); without
+    it ``KILN_<POLICY>_SIGNING_KEY`` / ``_FILE``, else the key under ``KILN_HOME/keys`` (docs/provenance.md)."""
     config: ProductionConfig | None = None
     """The reviewed file corpus, contract and models came from (production); recorded on every version."""
 
@@ -540,6 +544,7 @@ def build_sandbox_policy(config: ProductionConfig) -> Policy:
         gate=GatePolicy(max_bits_per_byte=8.0, max_regression=8.0),
         writable_models=(SANDBOX_PREFIX + config.model,),
         mlflow_conn_id="kiln_mlflow_sandbox",
+        signing_conn_id="kiln_signing_sandbox",
     )
 
 
@@ -588,6 +593,7 @@ def build_production_policy(config: ProductionConfig) -> Policy:
         gate=GatePolicy(max_bits_per_byte=7.5, max_regression=0.05),
         writable_models=(f"{config.model}.candidates", config.model),
         mlflow_conn_id="kiln_mlflow_production",
+        signing_conn_id="kiln_signing_production",
         config=config,
     )
 

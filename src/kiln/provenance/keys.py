@@ -13,15 +13,30 @@ key is removing its file from ``trusted/``.
 
 The trusted sets are disjoint: a key trusted by two policies is refused (``ProvenanceError``) when
 either set is read, so a sandbox key never verifies as production.
+
+A key from the deployment. A policy's private key may instead come from the deployment, never from a
+file kiln writes: in a task of that policy, the Airflow connection ``Policy.signing_conn_id`` (the PEM
+in its password, or in its extra's ``private_key``), resolved by the Airflow adapter like the MLflow
+identity (``use_policy_key``, entered by ``kiln.airflow.dagfactory._run`` for the policy the stage acts
+as); else ``KILN_<POLICY>_SIGNING_KEY`` (the PEM) or ``KILN_<POLICY>_SIGNING_KEY_FILE`` (a path to it,
+0600). Such a key signs only when its public half is already in the policy's trusted set: provisioning
+puts it there (``trust_deployment_key``), which also writes ``<policy>/deployment-key.json``; with that
+file present no process makes a key under ``KILN_HOME`` for the policy: a missing or unusable
+deployment key fails closed (``ConfigError`` / ``ProvenanceError`` naming the connection or variable).
+Rotation is then the deployment's: a new key in the connection, its public half trusted beside the old.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import json
 import os
 import stat
-from dataclasses import dataclass
+from collections.abc import Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ec
@@ -29,20 +44,50 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from kiln.errors import ConfigError, ProvenanceError
 from kiln.util.fs import atomic_write_bytes, exclusive_lock, write_private
 
+if TYPE_CHECKING:
+    from kiln.policy import Policy
+
 PRIVATE_KEY_FILE = "signing-key.pem"
 TRUSTED_DIR = "trusted"
+DEPLOYMENT_MARKER = "deployment-key.json"
+"""``<policy>/deployment-key.json``: the policy's key comes from the deployment (``trust_deployment_key``)."""
+PRIVATE_KEY_EXTRA = "private_key"
+"""The extra field of a signing connection that holds the PEM when its password does not."""
 
 
 @dataclass(frozen=True, slots=True)
 class SigningKey:
-    """A policy's private key: where it is and the id of its public half."""
+    """A policy's private key: where it is and the id of its public half. ``path`` is None for a key held
+    in memory (from an Airflow connection or ``KILN_<POLICY>_SIGNING_KEY``); ``pem`` is never in a repr."""
 
     policy: str
-    path: Path
+    path: Path | None
     key_id: str
+    source: str = ""
+    """Where it came from, for messages: the file, ``connection kiln_signing_production``, a variable."""
+    pem: bytes = field(default=b"", repr=False)
 
     def load(self) -> ec.EllipticCurvePrivateKey:
-        return _load_private(self.path)
+        if self.path is not None:
+            return _load_private(self.path)
+        return parse_private_key(self.pem, self.source)
+
+    @contextlib.contextmanager
+    def as_file(self) -> Iterator[Path]:
+        """A path the key can be read from for the block (model-signing reads its key from a path): the
+        key's own file, or for a key held in memory an anonymous memory file (``memfd``, never on disk,
+        not inherited by child processes), closed when the block ends."""
+        if self.path is not None:
+            yield self.path
+            return
+        fd = os.memfd_create(f"kiln-{self.policy}-signing-key", os.MFD_CLOEXEC)
+        try:
+            view = memoryview(self.pem)
+            while view:
+                view = view[os.write(fd, view):]
+            yield Path(f"/proc/self/fd/{fd}")
+        finally:
+            os.close(fd)
 
 
 def keys_home(home: str | Path | None = None) -> Path:
@@ -78,49 +123,99 @@ def public_pem(public_key: ec.EllipticCurvePublicKey) -> bytes:
     return public_key.public_bytes(serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo)
 
 
+def parse_private_key(pem: bytes | str, source: str) -> ec.EllipticCurvePrivateKey:
+    """The ECDSA P-256 private key in ``pem`` (unencrypted PEM, PKCS #8 or SEC1); ``ProvenanceError``
+    naming ``source`` and what is wrong: no PEM, a public key or certificate where the private key is
+    needed, an encrypted key, another algorithm or curve."""
+    data = (pem.encode("utf-8") if isinstance(pem, str) else bytes(pem)).strip()
+    if not data:
+        raise ProvenanceError(f"{source}: empty; it must hold an ECDSA P-256 private key (PEM)")
+    if b"-----BEGIN" not in data:
+        raise ProvenanceError(f"{source}: not an unencrypted PEM private key (no '-----BEGIN ... PRIVATE KEY-----' line)")
+    if b"PRIVATE KEY-----" not in data:
+        kind = "a certificate" if b"CERTIFICATE-----" in data else "a public key" if b"PUBLIC KEY-----" in data \
+            else "no private key"
+        raise ProvenanceError(f"{source}: holds {kind}, not the private key signing needs (a public half belongs "
+                              "in the policy's trusted set, not here)")
+    if b"ENCRYPTED" in data:
+        raise ProvenanceError(f"{source}: an encrypted private key; kiln needs it unencrypted (the secrets store "
+                              "that holds it is what protects it)")
+    try:
+        key = serialization.load_pem_private_key(data, password=None)
+    except (ValueError, TypeError) as exc:
+        raise ProvenanceError(f"{source}: not an unencrypted PEM private key ({exc})") from exc
+    if not isinstance(key, ec.EllipticCurvePrivateKey):
+        raise ProvenanceError(f"{source}: a {type(key).__name__.lstrip('_')} key; kiln signs with ECDSA P-256 "
+                              "(an EC key on curve secp256r1)")
+    if not isinstance(key.curve, ec.SECP256R1):
+        raise ProvenanceError(f"{source}: an EC key on curve {key.curve.name}; kiln signs with ECDSA P-256 (secp256r1)")
+    return key
+
+
 def _load_private(path: Path) -> ec.EllipticCurvePrivateKey:
     try:
         mode = stat.S_IMODE(os.stat(path).st_mode)
         if mode & 0o077:  # as ssh refuses a private key others can read: it may have been read already
             raise ProvenanceError(f"signing key {path}: mode {mode:04o} lets others read it; it must be 0600 "
                                   "(and, if it was exposed, rotated)")
-        key = serialization.load_pem_private_key(path.read_bytes(), password=None)
+        data = path.read_bytes()
     except OSError as exc:
         raise ProvenanceError(f"signing key {path}: cannot read it ({exc.strerror or exc})") from exc
-    except (ValueError, TypeError) as exc:
-        raise ProvenanceError(f"signing key {path}: not an unencrypted PEM private key ({exc})") from exc
-    if not isinstance(key, ec.EllipticCurvePrivateKey) or not isinstance(key.curve, ec.SECP256R1):
-        raise ProvenanceError(f"signing key {path}: not an ECDSA P-256 key")
-    return key
+    return parse_private_key(data, f"signing key {path}")
+
+
+def generate_private_pem() -> str:
+    """A new ECDSA P-256 private key as PKCS #8 PEM (for provisioning a deployment's secret store)."""
+    key = ec.generate_private_key(ec.SECP256R1())
+    return key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                             serialization.NoEncryption()).decode("ascii")
 
 
 def _new_private_key(path: Path) -> ec.EllipticCurvePrivateKey:
-    key = ec.generate_private_key(ec.SECP256R1())
-    pem = key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
-    write_private(path, pem.decode("ascii"))
-    return key
+    pem = generate_private_pem()
+    write_private(path, pem)
+    return parse_private_key(pem, str(path))
 
 
 def signing_key(policy: str, home: str | Path | None = None) -> SigningKey:
-    """The policy's signing key, made on first use (0600 from its first byte, its public half added to
-    the policy's trusted set)."""
-    folder = _private_folder(_policy_dir(policy, home))
+    """The policy's signing key: the deployment's when one reaches this process (module docstring:
+    the policy's Airflow connection inside ``use_policy_key``, else ``KILN_<POLICY>_SIGNING_KEY`` or
+    ``_FILE``), which must be in the policy's trusted set; else, unless the deployment says the key is
+    its own (``deployment-key.json``: then ``ConfigError``), the one under ``KILN_HOME``, made on first
+    use (0600 from its first byte, its public half added to the policy's trusted set). Inside
+    ``use_policy_key`` of another policy (or of none) it is refused."""
+    folder = _policy_dir(policy, home)
+    deployed = _deployment_key(policy, home)
+    if deployed is not None:
+        return deployed
+    if (folder / DEPLOYMENT_MARKER).is_file():
+        raise ConfigError(f"policy {policy}'s signing key comes from the deployment ({folder / DEPLOYMENT_MARKER}) "
+                          f"and none reached this process: {_where(policy)}. kiln makes none under KILN_HOME in "
+                          "its place")
+    folder = _private_folder(folder)
     path = folder / PRIVATE_KEY_FILE
     with exclusive_lock(folder / ".lock"):
         key = _load_private(path) if path.exists() else _new_private_key(path)
         kid = add_trusted_key(policy, public_pem(key.public_key()), home)
-    return SigningKey(policy=policy, path=path, key_id=kid)
+    return SigningKey(policy=policy, path=path, key_id=kid, source=f"signing key {path}")
 
 
 def rotate_signing_key(policy: str, home: str | Path | None = None) -> SigningKey:
     """Replace the policy's private key with a new one; its public half joins the trusted set, where the
-    old ones stay (versions signed with them still verify)."""
-    folder = _private_folder(_policy_dir(policy, home))
+    old ones stay (versions signed with them still verify). A key from the deployment is rotated there
+    (``ConfigError`` here)."""
+    folder = _policy_dir(policy, home)
+    if (folder / DEPLOYMENT_MARKER).is_file():
+        raise ConfigError(f"policy {policy}'s signing key comes from the deployment ({folder / DEPLOYMENT_MARKER}): "
+                          "rotate it there (the new key in its connection or variable, its public half added with "
+                          "kiln.provenance.keys.trust_deployment_key; kiln.stack.prodlike.rotate_signing_key on the "
+                          "production-like stack)")
+    folder = _private_folder(folder)
     path = folder / PRIVATE_KEY_FILE
     with exclusive_lock(folder / ".lock"):
         key = _new_private_key(path)
         kid = add_trusted_key(policy, public_pem(key.public_key()), home)
-    return SigningKey(policy=policy, path=path, key_id=kid)
+    return SigningKey(policy=policy, path=path, key_id=kid, source=f"signing key {path}")
 
 
 def _load_public(pem: bytes, where: str) -> ec.EllipticCurvePublicKey:
@@ -187,3 +282,156 @@ def trusting_policy(kid: str, home: str | Path | None = None) -> str | None:
         if kid in ids:
             return name
     return None
+
+
+# ------------------------------------------------------------------------ keys from the deployment
+
+
+def signing_key_env_names(policy: str) -> tuple[str, str]:
+    """``KILN_<POLICY>_SIGNING_KEY`` (the PEM itself) / ``KILN_<POLICY>_SIGNING_KEY_FILE`` (a path to it):
+    the policy's key from the deployment without an Airflow connection (the CLI, a process outside a task)."""
+    prefix = f"KILN_{policy.upper()}_SIGNING_KEY"
+    return prefix, f"{prefix}_FILE"
+
+
+def _conn_id(policy: str) -> str | None:
+    from kiln.policy import POLICIES
+
+    return POLICIES[policy].signing_conn_id if policy in POLICIES else None
+
+
+def _where(policy: str) -> str:
+    pem_var, file_var = signing_key_env_names(policy)
+    conn = _conn_id(policy)
+    scope = _SCOPE
+    if conn and scope is not None and scope.policy == policy:
+        return f"no Airflow connection {conn} and neither {pem_var} nor {file_var} is set"
+    return (f"{'the Airflow connection ' + conn + ' is read in a task of that policy only, and ' if conn else ''}"
+            f"neither {pem_var} nor {file_var} is set")
+
+
+def _in_memory_key(policy: str, pem: bytes | str, source: str) -> tuple[bytes, ec.EllipticCurvePrivateKey]:
+    data = pem.encode("utf-8") if isinstance(pem, str) else bytes(pem)
+    return data, parse_private_key(data, source)
+
+
+def key_from_env(policy: str, environ: dict[str, str] | None = None) -> SigningKey | None:
+    """The policy's key from ``KILN_<POLICY>_SIGNING_KEY`` or ``_FILE`` (None when neither is set), checked
+    as ``parse_private_key`` checks it but not yet against the trusted set. Both set is a ``ConfigError``."""
+    env = os.environ if environ is None else environ
+    pem_var, file_var = signing_key_env_names(policy)
+    pem, path = env.get(pem_var, ""), env.get(file_var, "")
+    if pem and path:
+        raise ConfigError(f"set {pem_var} or {file_var}, not both")
+    if path:
+        file = Path(path)
+        key = _load_private(file)
+        return SigningKey(policy=policy, path=file, key_id=key_id(key.public_key()), source=f"{file_var} ({file})")
+    if pem:
+        source = f"environment variable {pem_var}"
+        data, key = _in_memory_key(policy, pem, source)
+        return SigningKey(policy=policy, path=None, key_id=key_id(key.public_key()), source=source, pem=data)
+    return None
+
+
+def key_from_connection(policy: str, conn_id: str) -> SigningKey | None:
+    """The policy's key from the Airflow connection ``conn_id`` (its password, else its extra's
+    ``private_key``); None when Airflow has no such connection. Only in an Airflow process (a task);
+    the password is masked in task logs by Airflow like any connection password."""
+    from airflow.sdk import Connection
+    from airflow.sdk.exceptions import AirflowNotFoundException
+
+    try:
+        conn = Connection.get(conn_id)
+    except AirflowNotFoundException:
+        return None
+    source = f"connection {conn_id}"
+    pem = conn.password or str(conn.extra_dejson.get(PRIVATE_KEY_EXTRA) or "")
+    if not pem:
+        raise ProvenanceError(f"{source}: holds no private key (put the PEM in its password or in its extra's "
+                              f"{PRIVATE_KEY_EXTRA!r})")
+    data, key = _in_memory_key(policy, pem, source)
+    return SigningKey(policy=policy, path=None, key_id=key_id(key.public_key()), source=source, pem=data)
+
+
+@dataclass(frozen=True, slots=True)
+class _Scope:
+    policy: str | None
+    conn_id: str | None
+
+
+_SCOPE: _Scope | None = None
+"""The policy the running stage acts as (``use_policy_key``); None outside any."""
+
+
+def _deployment_key(policy: str, home: str | Path | None) -> SigningKey | None:
+    scope = _SCOPE
+    conn = None
+    if scope is not None:
+        if scope.policy != policy:
+            acts = f"acts as policy {scope.policy}" if scope.policy else "acts as no policy"
+            raise ProvenanceError(f"this stage {acts}: it may not sign as policy {policy}")
+        conn = key_from_connection(policy, scope.conn_id) if scope.conn_id else None
+    found = conn or key_from_env(policy)
+    if found is None:
+        return None
+    trusted = trusted_keys(policy, home)
+    if found.key_id not in trusted:
+        raise ProvenanceError(f"{found.source}: key {found.key_id} is not in policy {policy}'s trusted set "
+                              f"({trusted_dir(policy, home)}); the deployment's provisioning adds its public half "
+                              "(kiln.provenance.keys.trust_deployment_key) before it may sign")
+    return found
+
+
+@contextlib.contextmanager
+def use_policy_key(policy: Policy | None) -> Iterator[None]:
+    """Sign as ``policy`` only, until the block ends (one Airflow task's stage: ``dagfactory._run``).
+
+    ``signing_key`` of any other policy is refused in this process for the block (None: of every
+    policy); ``policy``'s key is read from its Airflow connection ``policy.signing_conn_id`` when one
+    exists, else as outside the block. Every other policy's ``KILN_<POLICY>_SIGNING_KEY`` /
+    ``_FILE`` and ``AIRFLOW_CONN_<its signing_conn_id>`` are removed from the environment for the
+    block, as ``kiln.mlflow_auth.use_identity`` removes other MLflow identities: a process the stage
+    starts (the trainer: its launch acts as no policy) never inherits them. They come back afterwards.
+    """
+    global _SCOPE
+    from kiln.policy import POLICIES
+    from kiln.settings import restore_environ
+
+    others = [p for p in POLICIES.values() if policy is None or p.name != policy.name]
+    names = [name for p in others for name in signing_key_env_names(p.name)]
+    names += [f"AIRFLOW_CONN_{p.signing_conn_id.upper()}" for p in others if p.signing_conn_id]
+    saved_env = {name: os.environ.get(name) for name in names}
+    saved_scope = _SCOPE
+    try:
+        for name in names:
+            os.environ.pop(name, None)
+        _SCOPE = _Scope(policy.name, policy.signing_conn_id) if policy is not None else _Scope(None, None)
+        yield
+    finally:
+        _SCOPE = saved_scope
+        restore_environ(saved_env)
+
+
+def trust_deployment_key(policy: str, pem: bytes | str, home: str | Path | None = None, *, source: str = "") -> str:
+    """Provisioning of a key the deployment holds: trust its public half (``pem``: the public key, or the
+    private key whose public half is meant; the private key is not written) and write
+    ``<policy>/deployment-key.json``, after which no process makes a key for the policy under
+    ``KILN_HOME``. Returns the key id. Earlier keys stay trusted (rotation)."""
+    data = pem.encode("utf-8") if isinstance(pem, str) else bytes(pem)
+    if b"PRIVATE KEY-----" in data:
+        data = public_pem(parse_private_key(data, source or f"the deployment's key for policy {policy}").public_key())
+    kid = add_trusted_key(policy, data, home)
+    pem_var, file_var = signing_key_env_names(policy)
+    record = {"policy": policy, "source": source, "connection": _conn_id(policy), "environment": [pem_var, file_var],
+              "note": "this policy's private key comes from the deployment; kiln writes none here"}
+    marker = _policy_dir(policy, home) / DEPLOYMENT_MARKER
+    body = json.dumps(record, indent=2, sort_keys=True).encode("utf-8") + b"\n"
+    if not marker.is_file() or marker.read_bytes() != body:
+        atomic_write_bytes(marker, body)
+    return kid
+
+
+def key_from_deployment(policy: str, home: str | Path | None = None) -> bool:
+    """Whether the policy's key comes from the deployment (``deployment-key.json`` is there)."""
+    return (_policy_dir(policy, home) / DEPLOYMENT_MARKER).is_file()

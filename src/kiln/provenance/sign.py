@@ -95,8 +95,9 @@ def _model_sign(directory: Path, key: SigningKey) -> None:
     with tempfile.TemporaryDirectory(prefix="kiln-sign-") as tmp:
         out = Path(tmp) / MODEL_SIGNATURE_FILE
         try:
-            signing.Config().set_hashing_config(model_signing_hashing()).use_elliptic_key_signer(
-                private_key=key.path).sign(directory, out)
+            with key.as_file() as private_key:  # a key from the deployment: a memory file, never on disk
+                signing.Config().set_hashing_config(model_signing_hashing()).use_elliptic_key_signer(
+                    private_key=private_key).sign(directory, out)
         except (ValueError, OSError) as exc:
             raise ProvenanceError(f"{directory}: model-signing could not sign it: {exc}") from exc
         atomic_write_bytes(directory / MODEL_SIGNATURE_FILE, out.read_bytes())

@@ -12,15 +12,19 @@
                                                 kiln-sandbox (EDIT on sandbox names), see kiln.mlflow_auth
     airflow api-server (FAB auth manager)       per-DAG permissions, see kiln.airflow.fab_auth
     airflow scheduler, dag-processor, triggerer CeleryExecutor
-    airflow celery worker × 2                   queue kiln-production (production MLflow identity) and
-                                                queues kiln-sandbox,default (sandbox identity): a
-                                                sandbox task process never holds production credentials
+    airflow celery worker × 2                   queue kiln-production (production MLflow identity and
+                                                signing key) and queues kiln-sandbox,default (sandbox
+                                                identity): a sandbox task process never holds
+                                                production credentials
     kiln signals serve                          Prometheus exporter of kiln's operational signals
 
 Every credential (PostgreSQL role password, S3 keys, Fernet/JWT/secret keys, Airflow and MLflow
-passwords) is generated at the first ``up`` into ``KILN_HOME/prodlike/state.json`` (mode 0600,
-outside git) and reaches each process through its environment only — never its command line, a
-tracked file or a log line. ``down()`` stops the processes and drops what the stack created in
+passwords, production's private signing key) is generated at the first ``up`` into
+``KILN_HOME/prodlike/state.json`` (mode 0600, outside git) and reaches each process through its
+environment only — never its command line, a tracked file or a log line. Production's signing key
+reaches the production worker alone, as the Airflow connection ``kiln_signing_production``; its
+public half is in production's trusted set (``kiln.provenance.keys.trust_deployment_key``), and no
+private key of production is written under ``KILN_HOME/keys``. ``down()`` stops the processes and drops what the stack created in
 the shared services (databases, role, Redis keys); S3 lives in moto's memory and goes with it.
 """
 
@@ -65,6 +69,10 @@ MLFLOW_IDENTITIES = {"production": "kiln-production", "sandbox": "kiln-sandbox"}
 MLFLOW_READER = "kiln-reader"
 """The api-server's MLflow identity: READ on every policy's names (the "kiln run" view's lookup)."""
 WORKER_CONCURRENCY = {"production": 2, "sandbox": 2}
+DEPLOYMENT_SIGNING_KEYS = ("production",)
+"""Policies whose private signing key this stack keeps in its secrets (state.json) and gives to that
+policy's worker only, as the Airflow connection ``Policy.signing_conn_id``; sandbox's stays under
+``KILN_HOME/keys`` (``kiln.provenance.keys``)."""
 
 
 def root(s: kiln_settings.Settings) -> Path:
@@ -108,11 +116,53 @@ def state(s: kiln_settings.Settings | None = None, *, create: bool = False) -> d
         "airflow_passwords": {user: _pw() for user in AIRFLOW_USER_ROLES},
         "mlflow_passwords": {MLFLOW_ADMIN: _pw(), MLFLOW_READER: _pw(),
                              **{ident: _pw() for ident in MLFLOW_IDENTITIES.values()}},
+        "signing_keys": _new_signing_keys({}),
     }
     root(s).mkdir(parents=True, exist_ok=True)
     root(s).chmod(0o700)
     write_private(path, json.dumps(data, indent=2))
     return data
+
+
+def _new_signing_keys(held: dict[str, str]) -> dict[str, str]:
+    """``held`` with a new private key (PKCS #8 PEM) for each of ``DEPLOYMENT_SIGNING_KEYS`` it lacks."""
+    from kiln.provenance.keys import generate_private_pem
+
+    return {**held, **{p: generate_private_pem() for p in DEPLOYMENT_SIGNING_KEYS if p not in held}}
+
+
+def provision_signing_keys(s: kiln_settings.Settings, st: dict[str, Any]) -> dict[str, str]:
+    """Give each of ``DEPLOYMENT_SIGNING_KEYS`` its key in the stack's secrets (generated once into
+    ``state.json``, a stack made before this had none) and trust its public half
+    (``trust_deployment_key``: from then on kiln makes no key for that policy under ``KILN_HOME``).
+    Returns ``policy -> key id``. Idempotent."""
+    from kiln.provenance.keys import trust_deployment_key
+
+    held = st.get("signing_keys") or {}
+    if set(DEPLOYMENT_SIGNING_KEYS) - set(held):
+        st["signing_keys"] = _new_signing_keys(held)
+        write_private(root(s) / "state.json", json.dumps(st, indent=2))
+    return {policy: trust_deployment_key(policy, st["signing_keys"][policy], s.home,
+                                         source=f"connection {_signing_conn_id(policy)}")
+            for policy in DEPLOYMENT_SIGNING_KEYS}
+
+
+def rotate_signing_key(policy: str = "production") -> str:
+    """A new private key for ``policy`` in the stack's secrets, its public half trusted beside the old
+    ones (versions signed before still verify); returns its key id. The worker of ``policy`` signs with
+    it from its next start (its environment carries the connection): stop it
+    (``KILN_HOME/prodlike/run/worker-<policy>.pid``) and run ``up`` again."""
+    from kiln.provenance.keys import generate_private_pem, trust_deployment_key
+
+    if policy not in DEPLOYMENT_SIGNING_KEYS:
+        raise ConfigError(f"this stack keeps no signing key of policy {policy!r} (only {', '.join(DEPLOYMENT_SIGNING_KEYS)})")
+    s = kiln_settings.load()
+    st = state(s)
+    pem = generate_private_pem()
+    kid = trust_deployment_key(policy, pem, s.home, source=f"connection {_signing_conn_id(policy)}")
+    st["signing_keys"] = {**(st.get("signing_keys") or {}), policy: pem}
+    write_private(root(s) / "state.json", json.dumps(st, indent=2))
+    return kid
 
 
 def passwords(s: kiln_settings.Settings | None = None) -> dict[str, str]:
@@ -226,7 +276,10 @@ def airflow_env(s: kiln_settings.Settings, st: dict[str, Any]) -> dict[str, str]
     """The environment of every Airflow process (and so every task) of this stack."""
     home = airflow_home(s)
     port = s.airflow_url.rsplit(":", 1)[1].split("/")[0]
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("AIRFLOW__", "MLFLOW_TRACKING_"))}
+    # Nor a signing key the caller's environment holds: that reaches one worker only (_worker_signing_env).
+    signing = set(_signing_env_names())
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("AIRFLOW__", "MLFLOW_TRACKING_")) and k not in signing}
     env.update(client_env(s))
     env.update(
         {
@@ -295,6 +348,27 @@ def _worker_env(st: dict[str, Any], policy: str, mlflow_uri: str) -> dict[str, s
     }
 
 
+def _signing_conn_id(policy: str) -> str:
+    return POLICIES[policy].signing_conn_id or f"kiln_signing_{policy}"
+
+
+def _signing_env_names() -> list[str]:
+    """Every variable that can carry a policy's private signing key into a process."""
+    from kiln.provenance.keys import signing_key_env_names
+
+    return [name for p in POLICIES for name in (*signing_key_env_names(p), f"AIRFLOW_CONN_{_signing_conn_id(p).upper()}")]
+
+
+def _worker_signing_env(st: dict[str, Any], policy: str) -> dict[str, str]:
+    """The policy's private signing key as its Airflow connection (PEM in the password), for that policy's
+    worker alone; nothing for a policy whose key is not the stack's (``DEPLOYMENT_SIGNING_KEYS``)."""
+    pem = (st.get("signing_keys") or {}).get(policy) if policy in DEPLOYMENT_SIGNING_KEYS else None
+    if not pem:
+        return {}
+    conn = {"conn_type": "generic", "description": f"kiln: policy {policy}'s private signing key", "password": pem}
+    return {f"AIRFLOW_CONN_{_signing_conn_id(policy).upper()}": json.dumps(conn)}
+
+
 LOCAL_SETTINGS = '''"""Written by kiln.stack.prodlike: route kiln's DAGs to per-policy Celery queues."""
 from kiln.cluster_policy import task_policy  # noqa: F401
 '''
@@ -319,7 +393,7 @@ def services(s: kiln_settings.Settings, st: dict[str, Any]) -> list[Service]:
             argv=[airflow, "celery", "worker", "--skip-serve-logs", "--concurrency", str(WORKER_CONCURRENCY[policy]),
                   "--queues", QUEUES[POLICIES[policy].dag_id] + (",default" if policy == "sandbox" else ""),
                   "--celery-hostname", f"{policy}.{st['tag']}@%h"],
-            env=_worker_env(st, policy, f"http://127.0.0.1:{s.mlflow_port}"),
+            env={**_worker_env(st, policy, f"http://127.0.0.1:{s.mlflow_port}"), **_worker_signing_env(st, policy)},
         )
         for policy in ("production", "sandbox")
     ]
@@ -431,6 +505,7 @@ def up(*, timeout: float = 300.0, quiet: bool = False) -> dict[str, str]:
         if svc.health_url:
             _wait_healthy(svc.health_url, name, logs / f"{name}.log", timeout, lambda: running_pid(s, name) is not None)
 
+    provision_signing_keys(s, st)  # before any worker starts: it signs with the key it finds
     env = airflow_env(s, st)
     _create_databases(st)
     start("moto")

@@ -59,3 +59,48 @@ def test_state_is_private_and_workers_hold_only_their_identity(tmp_path, monkeyp
                *st["airflow_passwords"].values()]
     for svc in services.values():
         assert not any(secret in arg for secret in secrets for arg in svc.argv), svc.name
+
+
+def test_productions_signing_key_lives_in_the_stacks_secrets_and_reaches_its_worker_only(tmp_path, monkeypatch):
+    """Generated once into state.json (0600), given to the production worker alone as the connection
+    kiln_signing_production, its public half trusted; no private key of production under KILN_HOME/keys,
+    and a signing key in the caller's environment reaches no Airflow process. Rotation keeps the old key
+    trusted and gives the worker the new one."""
+    from kiln.provenance import keys
+
+    monkeypatch.setenv("KILN_HOME", str(tmp_path / "kiln"))
+    monkeypatch.setattr(prodlike, "_free_redis_db", lambda: 7)
+    caller_pem = keys.generate_private_pem()
+    monkeypatch.setenv("KILN_PRODUCTION_SIGNING_KEY", caller_pem)
+    monkeypatch.setenv("AIRFLOW_CONN_KILN_SIGNING_SANDBOX", json.dumps({"password": caller_pem}))
+    s = kiln_settings.load()
+    st = prodlike.state(s, create=True)
+    pem = st["signing_keys"]["production"]
+    assert set(st["signing_keys"]) == {"production"} and json.loads((prodlike.root(s) / "state.json").read_text()) == st
+    kid = prodlike.provision_signing_keys(s, st)["production"]
+    assert kid == keys.key_id(keys.parse_private_key(pem, "state").public_key())
+    assert set(keys.trusted_keys("production", s.home)) == {kid} and keys.key_from_deployment("production", s.home)
+    assert prodlike.provision_signing_keys(s, st) == {"production": kid}  # idempotent: the same key
+    held = [p for p in (s.home / "keys").rglob("*") if p.is_file() and b"PRIVATE KEY" in p.read_bytes()]
+    assert held == []
+    body = "".join(pem.strip().splitlines()[1:-1])  # the key's base64, however a process's env encodes newlines
+    services = {svc.name: svc for svc in prodlike.services(s, st)}
+    conn = json.loads(services["worker-production"].env["AIRFLOW_CONN_KILN_SIGNING_PRODUCTION"])
+    assert conn["password"] == pem
+    airflow = prodlike.airflow_env(s, st)
+    for name, svc in services.items():
+        text = "".join(v.replace("\\n", "").replace("\n", "") for v in {**airflow, **svc.env}.values())
+        assert (body in text) == (name == "worker-production"), name
+        assert caller_pem.strip().splitlines()[1] not in text, f"{name} got the caller's signing key"
+    for svc in services.values():
+        assert not any(body[:40] in arg for arg in svc.argv), svc.name
+
+    new = prodlike.rotate_signing_key("production")
+    st = prodlike.state(s)
+    assert new != kid and set(keys.trusted_keys("production", s.home)) == {kid, new}
+    worker = {svc.name: svc for svc in prodlike.services(s, st)}["worker-production"]
+    rotated = json.loads(worker.env["AIRFLOW_CONN_KILN_SIGNING_PRODUCTION"])["password"]
+    assert keys.key_id(keys.parse_private_key(rotated, "state").public_key()) == new
+    assert stat.S_IMODE((prodlike.root(s) / "state.json").stat().st_mode) == 0o600
+    with pytest.raises(Exception, match="keeps no signing key of policy 'sandbox'"):
+        prodlike.rotate_signing_key("sandbox")
