@@ -125,3 +125,32 @@ def _approve_and_check(prodlike, login, run_id: str, ref: dict) -> None:
                       aws_access_key_id=st["s3_access_key_id"], aws_secret_access_key=st["s3_secret_access_key"])
     for bucket in st["buckets"].values():
         assert s3.list_objects_v2(Bucket=bucket).get("KeyCount", 0) > 0, f"nothing in s3://{bucket}"
+
+    # 4. signed with the deployment's key: the champion and its approval verify for production with the
+    #    key the stack keeps in its secrets (the production worker's connection kiln_signing_production),
+    #    the only key production trusts; no private key of production under KILN_HOME/keys or in a log
+    from mlflow import MlflowClient
+
+    from kiln.mlflow_auth import MlflowIdentity, use_identity
+    from kiln.provenance import keys
+    from kiln.registry.verify import check_version
+
+    pem = st["signing_keys"]["production"]
+    deployed = keys.key_id(keys.parse_private_key(pem, "state.json signing_keys.production").public_key())
+    assert set(keys.trusted_keys("production", s.home)) == {deployed}
+    assert keys.key_from_deployment("production", s.home)
+    with use_identity(MlflowIdentity(*reader, source="the sandbox identity (reads production)")):
+        mv = MlflowClient(prodlike["mlflow"]).get_model_version(PRODUCTION.target_model, version["version"])
+        check = check_version(mv, "production", home=s.home)
+    verified = check.require_verified()
+    check.require_attested()
+    assert verified.statement_key_id == verified.model_sig_key_id == deployed
+    approval = check.attestation("approval")
+    assert approval is not None and approval.status == "verifies", approval
+    assert approval.predicate["approver"] == "reviewer", approval.predicate
+    key_files = [p for p in (s.home / "keys").rglob("*") if p.is_file()]
+    assert not [p for p in key_files if b"PRIVATE KEY" in p.read_bytes()], key_files
+    assert not (s.home / "keys" / "production" / keys.PRIVATE_KEY_FILE).exists()
+    line = pem.strip().splitlines()[1]  # 64 characters of the key's base64
+    leaked = [p for p in prodlike_stack.root(s).rglob("*.log") if line in p.read_text(errors="replace")]
+    assert not leaked, f"production's private key in {leaked}"
