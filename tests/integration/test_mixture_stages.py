@@ -80,7 +80,7 @@ def validate_all(params: dict[str, Any], pinned: PinnedMixture) -> list[list[Sha
 def test_a_mixture_through_the_data_stages_to_a_manifest_the_trainer_trains(home: Path, tmp_path: Path) -> None:
     from kiln_trainer.packed import load_token_manifest
 
-    params = {"mixture": write_mixture(home, "code-and-prose", [CODE, PROSE]), "recipe": "tiny-bpe.toml", "seed": 3,
+    params = {"mixture": write_mixture(home, "code-and-prose", [CODE, {**PROSE, "max_epochs": 50}]), "recipe": "tiny-bpe.toml", "seed": 3,
               "max_steps": 22}
     pinned = stages.snapshot_run_stage(SANDBOX, params)
     assert isinstance(pinned, PinnedMixture) and [s.name for s in pinned.sources] == ["code", "prose"]
@@ -199,11 +199,21 @@ def test_a_mixture_through_the_data_stages_to_a_manifest_the_trainer_trains(home
     for scored in evaluation.sources:
         assert f"| {scored['name']} | {scored['weight']:.6g} | {scored['bits_per_byte']:.6g} |" in sheet
 
-    from kiln.errors import ProvenanceError
-    from kiln.provenance.reproduce import plan_from_statement
+    # Re-derived from the signed statement and the DVC remote: each source's snapshot, contract, quarantine
+    # report and packed tokens, the one tokenizer, the format-2 training manifest (prose's cap with it: the
+    # statement records it), the weights bit for bit, the per-source evaluation and the Hugging Face folder.
+    from kiln.provenance.reproduce import reproduce
 
-    with pytest.raises(ProvenanceError, match=r"trained a data mixture \(sources code, prose\); kiln reproduce"):
-        plan_from_statement(check.verified.statement)  # refused by name, not as a malformed record
+    assert deps["source:prose"]["annotations"]["max_epochs"] == 50 and "max_epochs" not in deps["source:code"]["annotations"]
+    outcome = reproduce(name, candidate.version, by="version", policy="sandbox", workdir=tmp_path / "reproduce")
+    assert outcome.verdict == "reproduced", "\n".join(outcome.in_words())
+    said = [(c.step, c.input) for c in outcome.comparisons]
+    for step, what in (("snapshot", "source prose: snapshot"), ("validate", "source code: quarantine report"),
+                       ("validate", "source prose: quarantine report"), ("tokenize", "source prose: token manifest"),
+                       ("tokenize", "token manifests of the sources, joined"), ("training-manifest", "training manifest"),
+                       ("train", "weights"), ("evaluate", "evaluation report sources")):
+        assert any(s == step and w.startswith(what) for s, w in said), (step, what, said)
+    assert client.get_model_version(name, candidate.version).tags["kiln.reproduction.verdict"] == "reproduced"
     # Production's champion watch, for a production that trains this mixture (its reviewed [mixture]):
     # today's held-out split is every source's, so the champion's number is the one recorded at its
     # evaluation, bit for bit, not a one-corpus number that would read as a regression.

@@ -80,7 +80,9 @@ EVAL_COMPARED = ("weights_sha256", "step", "snapshot_id", "training_manifest_sha
 """The fields of the signed evaluation report the ``evaluate`` step compares, each bit for bit: which weights,
 at which step, on which data and split (the training manifest as the run named it), and what evaluation
 computed (windows, tokens, loss, bits per byte; a float compared by its shortest round-trip text, which is
-one string for one float). kiln's evaluation is deterministic on the CPU (float32, fixed windows)."""
+one string for one float). kiln's evaluation is deterministic on the CPU (float32, fixed windows). A mixture's
+report also has ``sources`` (each source's own score, which the headline figures weigh): compared whole, as
+JSON, whose floats are their shortest round-trip texts."""
 EVAL_NOT_COMPARED = {
     "checkpoint": "a path: the run's checkpoint directory there, the work directory's here",
     "checkpoint_manifest_sha256": "the checkpoint manifest records when its step was sealed (created_at), so it "
@@ -283,6 +285,28 @@ class Reproduction:
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
+class SourcePlan:
+    """One source of a mixture, as the signed statement's ``source:<name>`` dependency records it."""
+
+    name: str
+    weight: float
+    corpus: str
+    snapshot_id: str
+    snapshot_remote: str
+    snapshot_path: str
+    """Where the run read the snapshot: the root of every shard path its quarantine report and the training
+    manifest name."""
+    contract: str
+    contract_suite_sha256: str
+    max_quarantine_share: float
+    quarantine_report_sha256: str
+    token_manifest_sha256: str
+    token_manifest_uri: str
+    limits: Mapping[str, int] = dataclasses.field(default_factory=dict)
+    """Its caps as its training manifest entry carried them (``SOURCE_CAP_KEYS``; empty: it recycled)."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
 class ReproductionPlan:
     """What the signed statement (and the signed checkpoint manifest beside it) says each step needs."""
 
@@ -317,6 +341,12 @@ class ReproductionPlan:
     hf_files: Mapping[str, str] = dataclasses.field(default_factory=dict)
     """The registered Hugging Face folder's files (their names inside it) and the sha256 the statement's subjects
     give each."""
+    sources: tuple[SourcePlan, ...] = ()
+    """A mixture's sources in declared order (empty: a run of one corpus). The single-valued fields then
+    answer for all of them as the statement records them: ``snapshot_id`` the set of snapshots, the contract's
+    sha256 that of the sources' suites, the quarantine report the index of theirs, ``token_manifest_sha256``
+    their token manifests' joined (``TrainingManifest.tokens_sha256``); ``snapshot_path``,
+    ``token_manifest_uri`` and ``max_quarantine_share`` are each source's."""
 
 
 def missing_records(statement: Mapping[str, Any]) -> list[str]:
@@ -329,24 +359,37 @@ def missing_records(statement: Mapping[str, Any]) -> list[str]:
         raise ProvenanceError(f"provenance statement: malformed predicate ({exc!r})") from exc
     missing = []
     snapshot = deps.get("snapshot", {})
+    sources = [d for d in build["resolvedDependencies"] if str(d.get("name", "")).startswith("source:")]
     if not snapshot.get("annotations", {}).get("dvc_id"):
         missing.append("the snapshot id")
-    if not snapshot.get("annotations", {}).get("path"):
+    if not sources and not snapshot.get("annotations", {}).get("path"):
         missing.append("the snapshot path the run read (the root of every shard path the quarantine report and "
                        "the training manifest name)")
     if not deps.get("contract", {}).get("digest", {}).get("sha256"):
         missing.append("the contract suite's sha256")
     if not deps.get("quarantine-report", {}).get("digest", {}).get("sha256"):
         missing.append("the quarantine report's sha256")
-    if internal.get("max_quarantine_share") is None:
+    if not sources and internal.get("max_quarantine_share") is None:
         missing.append("the data gate's max_quarantine_share (the quarantine report records it)")
     if not deps.get("tokenizer", {}).get("digest", {}).get("sha256"):
         missing.append("the tokenizer's sha256")
     tokens = deps.get("token-manifest", {})
     if not tokens.get("digest", {}).get("sha256"):
         missing.append("the token manifest (a run of the byte stream before the tokenize stage records none)")
-    elif not tokens.get("uri"):
+    elif not sources and not tokens.get("uri"):
         missing.append("the token manifest's location (the training manifest names it)")
+    for source in sources:
+        said = source.get("annotations") or {}
+        lacks = [what for what, there in (
+            ("its snapshot id", said.get("dvc_id")), ("its snapshot path", said.get("snapshot_path")),
+            ("its contract", said.get("contract")), ("its contract suite's sha256", said.get("contract_suite_sha256")),
+            ("its quarantine report's sha256", said.get("quarantine_report_sha256")),
+            ("its gate's max_quarantine_share", said.get("max_quarantine_share") is not None),
+            ("its token manifest's sha256", said.get("token_manifest_sha256")),
+            ("its token manifest's location", said.get("token_manifest_uri")),
+            ("its weight", said.get("weight") is not None)) if not there]
+        if lacks:
+            missing.append(f"{source['name']}: " + ", ".join(lacks))
     if not deps.get("training-manifest", {}).get("digest", {}).get("sha256"):
         missing.append("the training manifest's sha256")
     if not isinstance(external.get("recipe"), dict) or not external.get("recipe"):
@@ -408,11 +451,6 @@ def plan_from_statement(statement: Mapping[str, Any], model_dir: Path | None = N
     checkpoint manifest gives the recipe's sha256). ``ProvenanceError`` naming everything it lacks."""
     from kiln.registry.verify import SIGNED_CHECKPOINT_MANIFEST
 
-    sources = [str(d.get("name", "")).split(":", 1)[1] for d in _dependencies(statement)
-               if str(d.get("name", "")).startswith("source:")]
-    if sources:  # re-deriving each source's snapshot, contract and packed tokens is not written yet
-        raise ProvenanceError(f"this version trained a data mixture (sources {', '.join(sources)}); kiln reproduce "
-                              "re-derives a version of one corpus only, and refuses rather than compare a part")
     missing = missing_records(statement)
     if missing:
         raise ProvenanceError("the signed statement does not record what reproducing needs: " + "; ".join(missing))
@@ -432,14 +470,17 @@ def plan_from_statement(statement: Mapping[str, Any], model_dir: Path | None = N
         if stated != in_recipe:
             raise ProvenanceError(f"the signed statement's {name} {stated!r} is not its recipe's {in_recipe!r}")
     trainer = deps.get("trainer", {})
+    sources = tuple(_source_plan(d) for d in build["resolvedDependencies"] if str(d.get("name", "")).startswith("source:"))
     return ReproductionPlan(
         snapshot_id=deps["snapshot"]["annotations"]["dvc_id"], corpus=deps["snapshot"]["name"].split(":", 1)[1],
-        snapshot_remote=str(deps["snapshot"].get("uri", "")), snapshot_path=deps["snapshot"]["annotations"]["path"],
+        snapshot_remote=str(deps["snapshot"].get("uri", "")),
+        snapshot_path=str(deps["snapshot"]["annotations"].get("path", "")),
         contract=deps["contract"]["name"].split(":", 1)[1], contract_suite_sha256=deps["contract"]["digest"]["sha256"],
-        max_quarantine_share=float(internal["max_quarantine_share"]),
+        max_quarantine_share=float(internal.get("max_quarantine_share", math.nan)),
         quarantine_report_sha256=deps["quarantine-report"]["digest"]["sha256"],
         tokenizer_kind=deps["tokenizer"]["name"].split(":", 1)[1], tokenizer_sha256=deps["tokenizer"]["digest"]["sha256"],
-        token_manifest_sha256=deps["token-manifest"]["digest"]["sha256"], token_manifest_uri=deps["token-manifest"]["uri"],
+        token_manifest_sha256=deps["token-manifest"]["digest"]["sha256"],
+        token_manifest_uri=str(deps["token-manifest"].get("uri", "")),
         training_manifest_sha256=deps["training-manifest"]["digest"]["sha256"],
         recipe=recipe, recipe_sha256=recipe_sha256, seed=int(external["seed"]), world_size=int(external["world_size"]),
         strategy=str(external["strategy"]), steps=int(external["steps"]),
@@ -447,7 +488,23 @@ def plan_from_statement(statement: Mapping[str, Any], model_dir: Path | None = N
         trainer_sha256=str(trainer.get("digest", {}).get("sha256", "")), weights_sha256=_weights(statement),
         environment={"torch": deps["torch"]["annotations"]["version"], "python": deps["python"]["annotations"]["version"],
                      "platform": deps["platform"]["annotations"]["description"]},
-        eval_report=_eval_report(statement), hf_files=_hf_files(statement),
+        eval_report=_eval_report(statement), hf_files=_hf_files(statement), sources=sources,
+    )
+
+
+def _source_plan(dependency: Mapping[str, Any]) -> SourcePlan:
+    """A mixture source's ``source:<name>`` dependency (``missing_records`` checked it records every field)."""
+    from kiln.provenance.statement import SOURCE_CAP_KEYS
+
+    said = dependency["annotations"]
+    return SourcePlan(
+        name=dependency["name"].split(":", 1)[1], weight=float(said["weight"]), corpus=str(said["corpus"]),
+        snapshot_id=str(said["dvc_id"]), snapshot_remote=str(dependency.get("uri", "")),
+        snapshot_path=str(said["snapshot_path"]), contract=str(said["contract"]),
+        contract_suite_sha256=str(said["contract_suite_sha256"]), max_quarantine_share=float(said["max_quarantine_share"]),
+        quarantine_report_sha256=str(said["quarantine_report_sha256"]),
+        token_manifest_sha256=str(said["token_manifest_sha256"]), token_manifest_uri=str(said["token_manifest_uri"]),
+        limits={cap: int(said[cap]) for cap in SOURCE_CAP_KEYS if said.get(cap) is not None},
     )
 
 
@@ -569,16 +626,26 @@ def shard_samples(token_manifest: Path) -> list[int]:
 
 
 def data_order(run_dir: Path, *, shard_samples: list[int], seed: int, window_shards: int, global_batch_size: int,
-               steps: int, world_size: int) -> tuple[Comparison, str]:
+               steps: int, world_size: int,
+               sources: list[tuple[str, float, list[int]]] | None = None) -> tuple[Comparison, str]:
     """The global batches the ranks of a run at ``world_size`` read (their sample logs, every rank's ids of a
     step in rank order) against the ones the seed and the step give (``SampleOrder`` over the packed shards'
-    sample counts: what one rank reads, the same at every world size), as sha256s of the id lists; and
-    where they first differ, in words ("" when they do not)."""
+    sample counts: what one rank reads, the same at every world size; for a mixture, ``sources``: each
+    source's name, weight and packed shards' sample counts in declared order, the ``Mixture`` draw's global
+    ids, ``shard_samples`` then unused), as sha256s of the id lists; and where they first differ, in words
+    ("" when they do not)."""
     from kiln_trainer.contract import SAMPLE_LOG_SUBDIR
+    from kiln_trainer.mixture import Mixture, MixtureSource
     from kiln_trainer.sample_order import SampleOrder
 
-    order = SampleOrder(shard_samples, seed=seed, window_shards=window_shards)
-    expected = [order.ids_range(step * global_batch_size, global_batch_size).tolist() for step in range(steps)]
+    if sources:
+        mixture = Mixture([MixtureSource(name, weight, samples) for name, weight, samples in sources], seed=seed,
+                          window_shards=window_shards)
+        expected = [mixture.draw_range(step * global_batch_size, global_batch_size).global_ids.tolist()
+                    for step in range(steps)]
+    else:
+        order = SampleOrder(shard_samples, seed=seed, window_shards=window_shards)
+        expected = [order.ids_range(step * global_batch_size, global_batch_size).tolist() for step in range(steps)]
     what = (f"data order ({steps} global batches of {global_batch_size} sample ids, read by {world_size} ranks; "
             f"recorded: the ids seed {seed} and the step give)")
     by_step: dict[int, dict[int, list[int]]] = {}
@@ -628,8 +695,9 @@ def compare_eval_report(recorded: Mapping[str, Any], derived: Mapping[str, Any],
     derived = dict(derived)
     if here and derived.get("training_manifest_sha256") == here:
         derived["training_manifest_sha256"] = as_recorded
+    names = EVAL_COMPARED + (("sources",) if "sources" in recorded or "sources" in derived else ())
     return [Comparison("evaluate", f"evaluation report {name}", _eval_value(recorded, name), _eval_value(derived, name))
-            for name in EVAL_COMPARED]
+            for name in names]
 
 
 def compare_folder(recorded: Mapping[str, str], derived: Mapping[str, str], *, prefix: str) -> list[Comparison]:
@@ -745,99 +813,18 @@ def rederive(plan: ReproductionPlan, workdir: Path, *, run_key: str,
     compare each digest, stopping at the first that differs. Returns the comparisons, the notes and, at a
     ``world_size`` other than the recorded one, the weights' difference from ``registered_weights`` (the
     registered version's Hugging Face folder) against ``tolerance`` (None when training did not run or the
-    weights' sha256 was compared)."""
+    weights' sha256 was compared). A mixture (``plan.sources``) re-derives each source's snapshot, validation
+    and packed tokens, its training manifest (format 2) from them, then trains and compares as one corpus."""
     from kiln import settings as kiln_settings
-    from kiln.data.contracts import load_contract
-    from kiln.data.snapshot import _public_remote, restore_snapshot
-    from kiln.data.validation import load_eval_doc_hashes, train_shards, validate_shards
-    from kiln.data.validation.report import quarantine_report_text
-    from kiln.refs import ShardReport, SnapshotRef, TrainingManifest
-    from kiln.runs import QUARANTINE_JSON
-    from kiln.stages.inputs import load_run_recipe
-    from kiln.stages.tokenize import pack_afresh
-    from kiln.stages.validation import gate_snapshot
+    from kiln.data.snapshot import _public_remote
 
-    out: list[Comparison] = []
-    notes: list[str] = []
-
-    def compare(step: str, what: str, recorded: str, derived: str) -> bool:
-        out.append(Comparison(step, what, recorded, derived))
-        log(str(out[-1]))
-        return out[-1].same
-
-    stack = kiln_settings.load()
-    remote = _public_remote(stack.dvc_remote)
-    if plan.snapshot_remote and plan.snapshot_remote != remote:
-        notes.append(f"the snapshot was pushed to {plan.snapshot_remote}; restored from this stack's remote {remote}")
-    # snapshot: by id, from the remote, into a DVC cache of its own (the stack's cache is not trusted here)
-    root = (workdir / "snapshot").resolve()
-    ref = SnapshotRef(id=plan.snapshot_id, corpus=plan.corpus, files=0, bytes=0, dvc=_dvc_text(plan.snapshot_id),
-                      remote=remote, path="")
-    log(f"snapshot: restoring {plan.snapshot_id} from {remote}")
-    try:
-        restore_snapshot(ref, root, settings=dataclasses.replace(stack, home=workdir.resolve()))
-    except SnapshotError as exc:
-        compare("snapshot", f"snapshot {plan.snapshot_id} from the DVC remote {remote}",
-                plan.snapshot_id, f"bytes that do not restore to it: {exc}")
-        return out, notes, None
-    compare("snapshot", f"snapshot {plan.snapshot_id} from the DVC remote {remote}", plan.snapshot_id, plan.snapshot_id)
-    moves = {str(root): plan.snapshot_path}
-
-    # validate: the recorded contract, every shard, the data gate's rules, the quarantine report
-    try:
-        contract = load_contract(plan.contract)
-        suite = contract.sha256
-    except ContractError as exc:
-        contract, suite = None, f"none: {exc}"
-    if not compare("validate", f"contract {plan.contract} (its suite's sha256)", plan.contract_suite_sha256, suite):
-        return out, notes, None
-    assert contract is not None
-    shards = [p.relative_to(root).as_posix() for p in train_shards(root)]
-    signatures = workdir / "validation" / "signatures"
-    log(f"validate: {len(shards)} shard(s) against {plan.contract}")
-    validated = validate_shards([root / s for s in shards], contract, load_eval_doc_hashes(root), signatures_dir=signatures)
-    # as the data gate reads them: from the validation tasks' JSON records
-    reports = [ShardReport.from_json(r.to_json()) for r in validated]
-    gate_dir = workdir / "data-gate"
-    try:
-        gated = gate_snapshot(contract, root, plan.snapshot_id, plan.corpus, reports, gate_dir, signatures_dir=signatures,
-                              max_quarantine_share=plan.max_quarantine_share, mlflow_run_id=None)
-    except DataGateError as exc:
-        gated = None
-        notes.append(f"the re-derived data gate failed: {exc}")
-    report = load_json(gate_dir / QUARANTINE_JSON, "the re-derived quarantine report", ProvenanceError,
-                       max_bytes=REPORT_MAX_BYTES)
-    derived = _sha256_text(quarantine_report_text(relocated(report, moves)))
-    if not compare("validate", "quarantine report", plan.quarantine_report_sha256, derived) or gated is None:
-        return out, notes, None
-
-    # tokenize: the recorded recipe written back (the same sha256, or nothing is derived from it), the
-    # recipe's tokenizer built afresh, every shard packed
-    recipe_path = workdir / "recipe.toml"
-    atomic_write_text(recipe_path, recipe_toml(plan.recipe))
-    try:
-        recipe = load_run_recipe(recipe_path, [])
-    except ConfigError as exc:
-        raise ProvenanceError(f"the signed statement's recipe does not resolve here: {exc}") from exc
-    if plan.recipe_sha256:
-        if not compare("tokenize", "resolved recipe", plan.recipe_sha256, recipe.sha256):
-            return out, notes, None
-    else:
-        notes.append("the artifact holds no signed checkpoint manifest: the recipe's sha256 was not compared")
-    log(f"tokenize: {plan.tokenizer_kind} tokenizer, {len(gated.manifest.shards)} shard(s)")
-    manifest, packed = pack_afresh(gated.manifest, recipe, recipe_path, workdir)
-    if not compare("tokenize", f"tokenizer ({plan.tokenizer_kind})", plan.tokenizer_sha256, packed.tokenizer_sha256):
-        return out, notes, None
-    if not compare("tokenize", "token manifest", plan.token_manifest_sha256, packed.token_manifest_sha256):
-        return out, notes, None
-
-    # training-manifest: the one the trainer reads, in the run's paths
-    manifest_path = workdir / TRAINING_MANIFEST
-    manifest.write(manifest_path)
-    moves[packed.token_manifest] = plan.token_manifest_uri
-    as_recorded = TrainingManifest.from_json(relocated(manifest.to_json(), moves)).content_hash()
-    if not compare("training-manifest", "training manifest", plan.training_manifest_sha256, as_recorded):
-        return out, notes, None
+    steps = _Steps(plan, workdir, kiln_settings.load(), log)
+    stack_remote = _public_remote(steps.stack.dvc_remote)
+    data = steps.mixture_data(stack_remote) if plan.sources else steps.corpus_data(stack_remote)
+    if data is None:
+        return steps.out, steps.notes, None
+    recipe, recipe_path, manifest_path, sample_counts = data
+    out, notes, compare = steps.out, steps.notes, steps.compare
 
     # train: the recorded recipe, seed and strategy with kiln's local launcher, at the recorded world size
     # (the weights' sha256) or at another (the data order, then the weights within a bound)
@@ -857,7 +844,8 @@ def rederive(plan: ReproductionPlan, workdir: Path, *, run_key: str,
     from kiln_trainer.export import write_model_folder
 
     result = _train(plan, recipe, recipe_path, manifest_path, workdir / "train", run_key, log, world_size=at)
-    order, first = data_order(workdir / "train", shard_samples=shard_samples(Path(packed.token_manifest)),
+    mixture = [(s.name, s.weight, sample_counts[s.name]) for s in plan.sources] or None
+    order, first = data_order(workdir / "train", shard_samples=sample_counts.get("", []), sources=mixture,
                               seed=plan.seed, window_shards=recipe.data.window_shards,
                               global_batch_size=recipe.data.global_batch_size, steps=plan.steps, world_size=at)
     if first:
@@ -874,6 +862,218 @@ def rederive(plan: ReproductionPlan, workdir: Path, *, run_key: str,
     weights = dataclasses.replace(weights, derived_weights_sha256=result.weights_sha256)
     log(str(weights))
     return out, notes, weights
+
+
+_Data = tuple[Any, Path, Path, dict[str, list[int]]]
+"""What the data steps hand training: the recipe (``kiln_trainer.config.Recipe``), its file, the training
+manifest the trainer reads, and the packed shards' sample counts (of ``""`` for one corpus, by source name for
+a mixture: the data order at another world size)."""
+
+
+class _Steps:
+    """The steps before training, one corpus' or a mixture's, recording each comparison as it is made."""
+
+    def __init__(self, plan: ReproductionPlan, workdir: Path, stack: Any, log: Callable[[str], None]) -> None:
+        self.plan, self.workdir, self.stack, self.log = plan, workdir, stack, log
+        self.out: list[Comparison] = []
+        self.notes: list[str] = []
+
+    def compare(self, step: str, what: str, recorded: str, derived: str) -> bool:
+        self.out.append(Comparison(step, what, recorded, derived))
+        self.log(str(self.out[-1]))
+        return self.out[-1].same
+
+    def snapshot(self, snapshot_id: str, corpus: str, root: Path, remote: str, what: str) -> bool:
+        """Restore ``snapshot_id`` by id from the DVC remote into ``root`` (a DVC cache of the work directory's
+        own: the stack's cache is not trusted here), every file checked against the id's md5 listing."""
+        from kiln.data.snapshot import restore_snapshot
+        from kiln.refs import SnapshotRef
+
+        ref = SnapshotRef(id=snapshot_id, corpus=corpus, files=0, bytes=0, dvc=_dvc_text(snapshot_id), remote=remote,
+                          path="")
+        self.log(f"snapshot: restoring {what}{snapshot_id} from {remote}")
+        try:
+            restore_snapshot(ref, root, settings=dataclasses.replace(self.stack, home=self.workdir.resolve()))
+        except SnapshotError as exc:
+            self.compare("snapshot", f"{what}snapshot {snapshot_id} from the DVC remote {remote}", snapshot_id,
+                         f"bytes that do not restore to it: {exc}")
+            return False
+        return self.compare("snapshot", f"{what}snapshot {snapshot_id} from the DVC remote {remote}", snapshot_id,
+                            snapshot_id)
+
+    def validate(self, contract_name: str, suite_sha256: str, root: Path, snapshot_id: str, corpus: str,
+                 max_quarantine_share: float, report_sha256: str, recorded_root: str, folder: Path,
+                 what: str = "") -> tuple[Any, bool]:
+        """The recorded contract (its suite's sha256), every shard validated, the data gate's rules, the
+        quarantine report's sha256 (its paths the run's): ``(the gate's result, whether every digest held)``."""
+        from kiln.data.contracts import load_contract
+        from kiln.data.validation import load_eval_doc_hashes, train_shards, validate_shards
+        from kiln.data.validation.report import quarantine_report_text
+        from kiln.refs import ShardReport
+        from kiln.runs import QUARANTINE_JSON
+        from kiln.stages.validation import gate_snapshot
+
+        try:
+            contract = load_contract(contract_name)
+            suite = contract.sha256
+        except ContractError as exc:
+            contract, suite = None, f"none: {exc}"
+        if not self.compare("validate", f"{what}contract {contract_name} (its suite's sha256)", suite_sha256, suite):
+            return None, False
+        assert contract is not None
+        shards = [p.relative_to(root).as_posix() for p in train_shards(root)]
+        signatures = folder / "signatures"
+        self.log(f"validate: {what}{len(shards)} shard(s) against {contract_name}")
+        validated = validate_shards([root / s for s in shards], contract, load_eval_doc_hashes(root),
+                                    signatures_dir=signatures)
+        # as the data gate reads them: from the validation tasks' JSON records
+        reports = [ShardReport.from_json(r.to_json()) for r in validated]
+        gate_dir = folder / "data-gate"
+        try:
+            gated = gate_snapshot(contract, root, snapshot_id, corpus, reports, gate_dir, signatures_dir=signatures,
+                                  max_quarantine_share=max_quarantine_share, mlflow_run_id=None)
+        except DataGateError as exc:
+            gated = None
+            self.notes.append(f"the re-derived data gate {what}failed: {exc}")
+        report = load_json(gate_dir / QUARANTINE_JSON, "the re-derived quarantine report", ProvenanceError,
+                           max_bytes=REPORT_MAX_BYTES)
+        derived = _sha256_text(quarantine_report_text(relocated(report, {str(root): recorded_root})))
+        held = self.compare("validate", f"{what}quarantine report", report_sha256, derived)
+        return gated, held and gated is not None
+
+    def recipe(self) -> tuple[Any, Path] | None:
+        """The recorded resolved recipe written back as a recipe file: its sha256 against the signed checkpoint
+        manifest's (None: it differs)."""
+        from kiln.stages.inputs import load_run_recipe
+
+        recipe_path = self.workdir / "recipe.toml"
+        atomic_write_text(recipe_path, recipe_toml(self.plan.recipe))
+        try:
+            recipe = load_run_recipe(recipe_path, [])
+        except ConfigError as exc:
+            raise ProvenanceError(f"the signed statement's recipe does not resolve here: {exc}") from exc
+        if self.plan.recipe_sha256:
+            if not self.compare("tokenize", "resolved recipe", self.plan.recipe_sha256, recipe.sha256):
+                return None
+        else:
+            self.notes.append("the artifact holds no signed checkpoint manifest: the recipe's sha256 was not compared")
+        return recipe, recipe_path
+
+    def training_manifest(self, manifest: Any, moves: dict[str, str]) -> Path | None:
+        """The training manifest the trainer reads, written in the work directory; its sha256 once its paths
+        are the run's (``moves``) against the recorded one (None: it differs)."""
+        from kiln.refs import TrainingManifest
+
+        manifest_path = self.workdir / TRAINING_MANIFEST
+        manifest.write(manifest_path)
+        as_recorded = TrainingManifest.from_json(relocated(manifest.to_json(), moves)).content_hash()
+        if not self.compare("training-manifest", "training manifest", self.plan.training_manifest_sha256, as_recorded):
+            return None
+        return manifest_path
+
+    def corpus_data(self, remote: str) -> _Data | None:
+        """One corpus: snapshot, validate, tokenize, training-manifest."""
+        from kiln.stages.tokenize import pack_afresh
+
+        plan = self.plan
+        if plan.snapshot_remote and plan.snapshot_remote != remote:
+            self.notes.append(f"the snapshot was pushed to {plan.snapshot_remote}; restored from this stack's remote "
+                              f"{remote}")
+        root = (self.workdir / "snapshot").resolve()
+        if not self.snapshot(plan.snapshot_id, plan.corpus, root, remote, ""):
+            return None
+        gated, held = self.validate(plan.contract, plan.contract_suite_sha256, root, plan.snapshot_id, plan.corpus,
+                                    plan.max_quarantine_share, plan.quarantine_report_sha256, plan.snapshot_path,
+                                    self.workdir / "validation")
+        if not held:
+            return None
+        resolved = self.recipe()
+        if resolved is None:
+            return None
+        recipe, recipe_path = resolved
+        self.log(f"tokenize: {plan.tokenizer_kind} tokenizer, {len(gated.manifest.shards)} shard(s)")
+        manifest, packed = pack_afresh(gated.manifest, recipe, recipe_path, self.workdir)
+        if not self.compare("tokenize", f"tokenizer ({plan.tokenizer_kind})", plan.tokenizer_sha256,
+                            packed.tokenizer_sha256):
+            return None
+        if not self.compare("tokenize", "token manifest", plan.token_manifest_sha256, packed.token_manifest_sha256):
+            return None
+        moves = {str(root): plan.snapshot_path, packed.token_manifest: plan.token_manifest_uri}
+        manifest_path = self.training_manifest(manifest, moves)
+        if manifest_path is None:
+            return None
+        return recipe, recipe_path, manifest_path, {"": shard_samples(Path(packed.token_manifest))}
+
+    def mixture_data(self, remote: str) -> _Data | None:
+        """A mixture: each source's snapshot, then each source validated against its own contract and gated by
+        its own threshold, the sources' contract suites as the statement joins them; the one tokenizer over
+        every source, each source's packed tokens and their joined sha256; the format-2 training manifest.
+
+        Not compared: the index of the sources' quarantine reports (the statement's ``quarantine-report``),
+        which names where the run published each (its directory, its MLflow run); each source's own report is
+        compared instead."""
+        from kiln.refs import TrainingManifest, canonical_json
+        from kiln.stages.tokenize import pack_afresh
+
+        plan = self.plan
+        roots = {s.name: (self.workdir / "sources" / s.name / "snapshot").resolve() for s in plan.sources}
+        for source in plan.sources:
+            if source.snapshot_remote and source.snapshot_remote != remote:
+                self.notes.append(f"source {source.name}'s snapshot was pushed to {source.snapshot_remote}; restored "
+                                  f"from this stack's remote {remote}")
+            if not self.snapshot(source.snapshot_id, source.corpus, roots[source.name], remote,
+                                 f"source {source.name}: "):
+                return None
+        entries, suites = [], []
+        for source in plan.sources:
+            root = roots[source.name]
+            gated, held = self.validate(source.contract, source.contract_suite_sha256, root, source.snapshot_id,
+                                        source.corpus, source.max_quarantine_share, source.quarantine_report_sha256,
+                                        source.snapshot_path, self.workdir / "sources" / source.name / "validation",
+                                        what=f"source {source.name}: ")
+            if not held:
+                return None
+            suites.append([source.name, source.contract_suite_sha256])
+            gate = gated.manifest
+            entries.append({"name": source.name, "weight": source.weight, "corpus": source.corpus,
+                            "snapshot_id": source.snapshot_id, "contract": source.contract, "shards": gate.shards,
+                            "eval_shards": gate.eval_shards, "quarantined": gate.quarantined, **source.limits})
+        joined = hashlib.sha256(canonical_json(suites)).hexdigest()
+        if not self.compare("validate", f"contract {plan.contract} (the sources' suites, joined)",
+                            plan.contract_suite_sha256, joined):
+            return None
+        self.notes.append("the index of the sources' quarantine reports names where the run published each (its "
+                          "directory and MLflow run) and is not compared; each source's report is")
+        resolved = self.recipe()
+        if resolved is None:
+            return None
+        recipe, recipe_path = resolved
+        gate_manifest = TrainingManifest.build_mixture(entries)
+        self.log(f"tokenize: {plan.tokenizer_kind} tokenizer over {len(entries)} sources, "
+                 f"{len(gate_manifest.shards)} shard(s)")
+        manifest, packed = pack_afresh(gate_manifest, recipe, recipe_path, self.workdir)
+        if not self.compare("tokenize", f"tokenizer ({plan.tokenizer_kind})", plan.tokenizer_sha256,
+                            packed.tokenizer_sha256):
+            return None
+        assert manifest.sources is not None
+        moves: dict[str, str] = {}
+        counts: dict[str, list[int]] = {}
+        for source, packed_source in zip(plan.sources, manifest.sources, strict=True):
+            tokens = packed_source["tokens"]
+            if not self.compare("tokenize", f"source {source.name}: token manifest", source.token_manifest_sha256,
+                                str(tokens["sha256"])):
+                return None
+            # a source's folder ends in "/", so that a source named as another's prefix is not moved with it
+            moves[str(roots[source.name]) + "/"] = source.snapshot_path.rstrip("/") + "/"
+            moves[str(tokens["manifest"])] = source.token_manifest_uri
+            counts[source.name] = shard_samples(Path(tokens["manifest"]))
+        if not self.compare("tokenize", "token manifests of the sources, joined", plan.token_manifest_sha256,
+                            packed.token_manifest_sha256):
+            return None
+        manifest_path = self.training_manifest(manifest, moves)
+        if manifest_path is None:
+            return None
+        return recipe, recipe_path, manifest_path, counts
 
 
 def after_training(plan: ReproductionPlan, checkpoint: str, manifest: Path, workdir: Path, *,

@@ -202,6 +202,9 @@ class ProvenanceInputs:
 SOURCE_LINEAGE_KEYS = ("name", "weight", "corpus", "snapshot_id", "snapshot_remote", "contract",
                        "contract_suite_sha256", "quarantine_report_sha256", "token_manifest_sha256", "tokens", "share")
 """What the statement records of each source of a mixture (``ProvenanceInputs.sources``)."""
+SOURCE_CAP_KEYS = ("max_epochs", "max_tokens")
+"""A source's caps, recorded with it when its training manifest entry has them (``Mixture.resolved_limits``):
+what rebuilding the training manifest needs besides the data (``kiln reproduce``)."""
 
 
 def _check_hex(name: str, value: object) -> None:
@@ -401,10 +404,10 @@ def build_statement(artifact_dir: str | Path, inputs: ProvenanceInputs) -> dict[
 
 def _source_descriptor(source: Mapping[str, Any]) -> dict[str, Any]:
     """One source of a mixture: its DVC snapshot by digest, with its contract, quarantine report, packed
-    tokens and what training drew of it."""
+    tokens, caps and what training drew of it."""
     annotations = {k: source[k] for k in SOURCE_LINEAGE_KEYS if k not in ("name", "snapshot_remote")}
     annotations["dvc_id"] = annotations.pop("snapshot_id")
-    for key in ("snapshot_path", "max_quarantine_share", "quarantine_report_uri", "token_manifest_uri"):
+    for key in ("snapshot_path", "max_quarantine_share", "quarantine_report_uri", "token_manifest_uri", *SOURCE_CAP_KEYS):
         if source.get(key) not in (None, ""):
             annotations[key] = source[key]
     return _descriptor(f"source:{source['name']}", {"md5": str(source["snapshot_id"]).removesuffix(".dir")},

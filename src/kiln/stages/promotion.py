@@ -104,8 +104,10 @@ def mixture_lineage(key: str, manifest: TrainingManifest) -> tuple[SnapshotRef, 
     """A mixture run's lineage from its own records: the set of snapshots as one ``SnapshotRef`` (its id
     and corpus as the manifest names them, ``dvc`` each source's ``.dvc`` text as JSON), and each source
     as the statement and the tags record it (``SOURCE_LINEAGE_KEYS``): its snapshot as kiln pinned it,
-    its quarantine report (``sources/<name>/``), its packed tokens, and the samples and tokens training
-    drew of it (``result.json``'s ``mixture``)."""
+    its quarantine report (``sources/<name>/``), its packed tokens, its caps (``SOURCE_CAP_KEYS``, as its
+    training manifest entry has them), and the samples and tokens training drew of it (``result.json``'s
+    ``mixture``)."""
+    from kiln.provenance.statement import SOURCE_CAP_KEYS
     from kiln.stages.mixture import SOURCES_SUBDIR
 
     assert manifest.sources is not None
@@ -131,6 +133,7 @@ def mixture_lineage(key: str, manifest: TrainingManifest) -> tuple[SnapshotRef, 
             "quarantined_share": float(report.get("quarantined_share", 0.0)), "shards": int(report.get("shards", 0)),
             "token_manifest_sha256": str(tokens.get("sha256", "")), "token_manifest_uri": str(tokens.get("manifest", "")),
             "tokens": int(drawn[name].get("tokens", 0)), "share": float(drawn[name].get("share", 0.0)),
+            **{cap: int(src[cap]) for cap in SOURCE_CAP_KEYS if src.get(cap) is not None},
         })
     joined = SnapshotRef(id=manifest.snapshot_id, corpus=manifest.corpus, files=sum(s.files for _, s in snapshots),
                          bytes=sum(s.bytes for _, s in snapshots),

@@ -317,20 +317,23 @@ def _mixture_tokens(manifest: TrainingManifest, data: DataGateResult, tokenizer:
 def pack_afresh(manifest: TrainingManifest, recipe: Any, recipe_path: Path | None,
                 root: Path) -> tuple[TrainingManifest, PackedTokensRef]:
     """The tokenizer, tokenize and tokens stages in one process, for ``kiln reproduce``: the tokenizer the
-    recipe (a ``kiln_trainer.config.Recipe``) asks for, built from the gate manifest's shards and never
-    taken from kiln's store, stored and read back under ``root/tokenizers`` as ``tokenizer_stage`` stores
-    it; every shard packed (part ``i`` is shard ``i``) under ``root/tokens``; the token manifest written.
-    Returns ``manifest`` naming the packed tokens, and their summary. ``ConfigError`` for a tokenizer the
-    recipe cannot make; nothing of kiln's home is read or written."""
+    recipe (a ``kiln_trainer.config.Recipe``) asks for, built from the gate manifest's shards as
+    ``tokenizer_stage`` builds it (a mixture's interleaved by weight) and never taken from kiln's store,
+    stored and read back under ``root/tokenizers``; every shard packed (part ``i`` is shard ``i``; a
+    mixture's each source into its own folder, as ``tokenize_stage`` packs them) under ``root/tokens``; the
+    token manifest written (a mixture's one per source). Returns ``manifest`` naming the packed tokens, and
+    their summary (a mixture's as ``tokens_stage`` makes it: its sources' token manifests' sha256 joined by
+    ``TrainingManifest.tokens_sha256``). ``ConfigError`` for a tokenizer the recipe cannot make; nothing of
+    kiln's home is read or written."""
     from kiln_trainer.contract import TokenizerError, TrainerError
     from kiln_trainer.packed import TOKEN_MANIFEST_NAME, pack_part, write_token_manifest
     from kiln_trainer.tokenizer import build_tokenizer
 
-    if manifest.tokens is not None:
+    if manifest.packed:
         raise ManifestError("pack_afresh packs a data gate's manifest, which names no packed tokens yet")
     cfg = recipe.tokenizer
     try:
-        built = build_tokenizer(cfg, recipe_path=recipe_path, training_texts=lambda: _texts(manifest.shards))
+        built = build_tokenizer(cfg, recipe_path=recipe_path, training_texts=lambda: _tokenizer_texts(manifest))
     except TokenizerError as exc:
         raise ConfigError(f"recipe [tokenizer]: {exc}") from exc
     stored = root / "tokenizers" / f"{built.sha256}.json"
@@ -338,15 +341,33 @@ def pack_afresh(manifest: TrainingManifest, recipe: Any, recipe_path: Path | Non
     tok = _load_tokenizer(TokenizerRef(kind=cfg.kind, sha256=built.sha256, vocab_size=built.vocab_size,
                                        eos_id=built.eos_id, path=str(stored)), cfg.eos_token)
     block_size = recipe.model.block_size
-    out = _out_dir(manifest, tok, block_size, root / "tokens")
-    try:
-        for part, shard in enumerate(manifest.shards):
-            pack_part(_texts([shard]), tok, out, part=part, block_size=block_size)
-        packed = write_token_manifest(out, snapshot_id=manifest.snapshot_id, tokenizer=tok, block_size=block_size,
-                                      parts=len(manifest.shards))
-    except TrainerError as exc:
-        raise ManifestError(f"packed tokens {out}: {exc}") from exc
-    location = str(out / TOKEN_MANIFEST_NAME)
+
+    def pack(one: TrainingManifest) -> tuple[Any, str]:
+        out = _out_dir(one, tok, block_size, root / "tokens")
+        try:
+            for part, shard in enumerate(one.shards):
+                pack_part(_texts([shard]), tok, out, part=part, block_size=block_size)
+            packed = write_token_manifest(out, snapshot_id=one.snapshot_id, tokenizer=tok, block_size=block_size,
+                                          parts=len(one.shards))
+        except TrainerError as exc:
+            raise ManifestError(f"packed tokens {out}: {exc}") from exc
+        return packed, str(out / TOKEN_MANIFEST_NAME)
+
+    if _is_mixture(manifest):
+        assert manifest.sources is not None
+        sources, totals = [], []
+        for src in manifest.sources:
+            packed, location = pack(_source_manifest(src))
+            sources.append({**src, "tokens": {"manifest": location, "sha256": packed.sha256,
+                                              "tokenizer_sha256": tok.sha256, "block_size": block_size}})
+            totals.append(packed)
+        final = TrainingManifest.build_mixture(sources, trainer=manifest.trainer)
+        return final, PackedTokensRef(
+            token_manifest=",".join(f"{s['name']}={s['tokens']['manifest']}" for s in sources),
+            token_manifest_sha256=str(final.tokens_sha256()), tokenizer_kind=cfg.kind, tokenizer_sha256=tok.sha256,
+            vocab_size=tok.vocab_size, block_size=block_size, samples=sum(p.samples for p in totals),
+            tokens=sum(p.tokens for p in totals), documents=sum(p.documents for p in totals))
+    packed, location = pack(manifest)
     summary = PackedTokensRef(
         token_manifest=location, token_manifest_sha256=packed.sha256, tokenizer_kind=cfg.kind,
         tokenizer_sha256=tok.sha256, vocab_size=tok.vocab_size, block_size=block_size, samples=packed.samples,
