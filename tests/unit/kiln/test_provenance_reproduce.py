@@ -374,6 +374,27 @@ def test_the_data_order_at_another_world_size_is_checked_against_the_one_seed_an
     assert not nothing.same and nothing.derived.startswith("none: the trainer logged no sample ids")
 
 
+def test_a_mixture_s_data_order_at_another_world_size_is_the_mixture_draw_s(tmp_path):
+    from kiln_trainer.mixture import Mixture, MixtureSource
+
+    sources = [("code", 0.7, [30, 25]), ("prose", 0.3, [12, 9, 20])]
+    seed, steps = 5, 7
+    draw = Mixture([MixtureSource(*s) for s in sources], seed=seed)
+    expected = [draw.draw_range(s * 8, 8).global_ids.tolist() for s in range(steps)]
+    order = {"shard_samples": [], "sources": sources, "seed": seed, "window_shards": 0, "global_batch_size": 8,
+             "steps": steps, "world_size": 2}
+    _sample_logs(tmp_path / "same", expected, 2)
+    same, where = data_order(tmp_path / "same", **order)
+    assert same.same and where == ""
+    # the same logs against one source's order (what a mixture's check must not fall back to) differ
+    plain, _ = data_order(tmp_path / "same", **{**order, "sources": None, "shard_samples": [30, 25, 12, 9, 20]})
+    assert not plain.same
+    swapped = [*expected[:2], expected[2][4:] + expected[2][:4], *expected[3:]]
+    _sample_logs(tmp_path / "swapped", swapped, 2)
+    differs, where = data_order(tmp_path / "swapped", **order)
+    assert not differs.same and where.startswith("the global batch of step 3 was read by ranks [0, 1]")
+
+
 def _at_two(verdict, weights, reason=""):
     return Reproduction(model="m", version="3", policy="sandbox", verdict=verdict, reason=reason,
                         comparisons=(Comparison("snapshot", "snapshot x", "a", "a"),
