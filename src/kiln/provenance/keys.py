@@ -4,6 +4,7 @@ Layout under ``KILN_HOME/keys/`` (folders 0700)::
 
     <policy>/signing-key.pem           the policy's private key (PKCS #8 PEM), 0600 from its first byte
     <policy>/trusted/<key id>.pem      every public key (SubjectPublicKeyInfo PEM) the policy accepts
+    <policy>/deployment-key.json       instead of signing-key.pem: the deployment holds the private key
 
 A key id is the sha256 of the public key's DER SubjectPublicKeyInfo, hex. ``signing_key`` makes the
 policy's key pair once (under a lock, so two first signers cannot make two) and adds its public half
