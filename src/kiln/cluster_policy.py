@@ -5,6 +5,7 @@ Installed as ``airflow_local_settings`` (``kiln.stack.prodlike`` writes it; the 
 imports nothing but ``kiln.policy``. A queue is served by a worker that holds only that policy's
 MLflow identity, so every DAG of a policy — the retraining DAG and the champion watch — must land
 on it: a production DAG on the sandbox worker would talk to MLflow without the production identity.
+``kiln_reproduce`` runs in sandbox capacity: the sandbox's queue.
 """
 
 from __future__ import annotations
@@ -13,12 +14,15 @@ from typing import Any
 
 from kiln.policy import POLICIES
 
+REPRODUCE_DAG_ID = "kiln_reproduce"
+"""``kiln.provenance.reproduce.REPRODUCE_DAG_ID`` (not imported: this module imports ``kiln.policy`` only):
+the reproduction DAG runs in sandbox capacity, so on the sandbox's queue."""
 QUEUES: dict[str, str] = {
     dag_id: f"kiln-{policy.name}"
     for policy in POLICIES.values()
     for dag_id in (policy.dag_id, getattr(policy, "champion_watch_dag_id", None))
     if dag_id
-}
+} | {REPRODUCE_DAG_ID: "kiln-sandbox"}
 """Celery queue per policy DAG (``kiln-production``, ``kiln-sandbox``); other DAGs use ``default``."""
 
 

@@ -27,9 +27,11 @@ def dagbag():
 
 
 def test_dagbag_has_no_import_errors(dagbag):
+    from kiln.provenance.reproduce import REPRODUCE_DAG_ID
+
     assert dagbag.import_errors == {}
     watches = {p.champion_watch_dag_id for p in POLICIES.values() if p.champion_watch_dag_id}
-    assert set(dagbag.dag_ids) == {p.dag_id for p in POLICIES.values()} | watches
+    assert set(dagbag.dag_ids) == {p.dag_id for p in POLICIES.values()} | watches | {REPRODUCE_DAG_ID}
 
 
 def test_dag_files_import_no_heavy_library():
@@ -63,7 +65,7 @@ def test_every_task_has_owner_retries_and_its_policy_pool(dagbag, policy):
 def test_no_task_splits_its_result_into_one_xcom_per_key(dagbag):
     """A ``-> dict`` annotation would make ``@task`` push every key as an XCom of its own, next to
     ``return_value``: rows nobody reads, and copies of values (checkpoint paths, run ids) to keep."""
-    for dag_id in (*(p.dag_id for p in POLICIES.values()), "kiln_champion_watch"):
+    for dag_id in (*(p.dag_id for p in POLICIES.values()), "kiln_champion_watch", "kiln_reproduce"):
         for t in dagbag.dags[dag_id].tasks:
             assert getattr(t, "multiple_outputs", False) is False, f"{dag_id}.{t.task_id}"
 
@@ -258,7 +260,7 @@ def test_parsing_the_dag_files_reads_no_variable_or_connection():
     parsed = json.loads(out.stdout.strip().splitlines()[-1])
     assert parsed["asked"] == [], f"parsing the DAG files asked for {parsed['asked']}"
     assert parsed["errors"] == {}
-    assert len(parsed["dags"]) == 3
+    assert parsed["dags"] == ["kiln_champion_watch", "kiln_production", "kiln_reproduce", "kiln_sandbox"]
 
 
 def test_the_dag_doc_says_which_variables_are_read_at_run_time_and_where_to_see_them(dagbag):

@@ -123,5 +123,5 @@ def test_the_shipped_dag_files_import(installed):
     assert probe.returncode == 0, probe.stderr[-3000:]
     facts = json.loads(probe.stdout.strip().splitlines()[-1])
     assert facts["errors"] == {}
-    assert facts["dags"] == ["kiln_champion_watch", "kiln_production", "kiln_sandbox"]
+    assert facts["dags"] == ["kiln_champion_watch", "kiln_production", "kiln_reproduce", "kiln_sandbox"]
     assert Path(facts["folder"]).is_relative_to(installed["purelib"])

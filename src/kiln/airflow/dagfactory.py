@@ -879,3 +879,156 @@ def build_champion_watch_dag(policy: Policy):
             review_timeout_setting=_templated_variable(review_timeout_variable(policy)))
 
     return kiln_champion_watch()
+
+
+# ------------------------------------------------------------------------------------- reproduce
+def _reproduce_params() -> dict[str, Param]:
+    """The form of ``kiln reproduce``: each field one of the command's arguments (checked again, as the command
+    checks them, in the run's first task: ``kiln.cli.reproduce.resolve_request``)."""
+    from kiln.provenance.reproduce import DEFAULT_TOLERANCE
+
+    return {
+        "version": Param(type="string", minLength=1, maxLength=300, title="Version",
+                         description="The registered version to re-derive: MODEL@ALIAS (kiln-stdlib-lm@champion) or "
+                                     "MODEL/VERSION (kiln-stdlib-lm/3). A reference of neither form fails the run's "
+                                     "first task, naming it."),
+        "policy": Param(None, type=["null", "string"], enum=[None, "production", "sandbox"],
+                        title="Verify for policy",
+                        description="Whose trusted keys verify the version before anything is derived (`kiln "
+                                    "reproduce --policy`); empty: the policy that owns the model, else production. "
+                                    "The reproduction itself always runs, signs and records as sandbox."),
+        "world_size": Param(None, type=["null", "integer"], minimum=1, title="World size",
+                            description="Re-derive at this many ranks instead of the recorded world size "
+                                        "(`--world-size`): the weights are then held to the registered ones within the "
+                                        "tolerance, not by sha256, and it must split the recorded global batch. Empty: "
+                                        "the recorded world size, bit for bit."),
+        "tolerance": Param(None, type=["null", "number"], minimum=0, title="Tolerance",
+                           description="Only with a world size (`--tolerance`): the largest absolute weight difference "
+                                       f"that still reproduces; empty: {DEFAULT_TOLERANCE:g} (measured, "
+                                       "docs/provenance.md)."),
+        "allow_code_drift": Param(False, type="boolean", title="Allow code drift",
+                                  description="Go on when the installed kiln code is not the recorded code "
+                                              "(`--allow-code-drift`); the drift is reported. Off: refused."),
+    }
+
+
+REPRODUCE_DOC = """\
+**Reproduce a registered version** (`kiln reproduce` from the form; docs/provenance.md, "The `kiln_reproduce`
+DAG"): verify the version for the chosen policy, re-derive it step by step from its signed statement and the
+DVC remote, and record the verdict.
+
+    request ─► reproduce ─► outcome
+
+* `request` checks the form as the command checks its arguments (a reference that is neither MODEL@ALIAS nor
+  MODEL/VERSION, a tolerance without a world size, a run parameter the form does not have: failed, no retry).
+* `reproduce` runs `kiln.provenance.reproduce.reproduce` with the run's key (the MLflow run and the torchrun
+  rendezvous are named after this DAG run) in a fresh work directory per try (`<run dir>/reproduction/try-N`);
+  its XCom is the outcome (`Reproduction.to_json`), its log the steps and the verdict in words.
+* `outcome` says where the verdict is recorded and fails the run, without retry, when it is `differs` or
+  `refused`: after it was recorded, never by re-deriving again.
+
+**In sandbox capacity.** Every task runs in the sandbox's pool, priority, retries and Celery queue and talks to
+MLflow as the sandbox identity, whatever the version's policy: the attestation is signed with sandbox's key and
+logged to a run of the `kiln-sandbox` experiment (tag `kiln.reproduction.of = MODEL/VERSION`). The version's
+`kiln.reproduction.*` tags are set when that identity may write them; under MLflow's basic auth it only reads
+production's models, the registry refuses them (403), and the run does not fail: `outcome` says that the verdict
+is recorded in that run, not on the version (`kiln verify` finds it there).
+"""
+
+
+def build_reproduce_dag(policy: Policy):
+    """The ``kiln_reproduce`` DAG (``kiln.provenance.reproduce.REPRODUCE_DAG_ID``): ``kiln reproduce`` from the
+    Airflow form, by hand only, in the capacity of ``policy`` (the sandbox's: its pool, priority, retries, queue
+    and MLflow identity). ``PolicyError`` for any other policy: reproduction writes no production name."""
+    from kiln.errors import PolicyError
+    from kiln.provenance.reproduce import REPRODUCE_DAG_ID
+
+    if policy.name != "sandbox":
+        raise PolicyError(f"the {REPRODUCE_DAG_ID} DAG runs in sandbox capacity, not policy {policy.name!r}'s "
+                          "(its attestation is signed with sandbox's key and logged to sandbox's experiment)")
+
+    @dag(
+        dag_id=REPRODUCE_DAG_ID,
+        description="Re-derive a registered version from its signed provenance statement (kiln reproduce), "
+                    "in sandbox capacity.",
+        schedule=None,
+        catchup=False,
+        max_active_runs=policy.max_active_runs,
+        default_args=_default_args(policy),
+        tags=[*policy.tags, "reproduce"],
+        doc_md=REPRODUCE_DOC + "\n" + policy.doc_md(run_time_settings_doc(policy, train=False, review_task=None)),
+        params=_reproduce_params(),
+        allowed_run_types=["manual"],  # type: ignore[list-item]  # names, as in build_dag
+    )
+    def kiln_reproduce():
+        @task(multiple_outputs=False)
+        def request() -> dict[str, Any]:
+            """The form's values as ``kiln reproduce`` would take them; a bad one fails here, without retry."""
+            from kiln.cli.reproduce import resolve_request
+            from kiln.errors import ConfigError
+
+            ctx = get_current_context()
+            params = dict(ctx["params"])
+            # The declared form, not ctx["params"]: Airflow merges unknown conf keys into the latter.
+            unknown = sorted(set(ctx["dag_run"].conf or {}) - set(ctx["dag"].params.keys()))
+
+            def resolve() -> tuple[str, str, str, str]:
+                if unknown:
+                    raise ConfigError(f"{REPRODUCE_DAG_ID} does not take run parameter(s) {', '.join(unknown)}; "
+                                      f"allowed: {', '.join(sorted(ctx['dag'].params.keys()))}")
+                return resolve_request(str(params.get("version") or ""), params.get("policy"),
+                                       world_size=params.get("world_size"), tolerance=params.get("tolerance"))
+
+            model, by, name, verify_for = _run(resolve, mlflow_as=None)
+            asked = {"model": model, "by": by, "name": name, "policy": verify_for,
+                     "world_size": params.get("world_size"), "tolerance": params.get("tolerance"),
+                     "allow_code_drift": bool(params.get("allow_code_drift"))}
+            print(f"reproduce {model} {'@' if by == 'alias' else '/'}{name}, verified for policy {verify_for}: {asked}")
+            return asked
+
+        @task(multiple_outputs=False)
+        def reproduce(asked: dict[str, Any]) -> dict[str, Any]:
+            """Re-derive and record the verdict (``kiln.provenance.reproduce.reproduce``); the outcome as XCom.
+            A verdict is a value, not a fault: this task succeeds on ``differs`` and ``refused`` too."""
+            from kiln import runs
+            from kiln.provenance.reproduce import reproduce as reproduce_version
+
+            ctx = get_current_context()
+            key = _key()
+            # A fresh directory per try: a retry never meets its predecessor's leftovers (reproduce() refuses a
+            # work directory that is not empty); the MLflow run is the same one (found by the run key).
+            workdir = runs.run_dir(key) / "reproduction" / f"try-{ctx['ti'].try_number}"
+            outcome = _run(reproduce_version, asked["model"], asked["name"], by=asked["by"], policy=asked["policy"],
+                           allow_code_drift=asked["allow_code_drift"], workdir=workdir, record=True,
+                           world_size=asked["world_size"], tolerance=asked["tolerance"], run_key=key,
+                           log=lambda line: print(f"[reproduce] {line}", flush=True), mlflow_as=policy)
+            for line in outcome.in_words():
+                print(line)
+            return outcome.to_json()
+
+        @task(multiple_outputs=False)
+        def outcome(result: dict[str, Any]) -> dict[str, Any]:
+            """Where the verdict is recorded, in words; fails the run without retry unless it is ``reproduced``."""
+            from airflow.sdk.exceptions import AirflowFailException
+
+            from kiln.provenance.attestation import NOT_ON_VERSION, reproducer_experiment
+
+            refused = next((n for n in result.get("notes") or [] if n.startswith(NOT_ON_VERSION)), None)
+            uri = result.get("attestation_uri") or ""
+            run_id = uri.removeprefix("runs:/").split("/", 1)[0] if uri else ""
+            where = ("on the version's kiln.reproduction.* tags" + (f" and in MLflow run {run_id}" if run_id else "")
+                     if refused is None else f"in MLflow run {run_id} of experiment {reproducer_experiment()}, not "
+                                             "on the version (its tags were refused)")
+            said = result.get("reason") or "every step gave the recorded digest"
+            message = (f"{result['model']} version {result['version']} (verified for {result['policy']}): "
+                       f"{result['verdict']}: {said}. Recorded {where}"
+                       + (f"; signed attestation {uri}" if uri else ""))
+            print(message)
+            if result["verdict"] != "reproduced":
+                raise AirflowFailException(message)
+            return {"model": result["model"], "version": result["version"], "verdict": result["verdict"],
+                    "recorded_on_version": refused is None, "attestation_uri": uri}
+
+        outcome(reproduce(request()))
+
+    return kiln_reproduce()

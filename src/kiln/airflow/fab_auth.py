@@ -6,6 +6,7 @@ once per stack to create the roles and users below. What each role may do::
 
     role             see both DAGs   trigger sandbox   trigger production   answer production approval
     kiln-sandbox     yes             yes               no (403)             no (403)
+                                     (and kiln_reproduce, which runs in sandbox capacity)
     kiln-reviewer    yes             no                no (403)             yes (also an assigned reviewer)
     kiln-publisher   yes             no                no                   no; may post Asset events
     Admin            yes             yes               yes                  only if assigned
@@ -41,8 +42,10 @@ def _dag_run(dag_id: str) -> str:
 
 
 EXTRA_PERMISSIONS: dict[str, list[tuple[str, str]]] = {
-    # Triggering needs edit on the DAG and create on its runs; nothing on production.
-    "kiln-sandbox": [(EDIT, _dag(SANDBOX.dag_id)), (CREATE, _dag_run(SANDBOX.dag_id)), (READ, "HITL Detail")],
+    # Triggering needs edit on the DAG and create on its runs; nothing on production. kiln_reproduce
+    # (kiln.provenance.reproduce.REPRODUCE_DAG_ID) runs in sandbox capacity: the sandbox's to trigger.
+    "kiln-sandbox": [(EDIT, _dag(SANDBOX.dag_id)), (CREATE, _dag_run(SANDBOX.dag_id)),
+                     (EDIT, _dag("kiln_reproduce")), (CREATE, _dag_run("kiln_reproduce")), (READ, "HITL Detail")],
     # Answering a HITL task is a PUT on the DAG's "HITL Detail": edit on both. No run creation.
     "kiln-reviewer": [(EDIT, _dag(PRODUCTION.dag_id)), (READ, "HITL Detail"), (EDIT, "HITL Detail")],
     # Announces corpus snapshots (POST /api/v2/assets/events) and nothing else.

@@ -38,6 +38,7 @@ import json
 import math
 import sys
 from pathlib import Path
+from typing import Literal
 
 from kiln.cli.args import refuse_unusable_target
 from kiln.errors import ConfigError
@@ -92,20 +93,35 @@ def _bound(text: str) -> float:
     return value
 
 
-def handler(args: argparse.Namespace) -> int:
+def resolve_request(ref: str, policy: str | None, *, world_size: int | None,
+                    tolerance: float | None) -> tuple[str, Literal["alias", "version"], str, str]:
+    """What ``kiln reproduce REF [--policy P] [--world-size N [--tolerance X]]`` asks for, checked before the
+    registry is asked (the command and the ``kiln_reproduce`` DAG's first task): ``(model, "alias" or
+    "version", name, policy)``, the policy defaulting to the one that owns the model, else production.
+    ``ConfigError`` naming what is wrong: a reference that is neither form, a tolerance without a world size;
+    ``PolicyError`` for an unknown policy."""
     from kiln.cli.verify import parse_version_ref
-    from kiln.policy import owning_policy
-    from kiln.provenance.reproduce import reproduce
+    from kiln.policy import get_policy, owning_policy
 
-    model, kind, name = parse_version_ref(args.ref)
-    if args.tolerance is not None and args.world_size is None:
+    model, kind, name = parse_version_ref(ref)
+    if tolerance is not None and world_size is None:
         raise ConfigError("--tolerance bounds the weights' difference at another world size: give --world-size N "
                           "(at the recorded world size the weights' sha256 is compared)")
+    if policy is not None:
+        get_policy(policy)
+    owner = owning_policy(model)
+    return model, "alias" if kind == "alias" else "version", name, policy or (
+        owner.name if owner is not None else "production")
+
+
+def handler(args: argparse.Namespace) -> int:
+    from kiln.provenance.reproduce import reproduce
+
+    model, by, name, policy = resolve_request(args.ref, args.policy, world_size=args.world_size,
+                                              tolerance=args.tolerance)
     if args.workdir is not None:
         refuse_unusable_target("--workdir", args.workdir, directory=True)
-    owner = owning_policy(model)
-    policy = args.policy or (owner.name if owner is not None else "production")
-    outcome = reproduce(model, name, by="alias" if kind == "alias" else "version", policy=policy,
+    outcome = reproduce(model, name, by=by, policy=policy,
                         allow_code_drift=args.allow_code_drift, workdir=args.workdir, record=not args.no_record,
                         world_size=args.world_size, tolerance=args.tolerance,
                         log=lambda line: print(f"[reproduce] {line}", file=sys.stderr, flush=True))

@@ -24,7 +24,9 @@ the approval ``promote`` signed (``kiln.promotion.attestation``) and the latest 
 policy trusts, naming this version's statement by its sha256 and this version, and agreeing with the
 version's approval (rollback) tags. One that fails, and, under a policy that requires approval, a
 promoted or rolled-back-to version that names none, exits 1 naming what is wrong; on success each is
-printed (who, how, when, the decision). ``--dir`` has no registry records and checks none.
+printed (who, how, when, the decision). ``--dir`` has no registry records and checks none. Last, where the
+version's latest reproduction verdict is recorded (``kiln.provenance.attestation.verdict_lines``: its
+``kiln.reproduction.*`` tags, else its latest run in the sandbox experiment), as recorded, not checked.
 """
 
 from __future__ import annotations
@@ -83,15 +85,16 @@ def handler(args: argparse.Namespace) -> int:
     else:
         model, kind, name = parse_version_ref(args.ref)
         policy = args.policy or "production"
+        from kiln.provenance.attestation import verdict_lines
         from kiln.registry import mlflow_io
         from kiln.registry.verify import VerifiedVersion, verify_version
 
-        def attempt() -> tuple[Any, VerifiedVersion]:
+        def attempt() -> tuple[Any, VerifiedVersion, list[str]]:
             client = mlflow_io._client()
             mv = mlflow_io.version_by_ref(client, model, kind, name)
-            return mv, verify_version(client, mv, policy)
+            return mv, verify_version(client, mv, policy), verdict_lines(client, mv)
 
-        mv, version = mlflow_io._with_retries(f"verifying {args.ref}", attempt)
+        mv, version, reproduction = mlflow_io._with_retries(f"verifying {args.ref}", attempt)
         args.policy = policy
         what, statement = f"{mv.name} version {mv.version}", version.statement
         keys = version.statement_key_id, version.model_sig_key_id
@@ -101,7 +104,7 @@ def handler(args: argparse.Namespace) -> int:
     print(f"{what}: verified for policy {args.policy} (statement key {keys[0]}, model.sig key {keys[1]})")
     if args.ref is not None:
         print("  its tags and logged model agree with the signed statement")
-        for line in _attestation_lines(version.attestations):
+        for line in [*_attestation_lines(version.attestations), *reproduction]:
             print(f"  {line}")
     for line in describe(statement):
         print(f"  {line}")
