@@ -923,7 +923,9 @@ DVC remote, and record the verdict.
   MODEL/VERSION, a tolerance without a world size, a run parameter the form does not have: failed, no retry).
 * `reproduce` runs `kiln.provenance.reproduce.reproduce` with the run's key (the MLflow run and the torchrun
   rendezvous are named after this DAG run) in a fresh work directory per try (`<run dir>/reproduction/try-N`);
-  its XCom is the outcome (`Reproduction.to_json`), its log the steps and the verdict in words.
+  its XCom is the outcome (`Reproduction.to_json`), its log the steps and the verdict in words. It trains
+  with kiln's local launcher on the worker that runs the task (torchrun, one process per rank), as the
+  command does; the deployment's `kiln_sandbox_launcher` Variable is not read.
 * `outcome` says where the verdict is recorded and fails the run, without retry, when it is `differs` or
   `refused`: after it was recorded, never by re-deriving again.
 
