@@ -43,18 +43,25 @@ order above, unchanged. A ``LoaderSource``'s ``max_epochs`` / ``max_tokens`` cap
 is the first global batch that would draw it past a cap (``Mixture.cap_step``), where the session
 ends the run; the loader itself draws on (its prefetch reads ahead).
 
-Prefetch: a background thread reads the next ``prefetch_steps`` steps into a bounded queue;
-``state_dict`` counts only the steps handed out by ``next_step``. ``sample_log`` (a path) makes
-the loader append one JSON line per step with the global sample ids this rank read -- the record
-the world-size proofs compare.
+Read-ahead: a background thread reads ``read_steps`` steps at a time -- their positions' ids in one
+call of the order (or the mixture), their rows in one read of each shard they touch -- whenever
+fewer than ``prefetch_steps`` steps are ready; so it wakes once per ``read_steps`` steps, not once
+a step, and at most ``prefetch_steps - 1 + read_steps`` steps are held (bounded, whatever the corpus
+size). A block whose build fails is built again step by step, so an error (a shard cut or altered
+since it was checked) reaches ``next_step`` at the step it belongs to, after the steps before it,
+and is raised in the training thread as the read raised it. ``state_dict`` counts only the steps
+handed out by ``next_step``: the read-ahead never moves the state, and a resume (or ``skip_step``)
+starts a new read-ahead at the state's position, so the batches depend on the position alone, never
+on where a block began. ``sample_log`` (a path) makes the loader append one JSON line per step with
+the global sample ids this rank read -- the record the world-size proofs compare.
 """
 
 from __future__ import annotations
 
 import json
-import queue
 import threading
-from collections.abc import Sequence
+from collections import deque
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -156,11 +163,13 @@ class TokenLoader:
         seed: int,
         window_shards: int = 0,
         prefetch_steps: int = 2,
+        read_steps: int = 8,
         sample_log: str | Path | None = None,
     ) -> None:
         self.accum_steps = _check_geometry(global_batch_size, micro_batch_size, rank, world_size)
-        if prefetch_steps < 1:
-            raise RecipeError(f"prefetch_steps = {prefetch_steps}: must be >= 1")
+        for name, value in (("prefetch_steps", prefetch_steps), ("read_steps", read_steps)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise RecipeError(f"{name} = {value!r}: must be an int >= 1")
         self.sources: tuple[LoaderSource, ...] = (
             (LoaderSource("", 1.0, tokens),) if isinstance(tokens, PackedTokens) else tuple(tokens))
         """Every source, in declared order (one nameless source for a plain ``PackedTokens``)."""
@@ -186,11 +195,12 @@ class TokenLoader:
         self.cap_stop = self._cap_stop()
         """Where a capped source ends the run (None: no source has a cap); the same at every world size."""
         self.prefetch_steps = prefetch_steps
+        """The read-ahead thread reads when fewer steps than this are ready."""
+        self.read_steps = read_steps
+        """Steps the read-ahead thread reads per wake-up."""
         self.sample_log = Path(sample_log) if sample_log is not None else None
         self.consumed_samples = 0
-        self._queue: queue.Queue[tuple[str, Any]] | None = None
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
+        self._ahead: _ReadAhead | None = None
 
     def _cap_stop(self) -> CapStop | None:
         block = self.sources[0].tokens.sample_tokens - 1  # the tokens a sample trains, as mixture_report counts
@@ -346,8 +356,13 @@ class TokenLoader:
             return self.mixture.draw_range(start, self.global_batch_size).global_ids
         return self.order.ids_range(start, self.global_batch_size)
 
-    def _build(self, consumed: int) -> StepBatch:
-        positions = rank_positions(consumed, global_batch_size=self.global_batch_size, rank=self.rank, world_size=self.world_size)
+    def _build(self, consumed: int, steps: int = 1) -> list[StepBatch]:
+        """This rank's parts of the ``steps`` global batches from ``consumed`` on: the ids of all their
+        positions in one call of the order (or the mixture), their rows in one read."""
+        g = self.global_batch_size
+        positions = rank_positions(consumed, global_batch_size=g, rank=self.rank, world_size=self.world_size)
+        if steps > 1:
+            positions = (positions[None, :] + g * np.arange(steps, dtype=np.int64)[:, None]).reshape(-1)
         sources = None
         if self.mixture is None:
             ids = self.order.ids(positions)
@@ -356,30 +371,54 @@ class TokenLoader:
             drawn = self.mixture.draw(positions)
             ids, sources = drawn.global_ids, drawn.sources
             rows = self._concatenated.read(ids)  # the global ids: every source's shards in one read
+        def split(a: np.ndarray) -> list[np.ndarray]:  # each step in arrays of its own, freed when it is dropped
+            return [part.copy() for part in np.split(a, steps)] if steps > 1 else [a]
+
+        step_ids, step_rows = split(ids), split(rows)
+        step_sources: list[np.ndarray | None] = [*split(sources)] if sources is not None else [None] * steps
         b = self.micro_batch_size
-        micro = tuple(rows[m * b : (m + 1) * b] for m in range(self.accum_steps))
-        return StepBatch(
-            step=consumed // self.global_batch_size,
-            consumed_before=consumed,
-            epoch=self._epoch_at(consumed),
-            sample_ids=ids,
-            micro_batches=micro,
-            sources=sources,
-        )
+        return [
+            StepBatch(
+                step=(consumed + k * g) // g,
+                consumed_before=consumed + k * g,
+                epoch=self._epoch_at(consumed + k * g),
+                sample_ids=step_ids[k],
+                micro_batches=tuple(step_rows[k][m * b : (m + 1) * b] for m in range(self.accum_steps)),
+                sources=step_sources[k],
+            )
+            for k in range(steps)
+        ]
+
+    def _read_block(self, consumed: int) -> list[tuple[str, Any]]:
+        """What the read-ahead hands over for the ``read_steps`` steps from ``consumed``: a batch per
+        step; if the block's build fails, the steps are built one by one, up to the first that fails,
+        whose error ends the list (the error then belongs to its step, as a step-at-a-time read gives it)."""
+        try:
+            return [("batch", batch) for batch in self._build(consumed, self.read_steps)]
+        except BaseException:  # found again below, at its own step
+            pass
+        items: list[tuple[str, Any]] = []
+        for k in range(self.read_steps):
+            try:
+                items.append(("batch", self._build(consumed + k * self.global_batch_size)[0]))
+            except BaseException as exc:  # handed to the training thread, which raises it
+                items.append(("error", exc))
+                break
+        return items
 
     # ------------------------------------------------------------------ stepping
 
     def next_step(self) -> StepBatch:
-        """This rank's part of the next global batch (prefetched); advances the state by G samples."""
-        if self._thread is None:
-            self._start_prefetch()
-        assert self._queue is not None
-        kind, item = self._queue.get()
+        """This rank's part of the next global batch (read ahead); advances the state by G samples."""
+        if self._ahead is None:
+            self._ahead = _ReadAhead(self._read_block, self.consumed_samples, self.global_batch_size,
+                                     ready_below=self.prefetch_steps, name=f"kiln-loader-r{self.rank}")
+        kind, item = self._ahead.get()
         if kind == "error":
             self._stop_prefetch()
             raise item
         batch: StepBatch = item
-        assert batch.consumed_before == self.consumed_samples, "prefetch out of step with the loader state"
+        assert batch.consumed_before == self.consumed_samples, "read-ahead out of step with the loader state"
         self.consumed_samples += self.global_batch_size
         if self.sample_log is not None:
             self._log(batch)
@@ -404,39 +443,11 @@ class TokenLoader:
         with open(self.sample_log, "a", encoding="utf-8") as fh:
             fh.write(json.dumps(line, separators=(",", ":")) + "\n")
 
-    def _start_prefetch(self) -> None:
-        self._stop = threading.Event()
-        self._queue = queue.Queue(maxsize=self.prefetch_steps)
-        self._thread = threading.Thread(
-            target=self._produce,
-            args=(self.consumed_samples, self._queue, self._stop),
-            name=f"kiln-loader-r{self.rank}",
-            daemon=True,
-        )
-        self._thread.start()
-
-    def _produce(self, consumed: int, out: queue.Queue[tuple[str, Any]], stop: threading.Event) -> None:
-        while not stop.is_set():
-            try:
-                item: tuple[str, Any] = ("batch", self._build(consumed))
-            except BaseException as exc:  # handed to the training thread, which raises it
-                item = ("error", exc)
-            while not stop.is_set():
-                try:
-                    out.put(item, timeout=0.1)
-                    break
-                except queue.Full:
-                    continue
-            if item[0] == "error":
-                return
-            consumed += self.global_batch_size
-
     def _stop_prefetch(self) -> None:
-        if self._thread is None:
+        if self._ahead is None:
             return
-        self._stop.set()
-        self._thread.join()
-        self._thread, self._queue = None, None
+        self._ahead.stop()
+        self._ahead = None
 
     def close(self) -> None:
         self._stop_prefetch()
@@ -446,3 +457,52 @@ class TokenLoader:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+class _ReadAhead:
+    """The read-ahead thread and what it has read: items (``("batch", StepBatch)`` or a last
+    ``("error", exc)``) from ``read(consumed)``, a block of steps a call, from ``start`` on. The thread
+    reads while fewer than ``ready_below`` items are ready and sleeps otherwise; ``get`` wakes it only
+    when it takes the ready count below that mark, so the thread wakes once per block."""
+
+    def __init__(self, read: Callable[[int], list[tuple[str, Any]]], start: int, step_samples: int, *,
+                 ready_below: int, name: str) -> None:
+        self._read, self._step_samples, self._ready_below = read, step_samples, ready_below
+        self._items: deque[tuple[str, Any]] = deque()
+        self._cond = threading.Condition(threading.Lock())
+        self._stopped = False
+        self._thread = threading.Thread(target=self._run, args=(start,), name=name, daemon=True)
+        self._thread.start()
+
+    def get(self) -> tuple[str, Any]:
+        with self._cond:
+            while not self._items:
+                if not self._thread.is_alive() and not self._items:
+                    raise RuntimeError(f"the loader's read-ahead thread {self._thread.name} ended without "
+                                       "handing over a batch or an error")
+                self._cond.wait(timeout=1.0)
+            item = self._items.popleft()
+            if len(self._items) == self._ready_below - 1:
+                self._cond.notify()  # the thread sleeps until now: read the next block
+            return item
+
+    def _run(self, consumed: int) -> None:
+        while True:
+            with self._cond:
+                while not self._stopped and len(self._items) >= self._ready_below:
+                    self._cond.wait()
+                if self._stopped:
+                    return
+            items = self._read(consumed)
+            with self._cond:
+                self._items.extend(items)
+                self._cond.notify()
+            if not items or items[-1][0] == "error":
+                return
+            consumed += len(items) * self._step_samples
+
+    def stop(self) -> None:
+        with self._cond:
+            self._stopped = True
+            self._cond.notify_all()
+        self._thread.join()

@@ -15,11 +15,20 @@ with an exact inverse (``FeistelPermutation.inverse``) used by the tests.
 shuffles the shard order per epoch, cuts it into windows of ``w`` shards and shuffles the samples
 inside each window, so a reader needs only about ``w`` shards at a time (what a bounded remote
 cache wants; MosaicML's ``py1b`` and litdata's chunk shuffling make the same trade).
+
+Cost. A call's cost is mostly fixed (the round keys, then pass after pass of cycle walking until
+the element of the sparsest domain is back in range, each pass a fixed numpy cost), and a loader
+asks for a few dozen consecutive positions at a time. So the ids of an epoch are computed in blocks
+of ``_BLOCK`` consecutive positions, each once, and kept (``_BLOCKS_KEPT``, least recently used
+dropped); positions that fall in at most two blocks of an epoch are then a lookup. Positions
+spread wider (a scattered query) are computed directly. Both are the same map: the ids never
+depend on which path gave them.
 """
 
 from __future__ import annotations
 
 import hashlib
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -34,6 +43,10 @@ FEISTEL_ROUNDS = 6
 six leave a margin for the cheap round function."""
 
 _MAX_WALK = 1000
+_BLOCK = 1 << 12
+"""Consecutive positions of an epoch whose ids are computed together and kept (32 KiB of ids)."""
+_BLOCKS_KEPT = 3
+"""Blocks kept (the current one, the next, and the next epoch's first)."""
 _M1 = np.uint64(0xBF58476D1CE4E5B9)
 _M2 = np.uint64(0x94D049BB133111EB)
 
@@ -130,6 +143,9 @@ class SampleOrder:
         self.num_samples = int(self.shard_offsets[-1])
         self.window_shards = 0 if window_shards >= len(sizes) else int(window_shards)
         self._layouts: dict[int, _EpochLayout] = {}
+        self._blocks: dict[tuple[int, int], np.ndarray] = {}
+        """Kept blocks of ids by (epoch, block), least recently used first."""
+        self._lock = threading.Lock()  # a loader's read-ahead thread and its caller both ask
 
     def _layout(self, epoch: int) -> _EpochLayout:
         layout = self._layouts.get(epoch)
@@ -157,16 +173,48 @@ class SampleOrder:
         if pos.size and pos.min() < 0:
             raise RecipeError("stream positions must be >= 0")
         out = np.empty_like(pos)
+        if not pos.size:
+            return out
         epochs, within = np.divmod(pos, self.num_samples)
-        for epoch in np.unique(epochs):
-            in_epoch = epochs == epoch
-            out[in_epoch] = self._ids_in_epoch(int(epoch), within[in_epoch])
+        first, last = int(epochs.min()), int(epochs.max())
+        for epoch in range(first, last + 1) if last - first < 8 else np.unique(epochs).tolist():
+            mine = slice(None) if first == last else epochs == epoch
+            q = within[mine]
+            if not q.size:
+                continue
+            lo, hi = int(q.min()) // _BLOCK, int(q.max()) // _BLOCK
+            if hi - lo > 1:  # scattered: computed directly
+                out[mine] = self._ids_in_epoch(epoch, q)
+                continue
+            table = self._block(epoch, lo)
+            if hi > lo:
+                table = np.concatenate([table, self._block(epoch, hi)])
+            out[mine] = table[q - lo * _BLOCK]
         return out
 
     def ids_range(self, start: int, count: int) -> np.ndarray:
         return self.ids(np.arange(start, start + count, dtype=np.int64))
 
+    def _block(self, epoch: int, block: int) -> np.ndarray:
+        """The ids of positions ``[block*B, (block+1)*B)`` of ``epoch`` (``B = _BLOCK``; the epoch's
+        last block shorter), computed once and kept: ``_BLOCKS_KEPT``, the least recently used dropped."""
+        key = (epoch, block)
+        with self._lock:
+            table = self._blocks.pop(key, None)
+            if table is not None:
+                self._blocks[key] = table  # now the most recently used
+                return table
+        q = np.arange(block * _BLOCK, min((block + 1) * _BLOCK, self.num_samples), dtype=np.int64)
+        table = self._ids_in_epoch(epoch, q)
+        table.setflags(write=False)
+        with self._lock:
+            self._blocks[key] = table
+            while len(self._blocks) > _BLOCKS_KEPT:
+                del self._blocks[next(iter(self._blocks))]
+        return table
+
     def _ids_in_epoch(self, epoch: int, q: np.ndarray) -> np.ndarray:
+        """The ids of positions ``q`` within ``epoch``, computed (the permutation, then the windows)."""
         layout = self._layout(epoch)
         if self.window_shards == 0:
             return FeistelPermutation(self.num_samples, round_keys(self.seed, epoch))(q)

@@ -101,7 +101,9 @@ def test_global_batches_do_not_depend_on_the_world_size(manifest, world_size, mi
         assert np.array_equal(ids, ref_loader.global_batch_ids(step * global_batch))
     # Rank r asked the reader for its own slice of each global batch (consumed or prefetched), nothing else.
     share = global_batch // world_size
-    ahead = steps + 2 + 1  # prefetch_steps = 2 batches queued, one more being built
+    # The read-ahead reads read_steps = 8 steps whenever fewer than prefetch_steps = 2 are ready: at most
+    # 2 - 1 + 8 steps beyond those handed out.
+    ahead = steps + 2 - 1 + 8
     for rank, asked in enumerate(requested):
         consumed = {int(i) for ids, _ in got for i in ids[rank * share : (rank + 1) * share]}
         slices = {
@@ -247,3 +249,122 @@ def test_sample_log_records_what_each_rank_read(manifest, tmp_path):
         assert [line["step"] for line in lines] == [0, 1, 2]
         assert [line["sample_ids"] for line in lines] == [b.sample_ids.tolist() for b in batches[rank]]
         assert {line["rank"] for line in lines} == {rank} and lines[1]["consumed_before"] == 16
+
+
+def _batches(loader: TokenLoader, steps: int) -> list[tuple[np.ndarray, np.ndarray]]:
+    return [(b.sample_ids, np.concatenate(b.micro_batches)) for b in (loader.next_step() for _ in range(steps))]
+
+
+def _wait_for(check, seconds: float = 10.0) -> None:
+    """Until ``check()`` holds (the read-ahead thread's progress), or fail after ``seconds``."""
+    import time
+
+    deadline = time.monotonic() + seconds
+    while not check():
+        assert time.monotonic() < deadline, "the read-ahead thread did not get there"
+        time.sleep(0.005)
+
+
+def test_a_block_of_steps_read_at_once_is_bitwise_the_steps_read_one_by_one(manifest):
+    """read_steps = 5 (ids of 5 steps in one call of the order, their rows in one read) gives the batches
+    a step-at-a-time read gives, across epoch ends, and each step's arrays are its own (not views of
+    the block's, so a step handed out and dropped frees its memory)."""
+    n = PackedTokens(manifest).num_samples
+    steps = 2 * n // 40 + 3  # 40 does not divide n: blocks straddle the epoch ends
+    one = _loader(manifest, micro=8, global_batch=40, read_steps=1)
+    five = _loader(manifest, micro=8, global_batch=40, read_steps=5)
+    got = [five.next_step() for _ in range(steps)]
+    for step, ((ids, rows), batch) in enumerate(zip(_batches(one, steps), got, strict=True)):
+        assert np.array_equal(ids, batch.sample_ids) and np.array_equal(rows, np.concatenate(batch.micro_batches)), step
+        assert batch.step == step and batch.consumed_before == 40 * step and batch.epoch == 40 * step // n
+        assert batch.micro_batches[0].base is None or batch.micro_batches[0].base.shape == (40, B + 1)
+        assert batch.sample_ids.base is None
+    one.close()
+    five.close()
+
+
+@pytest.mark.parametrize("window", [0, 2])
+def test_a_resume_at_every_step_inside_a_read_block_is_bitwise_the_uninterrupted_run(manifest, window):
+    """The state saved after s steps, while the read-ahead has read a block or more past s, resumes at
+    exactly s: for every s through two blocks of read_steps = 4, the resumed loader's next steps are the
+    uninterrupted run's, ids and rows bit for bit, and the state counts the steps handed out only."""
+    k, g = 4, 16
+    reference = _batches(_loader(manifest, window=window, read_steps=1), 3 * k + 2)
+    for s in range(2 * k + 1):
+        tokens = RecordingTokens(manifest)
+        first = _loader(manifest, window=window, read_steps=k, tokens=tokens)
+        done = _batches(first, s)
+        if s:  # the read-ahead has read its next block: at least one step beyond the state, often k
+            _wait_for(lambda s=s, tokens=tokens: len(tokens.requested) >= (s + 1) * g)
+        state = json.loads(json.dumps(first.state_dict()))
+        first.close()
+        assert state["consumed_samples"] == s * g
+        resumed = _loader(manifest, window=window, read_steps=k)
+        resumed.load_state_dict(state)
+        for step, ((ids, rows), (ref_ids, ref_rows)) in enumerate(zip(done + _batches(resumed, k + 1), reference,
+                                                                      strict=False)):
+            assert np.array_equal(ids, ref_ids) and np.array_equal(rows, ref_rows), (s, step)
+        resumed.close()
+
+
+def test_the_read_ahead_reads_a_block_per_wake_up_and_holds_a_bounded_number_of_steps(manifest):
+    """With read_steps = 6 the reader is called once per 6 steps (one call of the order and one read a
+    block), and never more than prefetch_steps - 1 + read_steps steps are held ready; with read_steps = 1,
+    once a step."""
+
+    class CountingTokens(PackedTokens):
+        calls = 0
+
+        def read(self, sample_ids):
+            self.calls += 1
+            return super().read(sample_ids)
+
+    for k, prefetch in ((6, 2), (1, 2), (6, 3)):
+        tokens = CountingTokens(manifest)
+        loader = _loader(manifest, tokens=tokens, read_steps=k, prefetch_steps=prefetch)
+        for step in range(1, 25):
+            loader.next_step()
+            # it reads while fewer than `prefetch` steps are ready, a block at a time: then it sleeps
+            _wait_for(lambda tokens=tokens, step=step, k=k, prefetch=prefetch: tokens.calls * k >= step + prefetch)
+            assert loader._ahead is not None and len(loader._ahead._items) <= prefetch - 1 + k
+            assert tokens.calls * k <= step + prefetch - 1 + k
+        loader.close()
+        assert tokens.calls == -(-(24 + prefetch) // k)  # ceil: whole blocks, each read once
+
+
+@pytest.mark.parametrize("read_steps", [4, 7])
+def test_a_read_error_surfaces_at_the_step_it_belongs_to(manifest, read_steps):
+    """A shard cut after it was opened: the steps before the first step that reads a lost row are
+    handed out whole and right, and that step -- inside a block of read_steps, not at its start --
+    raises the error a step-at-a-time read raises (the same type and message), in the training thread,
+    with the state at that step."""
+    entry = manifest.shards[0]  # global ids 0 .. entry.samples - 1
+    path = Path(manifest.path) / entry.path
+    reference = _loader(manifest, read_steps=1)
+    n = reference.order.num_samples
+    step_of = np.empty(n, dtype=np.int64)
+    step_of[reference.order.ids_range(0, n)] = np.arange(n) // 16  # the first-epoch step that reads each id
+    # Cut shard 0 at row c: the first step that reads a lost row is min(step_of[c:]); pick a c that puts
+    # it past the first block and inside a block (not its first step).
+    cut, fail_at = next((c, f) for c in range(entry.samples - 1, 0, -1)
+                        if (f := int(step_of[c : entry.samples].min())) > read_steps and f % read_steps)
+    expected = _batches(reference, fail_at)
+    reference.close()
+    saved = path.read_bytes()
+    tokens = PackedTokens(manifest)
+    tokens.read([0])  # opened and scanned whole: what is read later is read as asked
+    errors = []
+    try:
+        os.truncate(path, cut * (B + 1) * 2)
+        for k in (1, read_steps):
+            loader = _loader(manifest, tokens=tokens, read_steps=k)
+            got = _batches(loader, fail_at)
+            assert all(np.array_equal(a[0], b[0]) and np.array_equal(a[1], b[1]) for a, b in zip(got, expected, strict=True))
+            with pytest.raises(TokenShardError, match=f"{entry.path} ends at byte") as raised:
+                loader.next_step()
+            assert loader.step == fail_at
+            errors.append(str(raised.value))
+            loader.close()
+    finally:
+        path.write_bytes(saved)
+    assert errors[0] == errors[1]

@@ -390,3 +390,16 @@ def test_a_mixture_of_one_name_would_be_another_order(synthetic):
     mix = Mixture([MixtureSource("one", 1.0, [s.samples for s in synthetic.shards])], seed=7)
     plain = SampleOrder([s.samples for s in synthetic.shards], seed=7)
     assert not np.array_equal(mix.draw_range(0, 24).samples, plain.ids_range(0, 24))
+
+
+def test_a_block_of_steps_read_at_once_draws_and_reads_what_steps_one_by_one_do(packed):
+    """read_steps = 5 (the mixture draws 5 steps' positions in one call, their rows in one read): the
+    same ids, rows, sources and epochs as a step-at-a-time read, while the small source wraps."""
+    one, five = _loader(packed, read_steps=1), _loader(packed, read_steps=5)
+    for step in range(40):
+        a, b = one.next_step(), five.next_step()
+        assert a.step == b.step == step and a.epoch == b.epoch
+        assert np.array_equal(a.sample_ids, b.sample_ids) and np.array_equal(a.sources, b.sources)
+        assert all(np.array_equal(x, y) for x, y in zip(a.micro_batches, b.micro_batches, strict=True))
+    one.close()
+    five.close()

@@ -105,3 +105,23 @@ def test_negative_positions_and_empty_permutations_are_refused():
         SampleOrder([3], seed=0).ids([-1])
     with pytest.raises(RecipeError, match="n >= 1"):
         FeistelPermutation(0, round_keys(0))
+
+
+@pytest.mark.parametrize("window", [0, 2])
+def test_kept_blocks_give_the_ids_computed_directly(window):
+    """A loader's queries (a few dozen consecutive positions at a time) are answered from blocks of
+    ``_BLOCK`` ids of an epoch, kept: across block ends, epoch ends, blocks dropped and made again, they
+    are the ids a whole-epoch query computes directly (it spans more than two blocks)."""
+    from kiln_trainer import sample_order as module
+
+    sizes = [5000, 3000, 1234, 700]  # 9934 samples: 3 blocks an epoch, the last one short
+    order = SampleOrder(sizes, seed=11, window_shards=window)
+    n, block = order.num_samples, module._BLOCK
+    direct = np.concatenate([SampleOrder(sizes, seed=11, window_shards=window).ids_range(e * n, n) for e in range(2)])
+    pieces = np.concatenate([order.ids(np.arange(p, min(p + 48, 2 * n))) for p in range(0, 2 * n, 48)])
+    assert np.array_equal(pieces, direct)
+    assert len(order._blocks) <= module._BLOCKS_KEPT and (1, 2) in order._blocks
+    back = np.arange(block - 5, block + 5)  # far back: made again after being dropped, over a block end
+    assert np.array_equal(order.ids(back), direct[back])
+    scattered = np.random.default_rng(3).integers(0, 2 * n, 500)
+    assert np.array_equal(order.ids(scattered), direct[scattered])
