@@ -339,8 +339,10 @@ class Mixture:
 
     def _block(self, source: int, epoch: int, block: int) -> np.ndarray:
         """The ids of draws ``[block*B, (block+1)*B)`` of this source's epoch (``B = _BLOCK``, the last
-        block shorter), computed once and kept: ``_BLOCKS_KEPT`` per source, the least recently used dropped
-        (per source, so a small source's short epochs never push out a large one's block)."""
+        block shorter), computed once (by the source's ``FeistelPermutation``: the ids ``_permute_direct``
+        gives, and a small source's whole epoch walks by table lookups) and kept: ``_BLOCKS_KEPT`` per source,
+        the least recently used dropped (per source, so a small source's short epochs never push out a large
+        one's block)."""
         kept, key = self._blocks[source], (epoch, block)
         with self._lock:
             table = kept.pop(key, None)
@@ -348,7 +350,7 @@ class Mixture:
                 kept[key] = table  # now the most recently used
         if table is None:
             within = np.arange(block * _BLOCK, min((block + 1) * _BLOCK, self.num_samples[source]), dtype=np.int64)
-            table = self._permute_direct(np.full_like(within, source), np.full_like(within, epoch), within)
+            table = self._permutation(source, epoch)(within)  # one permutation: its small-domain table walk applies
             table.setflags(write=False)
             with self._lock:
                 kept[key] = table

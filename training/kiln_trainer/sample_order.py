@@ -22,7 +22,10 @@ asks for a few dozen consecutive positions at a time. So the ids of an epoch are
 of ``_BLOCK`` consecutive positions, each once, and kept (``_BLOCKS_KEPT``, least recently used
 dropped); positions that fall in at most two blocks of an epoch are then a lookup. Positions
 spread wider (a scattered query) are computed directly. Both are the same map: the ids never
-depend on which path gave them.
+depend on which path gave them. A permutation asked for at least a quarter of a small domain
+(``2**k <= _TABLE_DOMAIN``: a block of a corpus of up to ~16k samples, a small mixture source's
+epoch) computes the rounds over the whole domain once and walks by table lookups: the walk's passes
+then cost an indexing each instead of six rounds of numpy calls.
 """
 
 from __future__ import annotations
@@ -43,6 +46,8 @@ FEISTEL_ROUNDS = 6
 six leave a margin for the cheap round function."""
 
 _MAX_WALK = 1000
+_TABLE_DOMAIN = 1 << 14
+"""The largest domain ``[0, 2**k)`` whose whole round table a walk may compute (128 KiB of int64)."""
 _BLOCK = 1 << 12
 """Consecutive positions of an epoch whose ids are computed together and kept (32 KiB of ids)."""
 _BLOCKS_KEPT = 3
@@ -98,6 +103,19 @@ class FeistelPermutation:
     def _walk(self, x: np.ndarray, inverse: bool) -> np.ndarray:
         if self.n == 1:
             return np.zeros_like(x)
+        domain = 1 << 2 * self.half_bits
+        if domain <= _TABLE_DOMAIN and 4 * x.size >= domain:
+            # The rounds over the whole (small) domain once, then the walk below by lookups in that table:
+            # the same values, without the rounds' fixed numpy cost on every pass of the walk.
+            table = self._rounds(np.arange(domain, dtype=np.uint64), inverse).astype(np.int64)
+            got = table[x]
+            outside = got >= self.n
+            for _ in range(_MAX_WALK):
+                if not outside.any():
+                    return got
+                got[outside] = table[got[outside]]
+                outside = got >= self.n
+            raise RuntimeError(f"cycle walking did not return into [0, {self.n}) after {_MAX_WALK} rounds: not a permutation")
         out = self._rounds(x.astype(np.uint64), inverse)
         # Cycle walking: a value outside [0, n) is sent through again; the cycle that starts in
         # [0, n) must come back into it, so this ends, after < 4 rounds on average (2**k < 4n).

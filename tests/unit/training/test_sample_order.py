@@ -125,3 +125,16 @@ def test_kept_blocks_give_the_ids_computed_directly(window):
     assert np.array_equal(order.ids(back), direct[back])
     scattered = np.random.default_rng(3).integers(0, 2 * n, 500)
     assert np.array_equal(order.ids(scattered), direct[scattered])
+
+
+@pytest.mark.parametrize("n", [3, 400, 1000, 3000, 4097, 16_000])
+def test_the_small_domain_table_walk_is_the_rounds_walk(n):
+    """Asked for many ids of a small domain (at least a quarter of it), the permutation computes its
+    rounds over the whole domain once and walks by lookups; a few ids at a time walk through the rounds.
+    Both are the same map, forward and inverse."""
+    perm = FeistelPermutation(n, round_keys("table", n))
+    whole, back = perm(np.arange(n)), perm.inverse(np.arange(n))
+    few = np.concatenate([perm(np.arange(i, min(i + 2, n))) for i in range(0, n, 2)])
+    few_back = np.concatenate([perm.inverse(np.arange(i, min(i + 2, n))) for i in range(0, n, 2)])
+    assert np.array_equal(whole, few) and np.array_equal(back, few_back)
+    assert np.array_equal(perm.inverse(whole), np.arange(n))
