@@ -172,12 +172,13 @@ def _run(stage: Callable[..., T], *args: Any, mlflow_as: Policy | None, **kwargs
     as (and nothing else: any identity the worker's environment carries is set aside for the call);
     None, anonymously."""
     from kiln.mlflow_auth import use_identity
+    from kiln.provenance.keys import use_policy_key  # signs as mlflow_as only, its key from its connection
 
     with _kiln_faults_fail_without_retry():
         identity = _mlflow_identity(mlflow_as) if mlflow_as is not None else None
         if identity is not None:
             log.info("MLflow identity: %s (from %s)", identity.username, identity.source)
-        with use_identity(identity):
+        with use_identity(identity), use_policy_key(mlflow_as):
             return stage(*args, **kwargs)
 
 
