@@ -72,6 +72,29 @@ def test_sandbox_run_end_to_end(stack, admin):
         leaked = client.search_model_versions(f"name = '{model}' AND tags.`kiln.airflow.run_id` = '{run['dag_run_id']}'")
         assert not leaked, f"a sandbox run wrote a version of {model}"
 
+    # `kiln reproduce` of that champion from the kiln_reproduce DAG's form (sandbox capacity): from the signed
+    # statement and the DVC remote alone, every step gives the recorded digest and the weights the same sha256,
+    # at the recorded world size; the verdict is tagged on the version with a signed attestation.
+    from kiln.provenance.reproduce import REPRODUCE_DAG_ID
+
+    admin.wait_for_dag(REPRODUCE_DAG_ID)
+    admin.unpause(REPRODUCE_DAG_ID)
+    asked = admin.trigger(REPRODUCE_DAG_ID, conf={"version": f"{SANDBOX.target_model}@{SANDBOX.alias}"})["dag_run_id"]
+    final = follow_run(admin, REPRODUCE_DAG_ID, asked, timeout=600, progress=print)
+    states = {ti["task_id"]: ti["state"] for ti in admin.task_instances(REPRODUCE_DAG_ID, asked)}
+    outcome = admin.xcom(REPRODUCE_DAG_ID, asked, "reproduce")
+    assert final["state"] == "success", (states, outcome)
+    assert (outcome["verdict"], outcome["version"], outcome["world_size"]) == ("reproduced", version.version,
+                                                                               committed["world_size"])
+    weights = [c for c in outcome["comparisons"] if c["step"] == "train"]
+    assert weights and weights[-1]["same"] and weights[-1]["derived"] == train["weights_sha256"]
+    assert [c["step"] for c in outcome["comparisons"] if not c["same"]] == []
+    assert {c["step"] for c in outcome["comparisons"]} == {"snapshot", "validate", "tokenize", "training-manifest",
+                                                           "train", "evaluate", "hf-folder"}
+    tags = client.get_model_version(SANDBOX.target_model, version.version).tags
+    assert tags["kiln.reproduction.verdict"] == "reproduced"
+    assert tags["kiln.reproduction.attestation_sha256"] == outcome["attestation_sha256"]
+
 
 def test_a_teams_own_hugging_face_model_through_the_sandbox_form(stack, admin, llama_sandbox_run, tmp_path):
     """The worked example of a trainer of your own (``kiln_hf_trainer``: a ``transformers``
