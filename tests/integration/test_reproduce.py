@@ -190,6 +190,12 @@ def test_an_untouched_version_reproduces_with_the_same_weights_and_the_verdict_i
 
     local = Path(mlflow.artifacts.download_artifacts(outcome["attestation_uri"], dst_path=str(tmp_path / "att")))
     assert hashlib.sha256(local.read_bytes()).hexdigest() == tags["kiln.reproduction.attestation_sha256"]
+    # the version page says it: the description's last part, after the registration's own
+    page = client.get_model_version(on_stack.model, on_stack.version).description
+    said = page.split("Reproduction (`kiln reproduce`, the latest verdict): ")
+    assert len(said) == 2 and said[0].startswith("kiln candidate from Airflow run") and "Datasheet" in said[0]
+    assert said[1].startswith("**reproduced** at world size 1, the weights compared bit for bit, ")
+    assert f"Signed attestation `{outcome['attestation_uri']}`" in said[1]
     attested = verify_attestation(local)
     assert attested["predicate"]["verdict"] == "reproduced"
     assert attested["predicate"]["reproducer"]["policy"] == REPRODUCER_POLICY
@@ -249,6 +255,9 @@ def test_at_another_world_size_the_weights_reproduce_within_tolerance_and_say_so
     assert (tags["kiln.reproduction.world_size"], tags["kiln.reproduction.weights_compared"]) == ("2", "tolerance")
     assert float(tags["kiln.reproduction.max_abs_diff"]) == weights["max_abs_diff"]
     assert float(tags["kiln.reproduction.tolerance"]) == DEFAULT_TOLERANCE
+    page = client.get_model_version(on_stack.model, on_stack.version).description
+    assert page.count("Reproduction (`kiln reproduce`, the latest verdict):") == 1  # the latest replaces an earlier one
+    assert "**reproduced** at world size 2, the weights within a bound (" in page
     import mlflow
 
     local = Path(mlflow.artifacts.download_artifacts(outcome["attestation_uri"], dst_path=str(tmp_path / "att")))

@@ -99,7 +99,8 @@ def verdict_size_tags(outcome: Reproduction) -> dict[str, str]:
 def record_verdict(mv: ModelVersion, outcome: Reproduction, model_dir: Path, run_key: str) -> Reproduction:
     """Sign the verdict as an attestation (the reproducer's key), log it to the reproduction's MLflow run
     (sandbox experiment, ``run_key``, tagged with the verdict and ``REPRODUCTION_OF_TAG``) and tag the version
-    with the verdict and the attestation's URI and sha256. Returns ``outcome`` with the attestation named.
+    with the verdict and the attestation's URI and sha256, which its description (the version page) then says
+    in words (``kiln.registry.report.with_reproduction``). Returns ``outcome`` with the attestation named.
     A retry with the same ``run_key`` finds the same run and logs the attestation over the earlier one.
 
     The run is logged first, with the verdict as run tags (and without an attestation for a version without a
@@ -150,6 +151,8 @@ def record_verdict(mv: ModelVersion, outcome: Reproduction, model_dir: Path, run
     stale = [TAGS[name] for name in SIZE_TAGS if TAGS[name] not in tags and TAGS[name] in (mv.tags or {})]
 
     def tag() -> None:
+        from kiln.registry.report import with_reproduction
+
         client = mlflow_io._client()
         for key, value in tags.items():
             client.set_model_version_tag(mv.name, str(mv.version), key, value)
@@ -159,6 +162,11 @@ def record_verdict(mv: ModelVersion, outcome: Reproduction, model_dir: Path, run
             except MlflowException as exc:  # gone already (a retry, or another reproducer): that is the aim
                 if exc.error_code != "RESOURCE_DOES_NOT_EXIST":
                     raise
+        # the version page: its description's reproduction section says the latest verdict, from the tags
+        now = client.get_model_version(mv.name, str(mv.version))
+        page = with_reproduction(now.description or "", dict(now.tags or {}))
+        if page != (now.description or ""):
+            client.update_model_version(mv.name, str(mv.version), description=page)
 
     try:
         mlflow_io._with_retries(f"recording the reproduction verdict on {mv.name}/{mv.version}", tag)

@@ -262,7 +262,49 @@ def _description(tags: dict[str, str], decision: Decision, run_id: str, experime
         f"Evaluation report (loss curve, metrics against the champion, full lineage): artifacts of run "
         f"`{run_id}`, `{REPORT_DIR}/report.html` (also `report.md`, `eval_report.json`, `decision.json`).\n\n"
         f"{_datasheet_line(run_id, experiment_id)}"
+        f"{_reproduction_part(tags)}"
     )
+
+
+REPRODUCTION_HEADING = "Reproduction (`kiln reproduce`, the latest verdict):"
+"""Where the version page's reproduction section starts: the last part of the description, replaced whole
+by each later verdict (``with_reproduction``)."""
+
+
+def reproduction_section(tags: dict[str, str]) -> str:
+    """The version's latest reproduction verdict in words, from its ``kiln.reproduction.*`` tags (what
+    ``kiln.provenance.attestation.record_verdict`` sets); "" when it has none."""
+    verdict = tags.get(TAGS["reproduction_verdict"], "")
+    if not verdict:
+        return ""
+    size = tags.get(TAGS["reproduction_world_size"], "")
+    compared = tags.get(TAGS["reproduction_weights_compared"], "")
+    how = ""
+    if size:
+        how = f" at world size {size}"
+        if compared == "tolerance":
+            how += (f", the weights within a bound ({tags.get(TAGS['reproduction_tolerance'], '?')}; largest absolute "
+                    f"difference {tags.get(TAGS['reproduction_max_abs_diff'], '?')})")
+        elif compared == "bitwise":
+            how += ", the weights compared bit for bit"
+    attestation = tags.get(TAGS["reproduction_attestation"], "")
+    signed = (f"Signed attestation `{attestation}` (sha256 `{tags.get(TAGS['reproduction_attestation_sha256'], '')}`)."
+              if attestation else "No signed attestation (the version has no provenance statement to name).")
+    detail = tags.get(TAGS["reproduction_detail"], "").replace("\n", " ")
+    return (f"{REPRODUCTION_HEADING} **{verdict}**{how}, {tags.get(TAGS['reproduction_at'], '?')}: {detail}\n\n"
+            f"{signed}\n")
+
+
+def _reproduction_part(tags: dict[str, str]) -> str:
+    section = reproduction_section(tags)
+    return f"\n\n{section}" if section else ""
+
+
+def with_reproduction(description: str, tags: dict[str, str]) -> str:
+    """``description`` with its reproduction section (``REPRODUCTION_HEADING`` to the end) replaced by the one
+    ``tags`` give (or removed, when they give none)."""
+    head = description.split(f"\n\n{REPRODUCTION_HEADING}", 1)[0]
+    return head + _reproduction_part(tags)
 
 
 def _sources_table(tags: dict[str, str]) -> str:
