@@ -14,7 +14,7 @@ are byte for byte the sources' shards, so the one-source baseline reads the same
 samples, only as one source. In one process, ``TokenLoader`` over the one corpus and ``TokenLoader``
 over the three sources (``LoaderSource``) each hand out ``STEPS`` global batches of ``GLOBAL`` samples
 as rank 0 of 1 (64 samples a step: what one rank of 8 reads of the gpt2-small recipe's 512; micro-batches
-of ``MICRO``), prefetch thread and all, alternated over ``REPEATS`` repeats (the order flipped every
+of ``MICRO``), read-ahead thread and all, alternated over ``REPEATS`` repeats (the order flipped every
 repeat); every shard is scanned and in the page cache before the first timed repeat. Throughput is
 samples handed out per second; the ratio is the three sources' over the one's, from the process's CPU
 seconds (both threads: steadier than wall time on a shared machine) and, beside it, wall seconds;
@@ -54,8 +54,8 @@ SAMPLES = (4000, 4600)
 """Samples of the one corpus (and of the three sources together), in two sizes: 4000 fill 98% of the
 one corpus' Feistel domain (4**6) while the sources' 2800, 800 and 400 fill 68%, 78% and 39% of theirs,
 and 4600 fill 28% of 4**7 against 79%, 90% and 45%. The permutation walks until its value falls inside
-``[0, n)``, so the first size is the one-source side's best case for the draw, the second its worst (the
-mixture permutes each source's epoch in kept blocks, so its draw no longer walks per step)."""
+``[0, n)``, so the first size was the one-source side's best case for the draw, the second its worst (both
+sides now permute in kept blocks of 4096 ids, the one corpus since 0893383: neither walks per step)."""
 STEPS = int(os.environ.get("KILN_BENCH_MIX_STEPS", "300"))
 REPEATS = int(os.environ.get("KILN_BENCH_MIX_REPEATS", "15"))  # a repeat is half a second: 5 left the median to two outliers
 
@@ -309,27 +309,29 @@ def main() -> dict[str, Any]:
 
 
 WHY = (
-    "Per step the loader draws its positions' sample ids, then reads each shard they touch once (since 0fec07f one "
-    "open and a preadv per run of consecutive rows, packed.read_rows; an np.memmap per shard and call before): the "
-    "reads are most of a step's CPU and both sides make about as many ('shard mappings/step': the shards a step "
-    "touches; the three sources' half a shard more a step is most of what is left between them). Timed without "
-    "the prefetch thread (TokenLoader._build, 300 steps at 4000 samples, cProfile), the two sides' steps cost the "
-    "same CPU (2.137 and 2.136 ms on 2 Intel Xeon cores, 2026-12-07): the spread of the per-repeat ratios at "
-    "4000 samples (about 0.89-1.04 there) is the prefetch thread's scheduling on a 2-core host, and a median "
-    "below 0.95 there is within it. The mixture's draw ('draw alone') costs what the one corpus' does: the "
-    "split (a pair of divisions per "
-    "tree level), then a lookup per source in blocks of 4096 consecutive ids of its epoch, each block permuted "
-    "once and kept (Mixture._block), instead of the Feistel rounds and their cycle walking every step (which "
-    "walked until the element of the sparsest domain -- prose's 400 of 1024 -- fell in range: about 6 passes of "
-    "70 us, 0.38-0.55 ms a step before). The three sources are read in one call over their concatenated id "
-    "space (ConcatenatedTokens: the mixture's global ids), not one read per source and a copy back into position "
-    "order. The one corpus' plain SampleOrder still walks every step: where it fills its domain (4000 of 4096) "
-    "that is cheap and the sides are even; where it fills 28% (4600 of 16384) it costs 0.6 ms more than the "
-    "mixture's lookups. Memory: nothing per sample is held beyond the kept blocks (3 per source, 32 KiB each); per "
-    "shard only its token manifest entry (path, sha256, counts: about 0.3 KiB as Python objects, by tracemalloc), "
-    "its offset and whether it was scanned, so the peak is the interpreter, numpy and prefetch_steps batches; the "
-    "anonymous RSS per shard is that entry plus the JSON parse's and the allocator's slack. At the packer's "
-    "default 128 MiB shards a thousand shards per source would add about a MiB"
+    "The loader's thread reads read_steps = 8 steps a wake-up (since 0893383): the 8 steps' positions drawn in one "
+    "call, then each shard they touch read once (one open and a preadv per run of consecutive rows, "
+    "packed.read_rows, since 0fec07f; an np.memmap per shard and call before): the reads are most of a step's CPU "
+    "and both sides make about as many ('shard mappings/step': the shards one step's positions touch). Timed "
+    "without the thread (TokenLoader._read_block, 37 blocks of 8 steps, 12 alternated repeats, thread CPU, 2 AMD "
+    "EPYC cores, 2026-12-07), a step cost 620 and 628 us (best; medians 692 and 711) at 4000 samples for the one "
+    "corpus and the three sources, 696 and 720 (medians 786 and 859) at 4600: the spread of the per-repeat ratios "
+    "(about 0.85-1.05) is the thread's scheduling on a 2-core host. Both sides' orders are block lookups: the "
+    "mixture permutes each source's epoch in blocks of 4096 consecutive draws (Mixture._block), each once, kept, "
+    "after its split (a pair of divisions per tree level), and since 0893383 the one corpus' SampleOrder keeps "
+    "blocks of 4096 ids of its epoch too (before, it walked every step: 0.11 ms a step at 4000 samples, which fill "
+    "98% of its domain, 0.66 at 4600, which fill 28%, and the mixture was 1.37x the one corpus there). A block "
+    "of a small domain (2**k <= 16384: all three sources here, and the one corpus) computes the rounds over the "
+    "whole domain once and walks by table lookups (since ccd318b): the small sources start a new epoch, a new "
+    "block, every few steps, which the mixture's draw of 8 steps paid ~0.1 ms a step for before. 'draw alone' is "
+    "a call per step (a loader makes one per 8 steps: 7 and 30 us a step at 4000 samples, 44 and 29 at 4600, "
+    "measured as above). The three sources are read in one call over their concatenated id space "
+    "(ConcatenatedTokens: the mixture's global ids). Memory: nothing per sample is held beyond the kept blocks (3 "
+    "per source, 32 KiB each); per shard only its token manifest entry (path, sha256, counts: about 0.3 KiB as "
+    "Python objects, by tracemalloc), its offset and whether it was scanned, so the peak is the interpreter, numpy "
+    "and at most prefetch_steps - 1 + read_steps steps read ahead; the anonymous RSS per shard is that entry plus "
+    "the JSON parse's and the allocator's slack. At the packer's default 128 MiB shards a thousand shards per "
+    "source would add about a MiB"
 )
 
 

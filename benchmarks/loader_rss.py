@@ -134,9 +134,10 @@ def main() -> dict[str, Any]:
         "whole_corpus_ratio": round(whole[-1] / whole[0], 2),
         "whole_corpus_ratio_means": "the pre-issue-18 way (corpus concatenated in RAM per rank): peak RSS at 8x / at 1x",
         "by_corpus_size": rows,
-        "why": "PackedTokens reads a step's rows with preadv into the batch (packed.read_rows), mapping "
+        "why": "PackedTokens reads its rows with preadv into the batch (packed.read_rows), mapping "
         "nothing, so the pages read stay out of the process (in the page cache, shared by the node's ranks); "
-        "the loader holds prefetch_steps batches and O(shards) offsets, nothing per sample.",
+        "the loader reads read_steps (8) steps a wake-up and holds at most prefetch_steps - 1 + read_steps "
+        "steps, the order 3 blocks of 4096 ids, and O(shards) offsets, nothing per sample.",
     }
 
 
