@@ -150,6 +150,22 @@ def _mlflow_identity(policy: Policy):  # -> kiln.mlflow_auth.MlflowIdentity | No
     return identity_from_env(policy)
 
 
+def signing_connection(conn_id: str) -> tuple[str, str] | None:
+    """An Airflow connection's (password, extra ``private_key``), from whichever secrets backend holds it;
+    None when there is none of that id: where a policy's signing key is read in its own tasks
+    (``kiln.provenance.keys.use_policy_key``)."""
+    from airflow.sdk import Connection
+    from airflow.sdk.exceptions import AirflowNotFoundException
+
+    from kiln.provenance.keys import PRIVATE_KEY_EXTRA
+
+    try:
+        conn = Connection.get(conn_id)
+    except AirflowNotFoundException:
+        return None
+    return conn.password or "", str(conn.extra_dejson.get(PRIVATE_KEY_EXTRA) or "")
+
+
 @contextlib.contextmanager
 def _kiln_faults_fail_without_retry() -> Iterator[None]:
     """A kiln error that a retry cannot fix (``retryable is False``) fails the task without retry."""
@@ -178,7 +194,7 @@ def _run(stage: Callable[..., T], *args: Any, mlflow_as: Policy | None, **kwargs
         identity = _mlflow_identity(mlflow_as) if mlflow_as is not None else None
         if identity is not None:
             log.info("MLflow identity: %s (from %s)", identity.username, identity.source)
-        with use_identity(identity), use_policy_key(mlflow_as):
+        with use_identity(identity), use_policy_key(mlflow_as, signing_connection):
             return stage(*args, **kwargs)
 
 

@@ -34,7 +34,7 @@ import hashlib
 import json
 import os
 import stat
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -335,19 +335,21 @@ def key_from_env(policy: str, environ: dict[str, str] | None = None) -> SigningK
     return None
 
 
-def key_from_connection(policy: str, conn_id: str) -> SigningKey | None:
-    """The policy's key from the Airflow connection ``conn_id`` (its password, else its extra's
-    ``private_key``); None when Airflow has no such connection. Only in an Airflow process (a task);
-    the password is masked in task logs by Airflow like any connection password."""
-    from airflow.sdk import Connection
-    from airflow.sdk.exceptions import AirflowNotFoundException
+ConnectionReader = Callable[[str], "tuple[str, str] | None"]
+"""An Airflow connection's (password, extra ``private_key``) by its id, None when Airflow has none of that id:
+the Airflow adapter's (``kiln.airflow.dagfactory.signing_connection``; only ``kiln.airflow`` imports Airflow)."""
 
-    try:
-        conn = Connection.get(conn_id)
-    except AirflowNotFoundException:
+
+def key_from_connection(policy: str, conn_id: str, read: ConnectionReader) -> SigningKey | None:
+    """The policy's key from the Airflow connection ``conn_id`` (its password, else its extra's
+    ``private_key``) as ``read`` gives it; None when Airflow has no such connection. Only in an Airflow
+    process (a task); the password is masked in task logs by Airflow like any connection password."""
+    found = read(conn_id)
+    if found is None:
         return None
     source = f"connection {conn_id}"
-    pem = conn.password or str(conn.extra_dejson.get(PRIVATE_KEY_EXTRA) or "")
+    password, extra = found
+    pem = password or extra
     if not pem:
         raise ProvenanceError(f"{source}: holds no private key (put the PEM in its password or in its extra's "
                               f"{PRIVATE_KEY_EXTRA!r})")
@@ -359,6 +361,7 @@ def key_from_connection(policy: str, conn_id: str) -> SigningKey | None:
 class _Scope:
     policy: str | None
     conn_id: str | None
+    read: ConnectionReader | None = None
 
 
 _SCOPE: _Scope | None = None
@@ -372,7 +375,7 @@ def _deployment_key(policy: str, home: str | Path | None) -> SigningKey | None:
         if scope.policy != policy:
             acts = f"acts as policy {scope.policy}" if scope.policy else "acts as no policy"
             raise ProvenanceError(f"this stage {acts}: it may not sign as policy {policy}")
-        conn = key_from_connection(policy, scope.conn_id) if scope.conn_id else None
+        conn = key_from_connection(policy, scope.conn_id, scope.read) if scope.conn_id and scope.read else None
     found = conn or key_from_env(policy)
     if found is None:
         return None
@@ -385,14 +388,14 @@ def _deployment_key(policy: str, home: str | Path | None) -> SigningKey | None:
 
 
 @contextlib.contextmanager
-def use_policy_key(policy: Policy | None) -> Iterator[None]:
+def use_policy_key(policy: Policy | None, read_connection: ConnectionReader | None = None) -> Iterator[None]:
     """Sign as ``policy`` only, until the block ends (one Airflow task's stage: ``dagfactory._run``).
 
     ``signing_key`` of any other policy is refused in this process for the block (None: of every
-    policy); ``policy``'s key is read from its Airflow connection ``policy.signing_conn_id`` when one
-    exists, else as outside the block. Every other policy's ``KILN_<POLICY>_SIGNING_KEY`` /
-    ``_FILE`` and ``AIRFLOW_CONN_<its signing_conn_id>`` are removed from the environment for the
-    block, as ``kiln.mlflow_auth.use_identity`` removes other MLflow identities: a process the stage
+    policy); ``policy``'s key is read from its Airflow connection ``policy.signing_conn_id`` through
+    ``read_connection`` (the Airflow adapter's) when one exists, else as outside the block. Every other
+    policy's ``KILN_<POLICY>_SIGNING_KEY`` / ``_FILE`` and ``AIRFLOW_CONN_<its signing_conn_id>`` are removed
+    from the environment for the block, as ``kiln.mlflow_auth.use_identity`` removes other MLflow identities: a process the stage
     starts (the trainer: its launch acts as no policy) never inherits them. They come back afterwards.
     """
     global _SCOPE
@@ -407,7 +410,8 @@ def use_policy_key(policy: Policy | None) -> Iterator[None]:
     try:
         for name in names:
             os.environ.pop(name, None)
-        _SCOPE = _Scope(policy.name, policy.signing_conn_id) if policy is not None else _Scope(None, None)
+        _SCOPE = (_Scope(policy.name, policy.signing_conn_id, read_connection) if policy is not None
+                  else _Scope(None, None))
         yield
     finally:
         _SCOPE = saved_scope

@@ -65,10 +65,11 @@ TRAINER_IMPORTERS_ALLOWED: dict[str, tuple[tuple[str, ...], str]] = {
                                    "the recipe's schema is the trainer's: what it would refuse is refused before any worker"),
     "src/kiln/launchers/worker.py": (("kiln_trainer.packed",),
                                      "torchrun's entry point: its agent warms the data path with the trainer's reader"),
-    "src/kiln/provenance/reproduce.py": (("kiln_trainer.export", "kiln_trainer.sample_order"),
+    "src/kiln/provenance/reproduce.py": (("kiln_trainer.export", "kiln_trainer.mixture", "kiln_trainer.sample_order"),
                                          "`kiln reproduce --world-size N` exports the re-derived checkpoint as "
                                          "registration does (the registered folder's tensors, same names) and checks the "
-                                         "ranks' global batches against the sample order the seed and the step give"),
+                                         "ranks' global batches against the sample order the seed and the step give (a "
+                                         "mixture's: the Mixture draw's)"),
     "src/kiln/registry/register.py": (("kiln_trainer.export",),
                                       "the HF export work (issue 30, item 4) owns it now"),
     "src/kiln/stages/inputs.py": (("kiln_trainer.config",),

@@ -41,6 +41,13 @@ def _conn(pem: str, field: str = "password") -> str:
     return json.dumps({"conn_type": "generic", "extra": {field: pem}})
 
 
+def _in_task(policy):
+    """``use_policy_key`` as ``dagfactory._run`` enters it: the connection read through the Airflow adapter."""
+    from kiln.airflow.dagfactory import signing_connection
+
+    return keys.use_policy_key(policy, signing_connection)
+
+
 def _private_files(home: Path) -> list[Path]:
     """Every file under the kiln home that holds a private key (by content, whatever its name)."""
     return [p for p in home.rglob("*") if p.is_file() and b"PRIVATE KEY" in p.read_bytes()]
@@ -136,33 +143,33 @@ def test_in_a_task_the_policys_connection_comes_first_and_other_policies_are_ref
     monkeypatch.setenv(PROD_CONN, _conn(conn_pem))
     monkeypatch.setenv(PROD_PEM, env_pem)
     assert keys.signing_key("production", home).key_id == env_kid  # outside a task: no connection is read
-    with keys.use_policy_key(PRODUCTION):
+    with _in_task(PRODUCTION):
         key = keys.signing_key("production", home)
         assert (key.key_id, key.source) == (conn_kid, "connection kiln_signing_production")
         with pytest.raises(ProvenanceError, match="this stage acts as policy production: it may not sign as policy sandbox"):
             keys.signing_key("sandbox", home)
     monkeypatch.setenv(PROD_CONN, _conn(conn_pem, keys.PRIVATE_KEY_EXTRA))
-    with keys.use_policy_key(PRODUCTION):
+    with _in_task(PRODUCTION):
         assert keys.signing_key("production", home).key_id == conn_kid
     monkeypatch.setenv(PROD_CONN, _conn(keys.public_pem(keys.parse_private_key(conn_pem, "t").public_key()).decode()))
-    with keys.use_policy_key(PRODUCTION), pytest.raises(
+    with _in_task(PRODUCTION), pytest.raises(
             ProvenanceError, match="connection kiln_signing_production: holds a public key, not the private key"):
         keys.signing_key("production", home)
     monkeypatch.setenv(PROD_CONN, json.dumps({"conn_type": "generic", "login": "nobody"}))
-    with keys.use_policy_key(PRODUCTION), pytest.raises(
+    with _in_task(PRODUCTION), pytest.raises(
             ProvenanceError, match="connection kiln_signing_production: holds no private key"):
         keys.signing_key("production", home)
     monkeypatch.setenv(PROD_CONN, _conn(conn_pem))
 
     for scope, acts in ((SANDBOX, "acts as policy sandbox"), (None, "acts as no policy")):
-        with keys.use_policy_key(scope):
+        with _in_task(scope):
             assert PROD_CONN not in os.environ and PROD_PEM not in os.environ  # nor in a process started here
             with pytest.raises(ProvenanceError, match=f"this stage {acts}: it may not sign as policy production"):
                 keys.signing_key("production", home)
             with pytest.raises(ProvenanceError, match=f"this stage {acts}"):
                 sign_approval({"anything": 1}, "production", home=home)
         assert os.environ[PROD_CONN] == _conn(conn_pem) and os.environ[PROD_PEM] == env_pem  # back afterwards
-    with keys.use_policy_key(SANDBOX):  # sandbox signs with its own key (made under KILN_HOME: none deployed)
+    with _in_task(SANDBOX):  # sandbox signs with its own key (made under KILN_HOME: none deployed)
         sandbox = keys.signing_key("sandbox", home)
     assert sandbox.path is not None and sandbox.key_id not in (conn_kid, env_kid)
     assert [p.name for p in _private_files(home)] == [keys.PRIVATE_KEY_FILE]  # sandbox's, none of production's
@@ -172,12 +179,12 @@ def test_in_a_task_the_policys_connection_comes_first_and_other_policies_are_ref
 def test_a_configured_connection_without_a_trusted_key_fails_closed(home, monkeypatch):
     keys.trust_deployment_key("production", keys.generate_private_pem(), home)
     monkeypatch.setenv(PROD_CONN, _conn(keys.generate_private_pem()))  # a key nobody trusted
-    with keys.use_policy_key(PRODUCTION), pytest.raises(
+    with _in_task(PRODUCTION), pytest.raises(
             ProvenanceError, match="connection kiln_signing_production: key [0-9a-f]{64} is not in policy production's "
                                    "trusted set"):
         keys.signing_key("production", home)
     monkeypatch.delenv(PROD_CONN)
-    with keys.use_policy_key(PRODUCTION), pytest.raises(
+    with _in_task(PRODUCTION), pytest.raises(
             ConfigError, match=f"none reached this process: no Airflow connection kiln_signing_production and neither "
                                f"{PROD_PEM} nor {PROD_FILE} is set"):
         keys.signing_key("production", home)
@@ -209,12 +216,12 @@ def test_rotation_of_a_deployment_key_keeps_old_versions_verifying(tmp_path, hom
     old = keys.trust_deployment_key("production", old_pem, home)
     monkeypatch.setenv(PROD_CONN, _conn(old_pem))
     before = make_artifact(tmp_path / "before")
-    with keys.use_policy_key(PRODUCTION):
+    with _in_task(PRODUCTION):
         sign_artifact(before, inputs(), home=home)
     new = keys.trust_deployment_key("production", new_pem, home)  # provisioning trusts the new key first
     monkeypatch.setenv(PROD_CONN, _conn(new_pem))
     after = make_artifact(tmp_path / "after", salt="after rotation")
-    with keys.use_policy_key(PRODUCTION):
+    with _in_task(PRODUCTION):
         sign_artifact(after, inputs(run_id="later"), home=home)
     assert verify_artifact(before, "production", home=home).statement_key_id == old
     assert verify_artifact(after, "production", home=home).model_sig_key_id == new
