@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import time
+from typing import Any
 
 import numpy as np
 import torch
@@ -19,8 +20,9 @@ from kiln_trainer.config import Recipe
 from kiln_trainer.model import GPT
 
 
-def bare_train(recipe: Recipe, stream: np.ndarray, steps: int) -> dict[str, float]:
-    """Train a fresh model for ``steps`` optimizer steps: the loop's wall and CPU seconds, the last loss."""
+def bare_train(recipe: Recipe, stream: np.ndarray, steps: int) -> dict[str, Any]:
+    """Train a fresh model for ``steps`` optimizer steps: the loop's wall and CPU seconds, each step's
+    CPU seconds (``step_cpu_s``), the last loss."""
     m, d, o = recipe.model, recipe.data, recipe.optim
     accum = d.accum_steps(1)
     torch.manual_seed(recipe.train.seed)
@@ -49,6 +51,7 @@ def bare_train(recipe: Recipe, stream: np.ndarray, steps: int) -> dict[str, floa
     t0, cpu0 = time.perf_counter(), time.thread_time()
     x, y = get_batch()
     loss = torch.zeros(())
+    step_cpu: list[float] = []
     for it in range(steps):
         for group in optimizer.param_groups:
             group["lr"] = get_lr(it)
@@ -64,5 +67,7 @@ def bare_train(recipe: Recipe, stream: np.ndarray, steps: int) -> dict[str, floa
         if it % recipe.train.log_every == 0:
             lossf = loss.item() * accum  # nanoGPT's only host sync (a no-op on CPU)
             del lossf
+        step_cpu.append(time.thread_time())
     loop_s, cpu_s = time.perf_counter() - t0, time.thread_time() - cpu0
-    return {"loop_s": loop_s, "cpu_s": cpu_s, "last_loss": float(loss.item()) * accum}
+    step_cpu_s = [b - a for a, b in zip([cpu0, *step_cpu[:-1]], step_cpu, strict=True)]
+    return {"loop_s": loop_s, "cpu_s": cpu_s, "step_cpu_s": step_cpu_s, "last_loss": float(loss.item()) * accum}
