@@ -248,7 +248,9 @@ class DataConfig:
     """Sample order: 0 shuffles all samples globally each epoch; ``w > 0`` shuffles within windows of
     ``w`` shards (a reader needs about ``w`` shards at a time: what a bounded remote cache wants)."""
     prefetch_steps: int = 2
-    """Steps of this rank's batches read ahead by the loader's background thread."""
+    """The loader's read-ahead level: its background thread reads again when fewer than this many of
+    this rank's steps are ready, 8 steps a time (``TokenLoader.read_steps``), so at most
+    ``prefetch_steps - 1 + 8`` steps are held."""
     cache_bytes: int = 8 << 30
     """Local cache for token shards streamed from S3, per rank (``KILN_TOKEN_CACHE_BYTES`` overrides)."""
 

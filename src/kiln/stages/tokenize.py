@@ -281,34 +281,46 @@ def _join_packed(manifest: TrainingManifest, tok: Any, block_size: int, key: str
     return packed, location
 
 
+def _mixture_packed(manifest: TrainingManifest, packed: list[tuple[Any, str]], kind: str, tok: Any,
+                    block_size: int) -> tuple[TrainingManifest, PackedTokensRef, dict[str, PackedTokensRef]]:
+    """A mixture's packed tokens, as ``tokens_stage`` and ``pack_afresh`` record them: ``packed`` is each
+    source's token manifest and where it lies, in ``manifest.sources``' order. Returns the training
+    manifest naming every one of them (with the tokenizer and block size), the run's summary (the
+    sources' token manifests' sha256 joined by ``TrainingManifest.tokens_sha256``) and each source's
+    own summary by name."""
+    assert manifest.sources is not None
+    sources, summaries = [], {}
+    for src, (one, location) in zip(manifest.sources, packed, strict=True):
+        sources.append({**src, "tokens": {"manifest": location, "sha256": one.sha256,
+                                          "tokenizer_sha256": tok.sha256, "block_size": block_size}})
+        summaries[src["name"]] = PackedTokensRef(
+            token_manifest=location, token_manifest_sha256=one.sha256, tokenizer_kind=kind,
+            tokenizer_sha256=tok.sha256, vocab_size=tok.vocab_size, block_size=block_size, samples=one.samples,
+            tokens=one.tokens, documents=one.documents)
+    final = TrainingManifest.build_mixture(sources, trainer=manifest.trainer)
+    total = list(summaries.values())
+    summary = PackedTokensRef(
+        token_manifest=",".join(f"{n}={s.token_manifest}" for n, s in summaries.items()),
+        token_manifest_sha256=str(final.tokens_sha256()), tokenizer_kind=kind, tokenizer_sha256=tok.sha256,
+        vocab_size=tok.vocab_size, block_size=block_size, samples=sum(s.samples for s in total),
+        tokens=sum(s.tokens for s in total), documents=sum(s.documents for s in total),
+    )
+    return final, summary, summaries
+
+
 def _mixture_tokens(manifest: TrainingManifest, data: DataGateResult, tokenizer: TokenizerRef, tok: Any,
                     block_size: int, key: str) -> DataGateResult:
     """``tokens_stage`` for a mixture: each source's parts joined into its own token manifest, and the
     run's training manifest rewritten to name every one of them with the tokenizer and block size."""
     assert manifest.sources is not None
-    sources, summaries = [], {}
-    for src in manifest.sources:
-        packed, location = _join_packed(_source_manifest(src), tok, block_size, key)
-        sources.append({**src, "tokens": {"manifest": location, "sha256": packed.sha256,
-                                          "tokenizer_sha256": tok.sha256, "block_size": block_size}})
-        summaries[src["name"]] = PackedTokensRef(
-            token_manifest=location, token_manifest_sha256=packed.sha256, tokenizer_kind=tokenizer.kind,
-            tokenizer_sha256=tok.sha256, vocab_size=tok.vocab_size, block_size=block_size, samples=packed.samples,
-            tokens=packed.tokens, documents=packed.documents)
-    final = TrainingManifest.build_mixture(sources, trainer=manifest.trainer)
+    packed = [_join_packed(_source_manifest(src), tok, block_size, key) for src in manifest.sources]
+    final, summary, summaries = _mixture_packed(manifest, packed, tokenizer.kind, tok, block_size)
     path, recorded = own_training_manifest(key, data)
     if recorded.sha256 != final.sha256:
         final.write(path)
-    total = list(summaries.values())
     log.info("run %s: mixture of %s: %d samples of %d tokens; training manifest %s", key,
-             ", ".join(f"{n} ({s.samples} samples)" for n, s in summaries.items()), sum(s.samples for s in total),
+             ", ".join(f"{n} ({s.samples} samples)" for n, s in summaries.items()), summary.samples,
              block_size + 1, final.sha256[:16])
-    summary = PackedTokensRef(
-        token_manifest=",".join(f"{n}={s.token_manifest}" for n, s in summaries.items()),
-        token_manifest_sha256=str(final.tokens_sha256()), tokenizer_kind=tokenizer.kind, tokenizer_sha256=tok.sha256,
-        vocab_size=tok.vocab_size, block_size=block_size, samples=sum(s.samples for s in total),
-        tokens=sum(s.tokens for s in total), documents=sum(s.documents for s in total),
-    )
     gates = [dataclasses.replace(g, tokens=summaries.get(g.name)) for g in data.sources or []]
     return dataclasses.replace(data, manifest=str(path), manifest_sha256=final.sha256, tokens=summary,
                                sources=gates or None)
@@ -355,18 +367,9 @@ def pack_afresh(manifest: TrainingManifest, recipe: Any, recipe_path: Path | Non
 
     if _is_mixture(manifest):
         assert manifest.sources is not None
-        sources, totals = [], []
-        for src in manifest.sources:
-            packed, location = pack(_source_manifest(src))
-            sources.append({**src, "tokens": {"manifest": location, "sha256": packed.sha256,
-                                              "tokenizer_sha256": tok.sha256, "block_size": block_size}})
-            totals.append(packed)
-        final = TrainingManifest.build_mixture(sources, trainer=manifest.trainer)
-        return final, PackedTokensRef(
-            token_manifest=",".join(f"{s['name']}={s['tokens']['manifest']}" for s in sources),
-            token_manifest_sha256=str(final.tokens_sha256()), tokenizer_kind=cfg.kind, tokenizer_sha256=tok.sha256,
-            vocab_size=tok.vocab_size, block_size=block_size, samples=sum(p.samples for p in totals),
-            tokens=sum(p.tokens for p in totals), documents=sum(p.documents for p in totals))
+        final, summary, _ = _mixture_packed(manifest, [pack(_source_manifest(src)) for src in manifest.sources],
+                                            cfg.kind, tok, block_size)
+        return final, summary
     packed, location = pack(manifest)
     summary = PackedTokensRef(
         token_manifest=location, token_manifest_sha256=packed.sha256, tokenizer_kind=cfg.kind,
