@@ -6,6 +6,9 @@ on the root (embeddings, final norm and the tied head, which share one parameter
 -- over a 1-D device mesh of all ranks: each rank keeps ``1/W`` of every parameter, gradient and
 optimizer moment, gathers a block's parameters just before its forward (and again before its
 backward when ``reshard_after_forward``) and reduce-scatters its gradients after the backward.
+The blocks are the caller's (``blocks=``), or found in the model (``fsdp_blocks``): kiln's GPT's
+``transformer.h``, or the submodules of the classes a model's ``_no_split_modules`` names (a
+``transformers`` model's decoder layers, as transformers and accelerate auto-wrap them).
 
 Both give the same training up to float summation order: the same initial weights (every rank
 builds the whole model from the same seed before sharding it), the same global batch, the loss
@@ -20,6 +23,7 @@ place, and the optimizer has to hold those.
 from __future__ import annotations
 
 import contextlib
+import logging
 import time
 from collections.abc import Iterable
 from typing import Any
@@ -32,6 +36,8 @@ from kiln_trainer.config import Recipe
 from kiln_trainer.distributed import DistEnv
 from kiln_trainer.model import GPT
 from kiln_trainer.timing import CollectiveWait
+
+log = logging.getLogger(__name__)
 
 
 def uses_fsdp(recipe: Recipe) -> bool:
@@ -49,29 +55,63 @@ def fsdp_mixed_precision(recipe: Recipe, device: torch.device) -> Any | None:
     return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
 
 
+def fsdp_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The modules ``shard_model`` shards one by one when the caller names none.
+
+    kiln's GPT: its ``transformer.h``. A model with a non-empty ``_no_split_modules`` (class names: a
+    ``transformers`` ``PreTrainedModel``'s, e.g. ``["LlamaDecoderLayer"]``, what transformers' and
+    accelerate's FSDP auto-wrap take): every submodule of such a class (by ``type(m).__name__``;
+    not the root), in module order, outermost only (one inside another is sharded with it). A
+    ``TypeError`` naming the model's class otherwise, or when no submodule matches."""
+    if isinstance(model, GPT):
+        return list(model.transformer.h)
+    cls = type(model).__name__
+    names = getattr(model, "_no_split_modules", None)
+    if isinstance(names, str):
+        names = [names]
+    wanted = frozenset(names or ())
+    if not wanted:
+        raise TypeError(f"shard_model of a {cls}: name its blocks (blocks=model.layers, ...); it is not kiln's "
+                        "GPT and has no _no_split_modules to find them by")
+    found: list[tuple[str, torch.nn.Module]] = []
+    for name, module in model.named_modules():  # pre-order: an ancestor comes before what it holds
+        if not name or type(module).__name__ not in wanted:
+            continue
+        if found and name.startswith(found[-1][0] + "."):
+            continue  # inside the last match (its whole subtree follows it): sharded with it
+        found.append((name, module))
+    if not found:
+        raise TypeError(f"shard_model of a {cls}: no submodule is of a class its _no_split_modules names "
+                        f"({sorted(wanted)}); name its blocks (blocks=model.layers, ...)")
+    return [module for _, module in found]
+
+
 def shard_model(
     model: torch.nn.Module, recipe: Recipe, env: DistEnv, *, blocks: Iterable[torch.nn.Module] | None = None,
     wait: CollectiveWait | None = None,
 ) -> None:
     """FSDP2 in place: every block, then the root. ``train.compile`` compiles each block before it is
     sharded (``Module.compile``: in place, so the parameter names, which checkpoints key on, stay).
-    ``blocks``: the modules sharded one by one (a transformer's layers); None means kiln's GPT's
-    ``transformer.h``. ``wait``: on the CPU, every all-gather and reduce-scatter adds its seconds
-    there (the straggler window's time blocked in collectives)."""
+    ``blocks``: the modules sharded one by one (a transformer's layers), always used when given;
+    None means ``fsdp_blocks(model)``: kiln's GPT's ``transformer.h``, or the outermost submodules
+    of the classes the model's ``_no_split_modules`` names (a ``transformers`` model's decoder
+    layers); a ``TypeError`` for any other model. ``wait``: on the CPU, every all-gather and
+    reduce-scatter adds its seconds there (the straggler window's time blocked in collectives)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
     if not dist.is_initialized():
         raise RuntimeError("fsdp needs a process group (init_distributed makes one, also for one rank)")
+    if blocks is None:
+        blocks = fsdp_blocks(model)
+        if env.is_main and not isinstance(model, GPT):
+            kinds = sorted({type(block).__name__ for block in blocks})
+            log.info("fsdp: %d blocks of %s (the model's _no_split_modules), then the root", len(blocks), kinds)
     mesh = init_device_mesh(env.device.type, (env.world_size,))
     kwargs: dict[str, Any] = {"mesh": mesh, "reshard_after_forward": recipe.parallel.reshard_after_forward}
     policy = fsdp_mixed_precision(recipe, env.device)
     if policy is not None:
         kwargs["mp_policy"] = policy
-    if blocks is None:
-        if not isinstance(model, GPT):
-            raise TypeError(f"shard_model of a {type(model).__name__}: name its blocks (blocks=model.layers, ...)")
-        blocks = model.transformer.h
     sharded = []
     for block in blocks:
         if recipe.train.compile:

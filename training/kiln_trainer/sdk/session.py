@@ -207,7 +207,10 @@ class Session:
     def wrap(self, model: torch.nn.Module, *, blocks: Iterable[torch.nn.Module] | None = None) -> torch.nn.Module:
         """``model`` in the recipe's strategy (``sdk.strategy``); returns what the loop calls. Build
         the optimizer after this, over ``model.parameters()`` (under fsdp they are the shards).
-        ``blocks``: the layers fsdp shards one by one (None: kiln's GPT's)."""
+        ``blocks``: the layers fsdp shards one by one, always used when given. None: kiln's GPT's
+        ``transformer.h``, or for another model the outermost submodules of the classes its
+        ``_no_split_modules`` names (a ``transformers`` model's decoder layers, as transformers and
+        accelerate auto-wrap them: ``parallel.fsdp_blocks``); any other model is refused under fsdp."""
         self._strategy = Strategy(model, self.recipe, self.env, self.clock, blocks=blocks)
         seed_rngs(self.recipe.train.seed + 1 + self.env.rank)  # dropout and the like differ per rank
         return self._strategy.train_model

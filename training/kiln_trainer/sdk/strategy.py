@@ -9,7 +9,9 @@ on the CPU (``parallel.TimedBufferSyncDDP``: a rank waiting there for a slow pee
 root), its all-gathers and reduce-scatters timed on the CPU (the time a rank waits there for its
 peers is blocked, not compute); the caller builds the optimizer after this, over the sharded
 parameters. Any ``torch.nn.Module`` works: the strategy never looks inside the model except at the
-``blocks`` it is handed.
+``blocks`` it is handed or, with none, to find them (``parallel.fsdp_blocks``: kiln's GPT's
+``transformer.h``, or the outermost submodules of the classes the model's ``_no_split_modules``
+names, as transformers and accelerate auto-wrap a ``PreTrainedModel``; any other model is refused).
 """
 
 from __future__ import annotations
@@ -35,7 +37,9 @@ log = logging.getLogger(__name__)
 
 
 class Strategy:
-    """One model spread over the ranks as the recipe says (see the module docstring)."""
+    """One model spread over the ranks as the recipe says (see the module docstring). ``blocks``: what
+    fsdp shards one by one, always used when given; None: found in the model
+    (``parallel.fsdp_blocks``). ddp ignores it."""
 
     def __init__(
         self, model: torch.nn.Module, recipe: Recipe, env: DistEnv, clock: StepClock,
