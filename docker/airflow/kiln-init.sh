@@ -4,8 +4,13 @@
 #   1. migrate the Airflow metadata database (PostgreSQL);
 #   2. create kiln's pools (same slots as the embedded stack, kiln.stack.embedded.POOL_SLOTS);
 #   3. create kiln's FAB roles and users (kiln.airflow.fab_auth) with the passwords from the environment (.env);
-#   4. create the S3 buckets for the DVC remote and MLflow artifacts if they do not exist.
+#   4. create the S3 buckets for the DVC remote and MLflow artifacts if they do not exist;
+#   5. trust the public half of production's signing key (the compose secret production-signing-public-key):
+#      production's private key comes from the deployment (the production worker's secret), and from
+#      now on kiln makes none under KILN_HOME. The workers start only once this script exits 0.
 set -euo pipefail
+
+PRODUCTION_PUBLIC_KEY=/run/secrets/production-signing-public-key
 
 : "${AIRFLOW_ADMIN_PASSWORD:?set AIRFLOW_ADMIN_PASSWORD in docker/.env}"
 : "${AIRFLOW_REVIEWER_PASSWORD:?set AIRFLOW_REVIEWER_PASSWORD in docker/.env}"
@@ -50,4 +55,5 @@ for bucket in (os.environ["KILN_DVC_BUCKET"], os.environ["KILN_MLFLOW_BUCKET"]):
         s3.create_bucket(Bucket=bucket)
         print(f"kiln-init: created s3://{bucket}")
 PY
+kiln keys trust --policy production "$PRODUCTION_PUBLIC_KEY"
 echo "kiln-init: done"

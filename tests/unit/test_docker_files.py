@@ -13,6 +13,10 @@ container. What is checked instead:
   worker holding only its own policy's MLflow identity, the api-server only the read-only
   ``kiln-reader``, and no Airflow-image container but the one-shot ``mlflow-init`` the MLflow admin
   password; the Airflow image installs the cluster policy (``airflow_local_settings``);
+* production's signing key from the deployment: a file secret (``docker/secrets/``) of the production
+  worker alone, named by ``KILN_PRODUCTION_SIGNING_KEY_FILE``; its public half airflow-init's only,
+  trusted by kiln-init.sh's ``kiln keys trust`` (run here as written); no key file committable or in
+  a build context;
 * the Compose specification's JSON schema (compose-spec's ``schema/compose-spec.json``, shipped by
   the locked ``check-jsonschema``): the whole file validates, and a misspelt or mistyped key fails it;
 * every Dockerfile parses (each instruction is a real one, continuations join), bases are pinned
@@ -543,13 +547,127 @@ def test_airflow_image_installs_the_cluster_policy_and_the_init_scripts():
 
 
 def test_compose_host_paths_exist_and_ports_bind_loopback_only():
-    for name, svc in load_compose()["services"].items():
+    doc = load_compose()
+    for name, svc in doc["services"].items():
         for volume in svc.get("volumes", []):
             source = volume.split(":", 1)[0]
             if source.startswith(("./", "../", "/")):
                 assert (DOCKER / source).exists(), f"{name}: mounts {source}, which does not exist"
         for port in svc.get("ports", []):
             assert str(port).startswith("127.0.0.1:"), f"{name}: port {port} would listen on every interface"
+    # File secrets are made by the operator on the deployment host (docker/README.md) and never committed:
+    # their folder is in the repository, the files themselves are not (test_docker_secrets_are_never_committed).
+    for secret, spec in (doc.get("secrets") or {}).items():
+        source = DOCKER / spec["file"]
+        assert source.parent.resolve() == SECRETS_DIR.resolve(), f"secret {secret}: {spec['file']} is not in docker/secrets/"
+        assert SECRETS_DIR.is_dir(), "docker/secrets/ (the folder compose reads the secret files from) is missing"
+
+
+# ------------------------------------------------------------------------ production's signing key
+PRODUCTION_KEY_SECRET = "production-signing-key"
+"""The compose secret holding production's private signing key (the production worker's alone)."""
+PRODUCTION_PUBLIC_SECRET = "production-signing-public-key"
+"""The compose secret holding its public half (airflow-init's, which trusts it)."""
+SECRETS_DIR = DOCKER / "secrets"
+SIGNING_VARS = re.compile(r"^(KILN_[A-Z]+_SIGNING_KEY(_FILE)?|AIRFLOW_CONN_KILN_SIGNING_[A-Z]+)$")
+
+
+def _secret_mounts(svc: dict) -> dict[str, str]:
+    """secret name -> the path it is mounted at in the service's containers (short or long syntax)."""
+    mounts = {}
+    for entry in svc.get("secrets") or []:
+        source, target = (entry, entry) if isinstance(entry, str) else (entry["source"], entry.get("target") or entry["source"])
+        mounts[source] = target if target.startswith("/") else f"/run/secrets/{target}"
+    return mounts
+
+
+def _kiln_init_trust_command() -> list[str]:
+    """The ``kiln keys trust`` command of kiln-init.sh, its ``$VARIABLES`` expanded from the script's assignments."""
+    script = (DOCKER / "airflow" / "kiln-init.sh").read_text()
+    assigned = dict(re.findall(r"^([A-Z_]+)=(\S+)$", script, re.MULTILINE))
+    lines = [line for line in script.splitlines() if line.strip().startswith("kiln keys trust")]
+    assert len(lines) == 1, f"kiln-init.sh must run `kiln keys trust` once: {lines}"
+    expanded = re.sub(r"\$\{?([A-Z_]+)\}?", lambda m: assigned[m.group(1)], lines[0])
+    return shlex.split(expanded)
+
+
+def test_compose_only_the_production_worker_holds_productions_private_key():
+    doc = load_compose()
+    services = doc["services"]
+    secrets = doc.get("secrets") or {}
+    assert set(secrets) == {PRODUCTION_KEY_SECRET, PRODUCTION_PUBLIC_SECRET}, set(secrets)
+    assert secrets[PRODUCTION_KEY_SECRET] == {"file": "./secrets/production-signing-key.pem"}
+    assert secrets[PRODUCTION_PUBLIC_SECRET] == {"file": "./secrets/production-signing-key.pub.pem"}
+    holders = {name for name, svc in services.items() if PRODUCTION_KEY_SECRET in _secret_mounts(svc)}
+    assert holders == {WORKERS["production"]}, f"production's private key is given to {sorted(holders)}"
+    worker = services[WORKERS["production"]]
+    mounted = _secret_mounts(worker)
+    assert set(mounted) == {PRODUCTION_KEY_SECRET}, f"{WORKERS['production']}: secrets {sorted(mounted)}"
+    env = worker["environment"]
+    assert env["KILN_PRODUCTION_SIGNING_KEY_FILE"] == mounted[PRODUCTION_KEY_SECRET]
+    assert [k for k in env if SIGNING_VARS.match(k)] == ["KILN_PRODUCTION_SIGNING_KEY_FILE"], (
+        "the production worker takes its key from the file secret only")
+    shared = doc["x-airflow-common"]["environment"]
+    assert not [k for k in shared if SIGNING_VARS.match(k)], "a signing key in the environment every container shares"
+    for name, svc in services.items():
+        if name == WORKERS["production"]:
+            continue
+        env = svc.get("environment") or {}
+        assert not [k for k in env if SIGNING_VARS.match(k)], f"{name} holds a signing key variable"
+        assert PRODUCTION_KEY_SECRET not in json.dumps(env), f"{name} names production's private key"
+    # The sandbox worker keeps its own key under KILN_HOME: no secret, no signing variable.
+    assert not _secret_mounts(services[WORKERS["sandbox"]]), "the sandbox worker gets no secret"
+
+
+def test_compose_airflow_init_trusts_the_public_half_before_any_worker_starts(tmp_path, monkeypatch, capsys):
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+
+    from kiln.cli import main
+    from kiln.provenance import keys
+
+    services = load_compose()["services"]
+    holders = {name for name, svc in services.items() if PRODUCTION_PUBLIC_SECRET in _secret_mounts(svc)}
+    assert holders == {"airflow-init"}, f"the public half is given to {sorted(holders)}"
+    mounted = _secret_mounts(services["airflow-init"])
+    assert set(mounted) == {PRODUCTION_PUBLIC_SECRET}, "airflow-init gets the public half only"
+    for name in WORKERS.values():  # the workers start once kiln-init has trusted the key
+        assert services[name]["depends_on"]["airflow-init"]["condition"] == "service_completed_successfully"
+    command = _kiln_init_trust_command()
+    assert command == ["kiln", "keys", "trust", "--policy", "production", mounted[PRODUCTION_PUBLIC_SECRET]], command
+    script = (DOCKER / "airflow" / "kiln-init.sh").read_text()
+    assert "set -euo pipefail" in script.split("kiln keys trust", 1)[0], "a failed trust must fail airflow-init"
+    # The command as written, run by the real CLI on a public key at that path, trusts it for production.
+    private = ec.generate_private_key(ec.SECP256R1())
+    public = tmp_path / "public.pem"
+    public.write_bytes(private.public_key().public_bytes(serialization.Encoding.PEM,
+                                                         serialization.PublicFormat.SubjectPublicKeyInfo))
+    monkeypatch.setenv("KILN_HOME", str(tmp_path / "kiln"))
+    assert main([*command[1:-1], str(public)]) == 0
+    assert json.loads(capsys.readouterr().out)["key_id"] == keys.key_id(private.public_key())
+    assert keys.key_from_deployment("production", tmp_path / "kiln")
+    assert set(keys.trusted_keys("production", tmp_path / "kiln")) == {keys.key_id(private.public_key())}
+
+
+def test_docker_secrets_are_never_committed_nor_built_into_an_image():
+    ignore = SECRETS_DIR / ".gitignore"
+    assert ignore.is_file(), "docker/secrets/.gitignore must keep the operator's keys out of git"
+    rules = [line.strip() for line in ignore.read_text().splitlines() if line.strip() and not line.startswith("#")]
+    assert rules[0] == "*" and all(r.startswith("!") for r in rules[1:]), rules
+    assert {r[1:] for r in rules[1:]} <= {".gitignore", "README.md", ".gitkeep"}, f"only these may be committed: {rules}"
+    for ignore_file in DOCKER.glob("*.dockerignore"):  # the build context is the repository root
+        lines = [line.strip() for line in ignore_file.read_text().splitlines() if line.strip() and not line.startswith("#")]
+        assert lines[0] == "**", f"{ignore_file.name}: the context is an allow-list"
+        allowed = [line[1:].rstrip("/") for line in lines if line.startswith("!")]
+        assert not [a for a in allowed if "docker/secrets".startswith(a) or a.startswith("docker/secrets")], (
+            f"{ignore_file.name} lets docker/secrets/ into the build context")
+    if (ROOT / ".git").exists():  # a source export without git history has nothing more to check
+        files = [(DOCKER / spec["file"]).relative_to(ROOT).as_posix() for spec in load_compose()["secrets"].values()]
+        for path in [*files, "docker/secrets/another-key.pem", "docker/secrets/sandbox.key"]:
+            ignored = subprocess.run(["git", "check-ignore", "-q", path], cwd=ROOT, capture_output=True)
+            assert ignored.returncode == 0, f"{path} must be git-ignored"
+        tracked = subprocess.run(["git", "ls-files", "docker/secrets"], cwd=ROOT, capture_output=True, text=True).stdout
+        assert set(tracked.split()) <= {"docker/secrets/.gitignore", "docker/secrets/README.md"}, tracked
 
 
 def test_compose_interpolation_is_valid_and_matches_env_example():

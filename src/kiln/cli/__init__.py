@@ -32,6 +32,7 @@ SUBCOMMAND_MODULES = (
     "kiln.cli.registry",
     "kiln.cli.export",
     "kiln.cli.verify",
+    "kiln.cli.keys",
     "kiln.cli.datasheet",
     "kiln.cli.reproduce",
     "kiln.cli.audit",

@@ -14,6 +14,7 @@ SUBCOMMANDS = [
     ["snapshot", "restore"], ["snapshot", "list"],
     ["snapshot", "show"], ["validate"], ["promote"], ["rollback"], ["stack"], ["demo"], ["train"], ["evaluate"],
     ["signals"], ["export"], ["verify"], ["datasheet"], ["reproduce"],
+    ["keys", "trust"], ["keys", "list"],
 ]
 
 
