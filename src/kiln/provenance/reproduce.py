@@ -841,8 +841,6 @@ def rederive(plan: ReproductionPlan, workdir: Path, *, run_key: str,
         raise ProvenanceError("a reproduction at another world size needs the registered version's weights folder")
     notes.append(f"at world size {at} the evaluation and the Hugging Face folder are not re-derived: they follow from "
                  "weights that are held to a bound, not to the recorded bits")
-    from kiln_trainer.export import write_model_folder
-
     result = _train(plan, recipe, recipe_path, manifest_path, workdir / "train", run_key, log, world_size=at)
     mixture = [(s.name, s.weight, sample_counts[s.name]) for s in plan.sources] or None
     order, first = data_order(workdir / "train", shard_samples=sample_counts.get("", []), sources=mixture,
@@ -856,7 +854,7 @@ def rederive(plan: ReproductionPlan, workdir: Path, *, run_key: str,
     # trainer's own export), so that both sides are the same tensors under the same names
     exported = workdir / EXPORT_DIR
     log(f"train: exporting the re-derived checkpoint {result.checkpoint} to compare with the registered weights")
-    write_model_folder(result.checkpoint, exported)
+    export_folder(result.checkpoint, exported)
     weights = compare_weights(load_folder_weights(registered_weights), load_folder_weights(exported),
                               tolerance=tolerance, world_size=at, recorded_world_size=plan.world_size)
     weights = dataclasses.replace(weights, derived_weights_sha256=result.weights_sha256)
@@ -1086,7 +1084,6 @@ def after_training(plan: ReproductionPlan, checkpoint: str, manifest: Path, work
     ``workdir/EXPORT_DIR``, each file's sha256 against the statement's subject (``compare_folder``). Returns the
     comparisons; the first that differs is the verdict's reason."""
     from kiln_trainer.contract.training_manifest import load_training_manifest
-    from kiln_trainer.export import write_model_folder
 
     report = evaluate_checkpoint_afresh(checkpoint, manifest, workdir / "evaluation" / "eval_report.json", log)
     here = load_training_manifest(manifest).sha256  # what the trainer's report names: this copy, in its paths
@@ -1095,8 +1092,21 @@ def after_training(plan: ReproductionPlan, checkpoint: str, manifest: Path, work
         return compared
     folder = workdir / EXPORT_DIR
     log(f"hf-folder: exporting {checkpoint} into {folder}")
-    write_model_folder(checkpoint, folder)
+    export_folder(checkpoint, folder)
     return compared + compare_folder(plan.hf_files, artifact_files(folder), prefix=_hf_folder())
+
+
+def export_folder(checkpoint: str, folder: Path) -> None:
+    """``write_model_folder`` of ``checkpoint`` into ``folder``, with what it prints on stderr: a trainer's own
+    ``export`` runs in this process and may print (the worked example prints the folder), and the standard
+    output is the outcome's (``kiln reproduce --json``)."""
+    import contextlib
+    import sys
+
+    from kiln_trainer.export import write_model_folder
+
+    with contextlib.redirect_stdout(sys.stderr):
+        write_model_folder(checkpoint, folder)
 
 
 def _train(plan: ReproductionPlan, recipe: Any, recipe_path: Path, manifest: Path, run_dir: Path, run_key: str,
