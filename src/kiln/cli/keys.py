@@ -69,9 +69,6 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 def public_key(path: Path) -> ec.EllipticCurvePublicKey:
     """The public key (SubjectPublicKeyInfo PEM) in ``path``, or the public half of the private key in it;
     ``ConfigError`` naming the file when it cannot be read or holds no unencrypted ECDSA P-256 key."""
-    from cryptography.hazmat.primitives import serialization
-    from cryptography.hazmat.primitives.asymmetric import ec
-
     from kiln.errors import ConfigError, ProvenanceError
     from kiln.provenance import keys
     from kiln.util.fs import os_error_text
@@ -94,15 +91,9 @@ def public_key(path: Path) -> ec.EllipticCurvePublicKey:
         kind = "a certificate" if b"CERTIFICATE-----" in data else "no key"
         raise ConfigError(f"{path}: holds {kind}; {wanted}")
     try:
-        key = serialization.load_pem_public_key(data)
-    except (ValueError, TypeError) as exc:
-        raise ConfigError(f"{path}: not a PEM public key ({exc})") from exc
-    if not isinstance(key, ec.EllipticCurvePublicKey):
-        raise ConfigError(f"{path}: a {type(key).__name__.lstrip('_')}; kiln signs with ECDSA P-256 "
-                          "(an EC key on curve secp256r1)")
-    if not isinstance(key.curve, ec.SECP256R1):
-        raise ConfigError(f"{path}: an EC key on curve {key.curve.name}; kiln signs with ECDSA P-256 (secp256r1)")
-    return key
+        return keys.parse_public_key(data, str(path))
+    except ProvenanceError as exc:
+        raise ConfigError(str(exc)) from exc
 
 
 def trust_handler(args: argparse.Namespace) -> int:

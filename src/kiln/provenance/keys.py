@@ -219,19 +219,24 @@ def rotate_signing_key(policy: str, home: str | Path | None = None) -> SigningKe
     return SigningKey(policy=policy, path=path, key_id=kid, source=f"signing key {path}")
 
 
-def _load_public(pem: bytes, where: str) -> ec.EllipticCurvePublicKey:
+def parse_public_key(pem: bytes, source: str) -> ec.EllipticCurvePublicKey:
+    """The ECDSA P-256 public key in ``pem`` (SubjectPublicKeyInfo PEM); ``ProvenanceError`` naming
+    ``source`` and what it holds instead (not PEM, another algorithm, another curve)."""
     try:
         key = serialization.load_pem_public_key(pem)
     except (ValueError, TypeError) as exc:
-        raise ProvenanceError(f"{where}: not a PEM public key ({exc})") from exc
-    if not isinstance(key, ec.EllipticCurvePublicKey) or not isinstance(key.curve, ec.SECP256R1):
-        raise ProvenanceError(f"{where}: not an ECDSA P-256 public key")
+        raise ProvenanceError(f"{source}: not a PEM public key ({exc})") from exc
+    if not isinstance(key, ec.EllipticCurvePublicKey):
+        raise ProvenanceError(f"{source}: a {type(key).__name__.lstrip('_')}; kiln signs with ECDSA P-256 "
+                              "(an EC key on curve secp256r1)")
+    if not isinstance(key.curve, ec.SECP256R1):
+        raise ProvenanceError(f"{source}: an EC key on curve {key.curve.name}; kiln signs with ECDSA P-256 (secp256r1)")
     return key
 
 
 def add_trusted_key(policy: str, pem: bytes, home: str | Path | None = None) -> str:
     """Trust a public key (PEM) for ``policy``; returns its key id. Refused when another policy trusts it."""
-    key = _load_public(pem, f"public key for policy {policy}")
+    key = parse_public_key(pem, f"public key for policy {policy}")
     kid = key_id(key)
     for other, ids in _all_trusted_ids(home).items():
         if other != policy and kid in ids:
@@ -256,7 +261,7 @@ def trusted_keys(policy: str, home: str | Path | None = None) -> dict[str, ec.El
     folder = trusted_dir(policy, home)
     keys: dict[str, ec.EllipticCurvePublicKey] = {}
     for path in sorted(folder.glob("*.pem")):
-        key = _load_public(path.read_bytes(), str(path))
+        key = parse_public_key(path.read_bytes(), str(path))
         if key_id(key) != path.stem:
             raise ProvenanceError(f"{path}: holds key {key_id(key)}, not the key its name says")
         keys[path.stem] = key
