@@ -5,12 +5,14 @@
 #   2. create kiln's pools (same slots as the embedded stack, kiln.stack.embedded.POOL_SLOTS);
 #   3. create kiln's FAB roles and users (kiln.airflow.fab_auth) with the passwords from the environment (.env);
 #   4. create the S3 buckets for the DVC remote and MLflow artifacts if they do not exist;
-#   5. trust the public half of production's signing key (the compose secret production-signing-public-key):
-#      production's private key comes from the deployment (the production worker's secret), and from
-#      now on kiln makes none under KILN_HOME. The workers start only once this script exits 0.
+#   5. check production's trusted set: the deployment's read-only directory KILN_PRODUCTION_TRUSTED_KEYS_DIR
+#      (docker/secrets/production-trusted/) must hold at least one ECDSA P-256 public key and nothing else
+#      as *.pem, none of them trusted by sandbox. kiln writes nothing there (nor a deployment-key.json: the
+#      variable says production's private key is the deployment's, so no process makes one under
+#      KILN_HOME). The workers start only once this script exits 0.
 set -euo pipefail
 
-PRODUCTION_PUBLIC_KEY=/run/secrets/production-signing-public-key
+: "${KILN_PRODUCTION_TRUSTED_KEYS_DIR:?the trusted keys of production come from the deployment (compose.yaml)}"
 
 : "${AIRFLOW_ADMIN_PASSWORD:?set AIRFLOW_ADMIN_PASSWORD in docker/.env}"
 : "${AIRFLOW_REVIEWER_PASSWORD:?set AIRFLOW_REVIEWER_PASSWORD in docker/.env}"
@@ -55,5 +57,20 @@ for bucket in (os.environ["KILN_DVC_BUCKET"], os.environ["KILN_MLFLOW_BUCKET"]):
         s3.create_bucket(Bucket=bucket)
         print(f"kiln-init: created s3://{bucket}")
 PY
-kiln keys trust --policy production "$PRODUCTION_PUBLIC_KEY"
+python - <<'PY'
+import json, os, subprocess, sys
+
+# kiln keys list refuses (one error line, exit != 0) a *.pem there that holds no P-256 public key,
+# and a key sandbox trusts too.
+listed = subprocess.run(["kiln", "keys", "list", "--policy", "production"], stdout=subprocess.PIPE, text=True)
+if listed.returncode != 0:
+    sys.exit(f"kiln-init: production's trusted set is unusable (kiln keys list exit {listed.returncode})")
+entry = json.loads(listed.stdout)[0]
+folder = os.environ["KILN_PRODUCTION_TRUSTED_KEYS_DIR"]
+if entry.get("trusted_dir") != folder or not entry["trusted"]:
+    sys.exit(f"kiln-init: production trusts no key: put the public half of production-signing-key.pem in "
+             f"docker/secrets/production-trusted/ (mounted read-only at {folder}; docker/README.md)")
+ids = ", ".join(entry["trusted"])
+print(f"kiln-init: production trusts {len(entry['trusted'])} key(s), from {folder}: {ids}")
+PY
 echo "kiln-init: done"

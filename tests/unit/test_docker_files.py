@@ -14,9 +14,10 @@ container. What is checked instead:
   ``kiln-reader``, and no Airflow-image container but the one-shot ``mlflow-init`` the MLflow admin
   password; the Airflow image installs the cluster policy (``airflow_local_settings``);
 * production's signing key from the deployment: a file secret (``docker/secrets/``) of the production
-  worker alone, named by ``KILN_PRODUCTION_SIGNING_KEY_FILE``; its public half airflow-init's only,
-  trusted by kiln-init.sh's ``kiln keys trust`` (run here as written); no key file committable or in
-  a build context;
+  worker alone, named by ``KILN_PRODUCTION_SIGNING_KEY_FILE``; production's trusted set the folder
+  ``docker/secrets/production-trusted/``, mounted read-only (``KILN_PRODUCTION_TRUSTED_KEYS_DIR``) in
+  every service that runs kiln's verification or signing and writable in none, checked by
+  kiln-init.sh (run here as written); no key file committable or in a build context;
 * the Compose specification's JSON schema (compose-spec's ``schema/compose-spec.json``, shipped by
   the locked ``check-jsonschema``): the whole file validates, and a misspelt or mistyped key fails it;
 * every Dockerfile parses (each instruction is a real one, continuations join), bases are pinned
@@ -566,9 +567,11 @@ def test_compose_host_paths_exist_and_ports_bind_loopback_only():
 # ------------------------------------------------------------------------ production's signing key
 PRODUCTION_KEY_SECRET = "production-signing-key"
 """The compose secret holding production's private signing key (the production worker's alone)."""
-PRODUCTION_PUBLIC_SECRET = "production-signing-public-key"
-"""The compose secret holding its public half (airflow-init's, which trusts it)."""
 SECRETS_DIR = DOCKER / "secrets"
+TRUSTED_DIR_VAR = "KILN_PRODUCTION_TRUSTED_KEYS_DIR"
+"""Production's trusted set from the deployment (kiln.provenance.keys.trusted_keys_env_name)."""
+TRUSTED_SOURCE = SECRETS_DIR / "production-trusted"
+"""The host folder of production's trusted public keys, mounted read-only."""
 SIGNING_VARS = re.compile(r"^(KILN_[A-Z]+_SIGNING_KEY(_FILE)?|AIRFLOW_CONN_KILN_SIGNING_[A-Z]+)$")
 
 
@@ -581,23 +584,45 @@ def _secret_mounts(svc: dict) -> dict[str, str]:
     return mounts
 
 
-def _kiln_init_trust_command() -> list[str]:
-    """The ``kiln keys trust`` command of kiln-init.sh, its ``$VARIABLES`` expanded from the script's assignments."""
+def _binds(svc: dict) -> list[tuple[str, str, bool]]:
+    """(source, target, read-only) of each volume of the service (short or long syntax)."""
+    out = []
+    for entry in svc.get("volumes") or []:
+        if isinstance(entry, str):
+            parts = entry.split(":")
+            source, target = parts[0], parts[1] if len(parts) > 1 else parts[0]
+            options = parts[2].split(",") if len(parts) > 2 else []
+            out.append((source, target, "ro" in options))
+        else:
+            out.append((str(entry.get("source", "")), entry["target"], bool(entry.get("read_only"))))
+    return out
+
+
+def _kiln_verifiers(services: dict) -> set[str]:
+    """The services that run kiln's verification or signing: the Celery workers (every kiln task runs
+    there: registration signs, promotion and reproduction verify) and airflow-init (kiln-init.sh reads
+    production's trusted set with ``kiln keys``)."""
+    workers = {name for name, svc in services.items() if (svc.get("command") or [])[:2] == ["celery", "worker"]}
+    assert workers == set(WORKERS.values()), workers
+    init = {"airflow-init"} if "kiln keys" in (DOCKER / "airflow" / "kiln-init.sh").read_text() else set()
+    return workers | init
+
+
+def _kiln_init_trust_check() -> str:
+    """kiln-init.sh's check of production's trusted set: the Python heredoc that runs ``kiln keys list``."""
     script = (DOCKER / "airflow" / "kiln-init.sh").read_text()
-    assigned = dict(re.findall(r"^([A-Z_]+)=(\S+)$", script, re.MULTILINE))
-    lines = [line for line in script.splitlines() if line.strip().startswith("kiln keys trust")]
-    assert len(lines) == 1, f"kiln-init.sh must run `kiln keys trust` once: {lines}"
-    expanded = re.sub(r"\$\{?([A-Z_]+)\}?", lambda m: assigned[m.group(1)], lines[0])
-    return shlex.split(expanded)
+    blocks = re.findall(r"^python - <<'PY'\n(.*?)^PY$", script, re.MULTILINE | re.DOTALL)
+    checks = [b for b in blocks if '"kiln", "keys", "list"' in b]
+    assert len(checks) == 1, f"kiln-init.sh must check production's trusted set once: {len(checks)}"
+    return checks[0]
 
 
 def test_compose_only_the_production_worker_holds_productions_private_key():
     doc = load_compose()
     services = doc["services"]
     secrets = doc.get("secrets") or {}
-    assert set(secrets) == {PRODUCTION_KEY_SECRET, PRODUCTION_PUBLIC_SECRET}, set(secrets)
+    assert set(secrets) == {PRODUCTION_KEY_SECRET}, set(secrets)
     assert secrets[PRODUCTION_KEY_SECRET] == {"file": "./secrets/production-signing-key.pem"}
-    assert secrets[PRODUCTION_PUBLIC_SECRET] == {"file": "./secrets/production-signing-key.pub.pem"}
     holders = {name for name, svc in services.items() if PRODUCTION_KEY_SECRET in _secret_mounts(svc)}
     assert holders == {WORKERS["production"]}, f"production's private key is given to {sorted(holders)}"
     worker = services[WORKERS["production"]]
@@ -617,36 +642,70 @@ def test_compose_only_the_production_worker_holds_productions_private_key():
         assert PRODUCTION_KEY_SECRET not in json.dumps(env), f"{name} names production's private key"
     # The sandbox worker keeps its own key under KILN_HOME: no secret, no signing variable.
     assert not _secret_mounts(services[WORKERS["sandbox"]]), "the sandbox worker gets no secret"
+    assert [n for n, svc in services.items() if _secret_mounts(svc) and n != WORKERS["production"]] == []
 
 
-def test_compose_airflow_init_trusts_the_public_half_before_any_worker_starts(tmp_path, monkeypatch, capsys):
-    from cryptography.hazmat.primitives import serialization
+def test_compose_every_kiln_verifier_mounts_productions_trusted_set_read_only_and_none_writable():
+    doc = load_compose()
+    services = doc["services"]
+    target = doc["x-airflow-common"]["environment"][TRUSTED_DIR_VAR]
+    assert target.startswith("/"), f"{TRUSTED_DIR_VAR}={target}: kiln refuses a relative path"
+    verifiers = _kiln_verifiers(services)
+    assert verifiers == {*WORKERS.values(), "airflow-init"}, verifiers
+    holders = set()
+    for name, svc in services.items():
+        for source, mounted_at, read_only in _binds(svc):
+            ours = mounted_at == target or (source.startswith(("./", "../", "/"))
+                                            and (DOCKER / source).resolve() == TRUSTED_SOURCE.resolve())
+            if not ours:
+                continue
+            assert read_only, f"{name} mounts production's trusted set ({source}:{mounted_at}) writable"
+            assert (DOCKER / source).resolve() == TRUSTED_SOURCE.resolve() and mounted_at == target, (
+                f"{name}: {source}:{mounted_at} is not docker/secrets/production-trusted at {target}")
+            holders.add(name)
+        if name in verifiers:
+            assert name in holders, f"{name} runs kiln's verification without production's trusted set mounted"
+            env = svc.get("environment") or {}
+            assert env.get(TRUSTED_DIR_VAR) == target, f"{name}: {TRUSTED_DIR_VAR} must name the mount"
+    assert holders == verifiers, f"mounted in {sorted(holders)}; kiln verifies or signs in {sorted(verifiers)}"
+    for name in WORKERS.values():  # the workers start once kiln-init has checked the set
+        assert services[name]["depends_on"]["airflow-init"]["condition"] == "service_completed_successfully"
+
+
+@pytest.mark.parametrize("content,ok,message", [
+    ("public", True, "kiln-init: production trusts 1 key(s)"),
+    (None, False, "production trusts no key: put the public half"),
+    ("garbage", False, "production's trusted set is unusable"),
+], ids=["a-public-key", "empty", "not-a-key"])
+def test_kiln_init_checks_productions_trusted_set_as_written(tmp_path, content, ok, message):
+    """kiln-init.sh's check, run as written (the real ``kiln`` CLI): airflow-init fails, and no worker
+    starts, on an empty trusted folder or one with a .pem that is no public key."""
     from cryptography.hazmat.primitives.asymmetric import ec
 
-    from kiln.cli import main
     from kiln.provenance import keys
 
-    services = load_compose()["services"]
-    holders = {name for name, svc in services.items() if PRODUCTION_PUBLIC_SECRET in _secret_mounts(svc)}
-    assert holders == {"airflow-init"}, f"the public half is given to {sorted(holders)}"
-    mounted = _secret_mounts(services["airflow-init"])
-    assert set(mounted) == {PRODUCTION_PUBLIC_SECRET}, "airflow-init gets the public half only"
-    for name in WORKERS.values():  # the workers start once kiln-init has trusted the key
-        assert services[name]["depends_on"]["airflow-init"]["condition"] == "service_completed_successfully"
-    command = _kiln_init_trust_command()
-    assert command == ["kiln", "keys", "trust", "--policy", "production", mounted[PRODUCTION_PUBLIC_SECRET]], command
     script = (DOCKER / "airflow" / "kiln-init.sh").read_text()
-    assert "set -euo pipefail" in script.split("kiln keys trust", 1)[0], "a failed trust must fail airflow-init"
-    # The command as written, run by the real CLI on a public key at that path, trusts it for production.
-    private = ec.generate_private_key(ec.SECP256R1())
-    public = tmp_path / "public.pem"
-    public.write_bytes(private.public_key().public_bytes(serialization.Encoding.PEM,
-                                                         serialization.PublicFormat.SubjectPublicKeyInfo))
-    monkeypatch.setenv("KILN_HOME", str(tmp_path / "kiln"))
-    assert main([*command[1:-1], str(public)]) == 0
-    assert json.loads(capsys.readouterr().out)["key_id"] == keys.key_id(private.public_key())
-    assert keys.key_from_deployment("production", tmp_path / "kiln")
-    assert set(keys.trusted_keys("production", tmp_path / "kiln")) == {keys.key_id(private.public_key())}
+    assert f': "${{{TRUSTED_DIR_VAR}:?' in script and "set -euo pipefail" in script.split(_kiln_init_trust_check(), 1)[0]
+    folder = tmp_path / "production-trusted"
+    folder.mkdir()
+    (folder / "README.md").write_text("not a key: ignored")
+    if content == "public":
+        key = ec.generate_private_key(ec.SECP256R1()).public_key()
+        (folder / "production-signing-key.pub.pem").write_bytes(keys.public_pem(key))
+    elif content == "garbage":
+        (folder / "production-signing-key.pub.pem").write_text("hunter2\n")
+    bindir = Path(sys.executable).parent
+    assert (bindir / "kiln").is_file(), "the kiln console script is not installed beside this Python"
+    env = {**os.environ, "PATH": f"{bindir}{os.pathsep}{os.environ.get('PATH', '')}", "KILN_HOME": str(tmp_path / "kiln"),
+           TRUSTED_DIR_VAR: str(folder)}
+    env.pop("KILN_SANDBOX_TRUSTED_KEYS_DIR", None)
+    done = subprocess.run([sys.executable, "-"], input=_kiln_init_trust_check(), env=env, capture_output=True,
+                          text=True, timeout=120)
+    assert (done.returncode == 0) is ok, (done.returncode, done.stdout, done.stderr)
+    assert message in done.stdout + done.stderr, (done.stdout, done.stderr)
+    if ok:
+        assert keys.key_id(key) in done.stdout
+    assert not (tmp_path / "kiln" / "keys" / "production").exists(), "the check wrote under KILN_HOME"
 
 
 def test_docker_secrets_are_never_committed_nor_built_into_an_image():
@@ -654,7 +713,8 @@ def test_docker_secrets_are_never_committed_nor_built_into_an_image():
     assert ignore.is_file(), "docker/secrets/.gitignore must keep the operator's keys out of git"
     rules = [line.strip() for line in ignore.read_text().splitlines() if line.strip() and not line.startswith("#")]
     assert rules[0] == "*" and all(r.startswith("!") for r in rules[1:]), rules
-    assert {r[1:] for r in rules[1:]} <= {".gitignore", "README.md", ".gitkeep"}, f"only these may be committed: {rules}"
+    assert {r[1:] for r in rules[1:]} <= {".gitignore", "README.md", ".gitkeep", "production-trusted/"}, (
+        f"only these may be committed: {rules}")
     for ignore_file in DOCKER.glob("*.dockerignore"):  # the build context is the repository root
         lines = [line.strip() for line in ignore_file.read_text().splitlines() if line.strip() and not line.startswith("#")]
         assert lines[0] == "**", f"{ignore_file.name}: the context is an allow-list"
@@ -663,11 +723,14 @@ def test_docker_secrets_are_never_committed_nor_built_into_an_image():
             f"{ignore_file.name} lets docker/secrets/ into the build context")
     if (ROOT / ".git").exists():  # a source export without git history has nothing more to check
         files = [(DOCKER / spec["file"]).relative_to(ROOT).as_posix() for spec in load_compose()["secrets"].values()]
-        for path in [*files, "docker/secrets/another-key.pem", "docker/secrets/sandbox.key"]:
+        for path in [*files, "docker/secrets/another-key.pem", "docker/secrets/sandbox.key",
+                     "docker/secrets/production-trusted/production-signing-key.pub.pem",
+                     "docker/secrets/production-trusted/older-key.pem", "docker/secrets/production-trusted/x/README.md"]:
             ignored = subprocess.run(["git", "check-ignore", "-q", path], cwd=ROOT, capture_output=True)
             assert ignored.returncode == 0, f"{path} must be git-ignored"
         tracked = subprocess.run(["git", "ls-files", "docker/secrets"], cwd=ROOT, capture_output=True, text=True).stdout
-        assert set(tracked.split()) <= {"docker/secrets/.gitignore", "docker/secrets/README.md"}, tracked
+        assert set(tracked.split()) <= {"docker/secrets/.gitignore", "docker/secrets/README.md",
+                                        "docker/secrets/production-trusted/README.md"}, tracked
 
 
 def test_compose_interpolation_is_valid_and_matches_env_example():

@@ -2,11 +2,12 @@
 
 ::
 
-    kiln keys trust --policy production /run/secrets/production-signing-public-key
+    kiln keys trust --policy production production-signing-key.pub.pem
     kiln keys list [--policy production]
 
-``trust`` is what a deployment's provisioning runs before any worker starts (the compose stack's
-``airflow-init``: docker/README.md): it adds the public half of the key in PEMFILE to the policy's
+``trust`` is what a deployment's provisioning runs before any worker starts, where the trusted sets
+live under the kiln home (the compose stack instead gives production's set as a read-only folder,
+below: docker/README.md): it adds the public half of the key in PEMFILE to the policy's
 trusted set and writes ``KILN_HOME/keys/<policy>/deployment-key.json``, after which kiln makes no key
 for that policy under the kiln home (``kiln.provenance.keys.trust_deployment_key``). PEMFILE holds
 the public key (SubjectPublicKeyInfo PEM, ``openssl pkey -pubout``) or the private key, of which only
@@ -19,8 +20,15 @@ unreadable file, a file that holds no ECDSA P-256 key (not PEM, a certificate, a
 key, another algorithm or curve) exit 2 (a bad argument); a key another policy trusts exits 1 (the
 trusted sets are disjoint).
 
+A policy whose trusted set the deployment holds (``KILN_<POLICY>_TRUSTED_KEYS_DIR``: a directory of
+public keys, read-only in docker/compose.yaml) is trusted by adding a PEM file there, not with ``trust``:
+``trust`` of that policy is refused, one error line naming the variable, exit 2, nothing written.
+
 ``list`` prints, per policy, the key ids it trusts, whether its key comes from the deployment and
-whether a private key of it is kept under the kiln home (``KILN_HOME/keys/<policy>/signing-key.pem``).
+whether a private key of it is kept under the kiln home (``KILN_HOME/keys/<policy>/signing-key.pem``);
+for a policy whose set the deployment holds, also ``trusted_from`` (the variable), ``trusted_dir`` (its
+directory) and ``ignored_in_kiln_home`` (the key ids under ``KILN_HOME/keys/<policy>/trusted/`` that set
+lacks: not trusted). One stderr line per policy says where its trusted set comes from.
 """
 
 from __future__ import annotations
@@ -51,7 +59,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "under KILN_HOME",
         description="Add the public half of the ECDSA P-256 key in PEMFILE (the public key, or the private key: "
         "only its public half is used, the private key is never written) to the policy's trusted set, and record "
-        "that the policy's key comes from the deployment (KILN_HOME/keys/<policy>/deployment-key.json).",
+        "that the policy's key comes from the deployment (KILN_HOME/keys/<policy>/deployment-key.json). Refused "
+        "for a policy whose trusted set the deployment holds (KILN_<POLICY>_TRUSTED_KEYS_DIR): add a .pem file "
+        "to that directory instead.",
     )
     trust.add_argument("--policy", required=True, choices=POLICY_CHOICES, help="the policy whose key it is")
     trust.add_argument("pemfile", type=Path, metavar="PEMFILE", help="the key's PEM file (public or private key)")
@@ -60,7 +70,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "list",
         help="each policy's trusted key ids and whether its key comes from the deployment",
         description="Print, per policy, the ids of the keys it trusts (sha256 of the public key's DER), whether "
-        "its key comes from the deployment, and whether a private key of it is under KILN_HOME.",
+        "its key comes from the deployment, whether a private key of it is under KILN_HOME, and where its "
+        "trusted set comes from (KILN_<POLICY>_TRUSTED_KEYS_DIR, the deployment's directory, or KILN_HOME).",
     )
     listing.add_argument("--policy", choices=POLICY_CHOICES, help="this policy only (default: every policy)")
     listing.set_defaults(func=list_handler)
@@ -97,9 +108,14 @@ def public_key(path: Path) -> ec.EllipticCurvePublicKey:
 
 
 def trust_handler(args: argparse.Namespace) -> int:
-    from kiln.errors import ProvenanceError
+    from kiln.errors import ConfigError, ProvenanceError
     from kiln.provenance import keys
 
+    held = keys.deployment_trusted_dir(args.policy)
+    if held is not None:
+        raise ConfigError(f"policy {args.policy}'s trusted keys are the deployment's "
+                          f"({keys.trusted_keys_env_name(args.policy)}={held}): kiln writes none there; add "
+                          f"{args.pemfile}'s public key as a .pem file to that directory instead")
     key = public_key(args.pemfile)
     kid = keys.key_id(key)
     owner = keys.trusting_policy(kid)
@@ -121,9 +137,20 @@ def list_handler(args: argparse.Namespace) -> int:
     from kiln.provenance import keys
 
     policies = [args.policy] if args.policy else list(POLICIES)
-    out = [{"policy": name, "deployment": keys.key_from_deployment(name),
-            "trusted": sorted(keys.trusted_keys(name)),
-            "private_key_in_kiln_home": (keys.keys_home() / name / keys.PRIVATE_KEY_FILE).exists()}
-           for name in policies]
+    out = []
+    for name in policies:
+        entry: dict[str, object] = {"policy": name, "deployment": keys.key_from_deployment(name),
+                                    "trusted": sorted(keys.trusted_keys(name)),
+                                    "private_key_in_kiln_home": (keys.keys_home() / name / keys.PRIVATE_KEY_FILE).exists()}
+        held = keys.deployment_trusted_dir(name)
+        if held is not None:
+            variable = keys.trusted_keys_env_name(name)
+            entry.update(trusted_from=variable, trusted_dir=str(held), ignored_in_kiln_home=keys.ignored_home_keys(name))
+            print(f"kiln keys list: policy {name} trusts the keys in {held} ({variable}, the deployment's)",
+                  file=sys.stderr)
+        else:
+            print(f"kiln keys list: policy {name} trusts the keys in {keys.trusted_dir(name)} (KILN_HOME)",
+                  file=sys.stderr)
+        out.append(entry)
     print(json.dumps(out, indent=2))
     return 0

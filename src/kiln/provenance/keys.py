@@ -25,6 +25,17 @@ puts it there (``trust_deployment_key``), which also writes ``<policy>/deploymen
 file present no process makes a key under ``KILN_HOME`` for the policy: a missing or unusable
 deployment key fails closed (``ConfigError`` / ``ProvenanceError`` naming the connection or variable).
 Rotation is then the deployment's: a new key in the connection, its public half trusted beside the old.
+
+A trusted set from the deployment. ``KILN_<POLICY>_TRUSTED_KEYS_DIR`` (``trusted_keys_env_name``), when set,
+names a directory the deployment provides (a read-only mount in docker/compose.yaml) whose ``*.pem``
+files are the policy's whole trusted set: each must hold an ECDSA P-256 public key (its id is computed;
+the file's name is free), and ``KILN_HOME/keys/<policy>/trusted/`` is ignored for that policy (a log
+line says so when it holds keys the directory lacks). kiln never writes there: ``add_trusted_key``,
+``trust_deployment_key`` and ``rotate_signing_key`` of that policy are refused (``ConfigError`` naming
+the variable; the deployment rotates by adding a file). The variable also says the policy's private key
+is the deployment's, as ``deployment-key.json`` does: with no key from the deployment, ``signing_key``
+refuses rather than make one under ``KILN_HOME``. The disjointness rule and ``trusting_policy`` read
+the deployment's sets. Unset (or empty), nothing differs from the above.
 """
 
 from __future__ import annotations
@@ -32,6 +43,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import logging
 import os
 import stat
 from collections.abc import Callable, Iterator
@@ -54,6 +66,8 @@ DEPLOYMENT_MARKER = "deployment-key.json"
 """``<policy>/deployment-key.json``: the policy's key comes from the deployment (``trust_deployment_key``)."""
 PRIVATE_KEY_EXTRA = "private_key"
 """The extra field of a signing connection that holds the PEM when its password does not."""
+
+log = logging.getLogger("kiln.provenance.keys")
 
 
 @dataclass(frozen=True, slots=True)
@@ -189,6 +203,11 @@ def signing_key(policy: str, home: str | Path | None = None) -> SigningKey:
     deployed = _deployment_key(policy, home)
     if deployed is not None:
         return deployed
+    held = deployment_trusted_dir(policy)
+    if held is not None:
+        raise ConfigError(f"policy {policy}'s trusted keys are the deployment's ({trusted_keys_env_name(policy)}="
+                          f"{held}), so its signing key must come from the deployment too, and none reached this "
+                          f"process: {_where(policy)}. kiln makes none under KILN_HOME in its place")
     if (folder / DEPLOYMENT_MARKER).is_file():
         raise ConfigError(f"policy {policy}'s signing key comes from the deployment ({folder / DEPLOYMENT_MARKER}) "
                           f"and none reached this process: {_where(policy)}. kiln makes none under KILN_HOME in "
@@ -206,6 +225,8 @@ def rotate_signing_key(policy: str, home: str | Path | None = None) -> SigningKe
     old ones stay (versions signed with them still verify). A key from the deployment is rotated there
     (``ConfigError`` here)."""
     folder = _policy_dir(policy, home)
+    _refuse_write(policy, "rotating its signing key", "the new key in the deployment's secret, its public half's "
+                  "PEM file added to that directory beside the old ones")
     if (folder / DEPLOYMENT_MARKER).is_file():
         raise ConfigError(f"policy {policy}'s signing key comes from the deployment ({folder / DEPLOYMENT_MARKER}): "
                           "rotate it there (the new key in its connection or variable, its public half added with "
@@ -235,7 +256,9 @@ def parse_public_key(pem: bytes, source: str) -> ec.EllipticCurvePublicKey:
 
 
 def add_trusted_key(policy: str, pem: bytes, home: str | Path | None = None) -> str:
-    """Trust a public key (PEM) for ``policy``; returns its key id. Refused when another policy trusts it."""
+    """Trust a public key (PEM) for ``policy``; returns its key id. Refused when another policy trusts it,
+    and when the deployment holds the policy's trusted set (``KILN_<POLICY>_TRUSTED_KEYS_DIR``)."""
+    _refuse_write(policy, "adding a key to it")
     key = parse_public_key(pem, f"public key for policy {policy}")
     kid = key_id(key)
     for other, ids in _all_trusted_ids(home).items():
@@ -252,19 +275,79 @@ def _all_trusted_ids(home: str | Path | None) -> dict[str, set[str]]:
     from kiln.policy import POLICIES
 
     root = keys_home(home)
-    return {name: {p.stem for p in (root / name / TRUSTED_DIR).glob("*.pem")} for name in POLICIES}
+    out: dict[str, set[str]] = {}
+    for name in POLICIES:
+        held = deployment_trusted_dir(name)
+        out[name] = (set(_directory_set(name, held)) if held is not None
+                     else {p.stem for p in (root / name / TRUSTED_DIR).glob("*.pem")})
+    return out
 
 
-def trusted_keys(policy: str, home: str | Path | None = None) -> dict[str, ec.EllipticCurvePublicKey]:
-    """``key id -> public key`` the policy trusts. ``ProvenanceError`` for a file whose key does not hash
-    to its name, or a key another policy trusts too."""
-    folder = trusted_dir(policy, home)
-    keys: dict[str, ec.EllipticCurvePublicKey] = {}
-    for path in sorted(folder.glob("*.pem")):
+def _home_set(policy: str, home: str | Path | None) -> dict[str, tuple[Path, ec.EllipticCurvePublicKey]]:
+    """``KILN_HOME/keys/<policy>/trusted/``: each file named by its key's id."""
+    keys: dict[str, tuple[Path, ec.EllipticCurvePublicKey]] = {}
+    for path in sorted((_policy_dir(policy, home) / TRUSTED_DIR).glob("*.pem")):
         key = parse_public_key(path.read_bytes(), str(path))
         if key_id(key) != path.stem:
             raise ProvenanceError(f"{path}: holds key {key_id(key)}, not the key its name says")
-        keys[path.stem] = key
+        keys[path.stem] = (path, key)
+    return keys
+
+
+def _directory_set(policy: str, folder: Path) -> dict[str, tuple[Path, ec.EllipticCurvePublicKey]]:
+    """The ``*.pem`` public keys of a deployment's directory (any file names), by computed key id; a
+    missing directory or a file that holds no ECDSA P-256 public key is refused, naming it."""
+    var = trusted_keys_env_name(policy)
+    if not folder.is_dir():
+        raise ProvenanceError(f"{var}={folder}: not a directory; it must be the deployment's folder of the public "
+                              f"keys policy {policy} trusts (kiln does not fall back to KILN_HOME's)")
+    keys: dict[str, tuple[Path, ec.EllipticCurvePublicKey]] = {}
+    for path in sorted(folder.glob("*.pem")):
+        try:
+            data = path.read_bytes()
+        except OSError as exc:
+            raise ProvenanceError(f"{path} ({var}): cannot read it ({exc.strerror or exc})") from exc
+        key = parse_public_key(data, f"{path} ({var})")
+        keys.setdefault(key_id(key), (path, key))
+    return keys
+
+
+_NOTED_IGNORED: set[tuple[str, str, frozenset[str]]] = set()
+"""The ignored KILN_HOME keys already logged (once per process per policy, folder and keys)."""
+
+
+def _policy_set(policy: str, home: str | Path | None) -> dict[str, tuple[Path, ec.EllipticCurvePublicKey]]:
+    held = deployment_trusted_dir(policy)
+    if held is None:
+        return _home_set(policy, home)
+    keys = _directory_set(policy, held)
+    ignored = ignored_home_keys(policy, home, set(keys))
+    note = (policy, str(held), frozenset(ignored))
+    if ignored and note not in _NOTED_IGNORED:
+        _NOTED_IGNORED.add(note)
+        log.warning("policy %s trusts the keys of %s (%s) only; %s holds %d key(s) that set lacks, ignored: %s",
+                    policy, held, trusted_keys_env_name(policy), _policy_dir(policy, home) / TRUSTED_DIR,
+                    len(ignored), ", ".join(ignored))
+    return keys
+
+
+def ignored_home_keys(policy: str, home: str | Path | None = None, held: set[str] | None = None) -> list[str]:
+    """The key ids (by file name) of ``KILN_HOME/keys/<policy>/trusted/`` that the deployment's set of the
+    policy lacks, which kiln ignores; empty when the deployment holds no set for the policy."""
+    folder = deployment_trusted_dir(policy)
+    if folder is None:
+        return []
+    if held is None:
+        held = set(_directory_set(policy, folder))
+    return sorted({p.stem for p in (_policy_dir(policy, home) / TRUSTED_DIR).glob("*.pem")} - held)
+
+
+def trusted_keys(policy: str, home: str | Path | None = None) -> dict[str, ec.EllipticCurvePublicKey]:
+    """``key id -> public key`` the policy trusts: the deployment's directory's when
+    ``KILN_<POLICY>_TRUSTED_KEYS_DIR`` is set, else ``KILN_HOME/keys/<policy>/trusted/``'s.
+    ``ProvenanceError`` for a file that holds no P-256 public key, one under KILN_HOME whose key does not
+    hash to its name, or a key another policy trusts too."""
+    keys = {kid: key for kid, (_path, key) in _policy_set(policy, home).items()}
     for other, ids in _all_trusted_ids(home).items():
         shared = sorted(ids & set(keys)) if other != policy else []
         if shared:
@@ -273,13 +356,24 @@ def trusted_keys(policy: str, home: str | Path | None = None) -> dict[str, ec.El
 
 
 def trusted_dir(policy: str, home: str | Path | None = None) -> Path:
-    """The folder of the public keys the policy trusts (``KILN_HOME/keys/<policy>/trusted``)."""
-    return _policy_dir(policy, home) / TRUSTED_DIR
+    """The folder of the public keys the policy trusts: the deployment's (``KILN_<POLICY>_TRUSTED_KEYS_DIR``)
+    when set, else ``KILN_HOME/keys/<policy>/trusted``."""
+    folder = _policy_dir(policy, home) / TRUSTED_DIR
+    held = deployment_trusted_dir(policy)
+    return folder if held is None else held
 
 
 def trusted_key_file(policy: str, kid: str, home: str | Path | None = None) -> Path:
-    """The PEM file of a key the policy trusts (``trusted/<key id>.pem``)."""
-    return trusted_dir(policy, home) / f"{kid}.pem"
+    """The PEM file of a key the policy trusts (``trusted/<key id>.pem``; in a deployment's directory, the
+    file that holds it, whatever its name: ``ProvenanceError`` when none does)."""
+    held = deployment_trusted_dir(policy)
+    if held is None:
+        return trusted_dir(policy, home) / f"{kid}.pem"
+    found = _directory_set(policy, held).get(kid)
+    if found is None:
+        raise ProvenanceError(f"key {kid} is not in policy {policy}'s trusted set ({trusted_keys_env_name(policy)}="
+                              f"{held})")
+    return found[0]
 
 
 def trusting_policy(kid: str, home: str | Path | None = None) -> str | None:
@@ -288,6 +382,33 @@ def trusting_policy(kid: str, home: str | Path | None = None) -> str | None:
         if kid in ids:
             return name
     return None
+
+
+def trusted_keys_env_name(policy: str) -> str:
+    """``KILN_<POLICY>_TRUSTED_KEYS_DIR``: the deployment's directory of the policy's trusted public keys."""
+    return f"KILN_{policy.upper()}_TRUSTED_KEYS_DIR"
+
+
+def deployment_trusted_dir(policy: str, environ: dict[str, str] | None = None) -> Path | None:
+    """The directory ``KILN_<POLICY>_TRUSTED_KEYS_DIR`` names (None: unset or empty, the set is under
+    KILN_HOME). A relative path is a ``ConfigError`` (it would depend on the working directory)."""
+    env = os.environ if environ is None else environ
+    var = trusted_keys_env_name(policy)
+    value = env.get(var, "")
+    if not value:
+        return None
+    path = Path(value)
+    if not path.is_absolute():
+        raise ConfigError(f"{var}={value}: not an absolute path (the deployment's folder of policy {policy}'s "
+                          "trusted public keys)")
+    return path
+
+
+def _refuse_write(policy: str, what: str, instead: str = "add the public key's PEM file to that directory") -> None:
+    held = deployment_trusted_dir(policy)
+    if held is not None:
+        raise ConfigError(f"policy {policy}'s trusted keys are the deployment's ({trusted_keys_env_name(policy)}="
+                          f"{held}): kiln does not write them ({what} is refused); {instead}")
 
 
 # ------------------------------------------------------------------------ keys from the deployment
@@ -386,9 +507,12 @@ def _deployment_key(policy: str, home: str | Path | None) -> SigningKey | None:
         return None
     trusted = trusted_keys(policy, home)
     if found.key_id not in trusted:
+        held = deployment_trusted_dir(policy)
+        how = ("(kiln.provenance.keys.trust_deployment_key)" if held is None else
+               f"(a PEM file of it in {held}, {trusted_keys_env_name(policy)})")
         raise ProvenanceError(f"{found.source}: key {found.key_id} is not in policy {policy}'s trusted set "
                               f"({trusted_dir(policy, home)}); the deployment's provisioning adds its public half "
-                              "(kiln.provenance.keys.trust_deployment_key) before it may sign")
+                              f"{how} before it may sign")
     return found
 
 
@@ -427,7 +551,9 @@ def trust_deployment_key(policy: str, pem: bytes | str, home: str | Path | None 
     """Provisioning of a key the deployment holds: trust its public half (``pem``: the public key, or the
     private key whose public half is meant; the private key is not written) and write
     ``<policy>/deployment-key.json``, after which no process makes a key for the policy under
-    ``KILN_HOME``. Returns the key id. Earlier keys stay trusted (rotation)."""
+    ``KILN_HOME``. Returns the key id. Earlier keys stay trusted (rotation). Refused (``ConfigError``) when
+    the deployment holds the policy's trusted set (``KILN_<POLICY>_TRUSTED_KEYS_DIR``): a file there is the trust."""
+    _refuse_write(policy, "trusting a key")
     data = pem.encode("utf-8") if isinstance(pem, str) else bytes(pem)
     if b"PRIVATE KEY-----" in data:
         data = public_pem(parse_private_key(data, source or f"the deployment's key for policy {policy}").public_key())
@@ -443,5 +569,7 @@ def trust_deployment_key(policy: str, pem: bytes | str, home: str | Path | None 
 
 
 def key_from_deployment(policy: str, home: str | Path | None = None) -> bool:
-    """Whether the policy's key comes from the deployment (``deployment-key.json`` is there)."""
-    return (_policy_dir(policy, home) / DEPLOYMENT_MARKER).is_file()
+    """Whether the policy's key comes from the deployment (``deployment-key.json`` is there, or the
+    deployment holds its trusted set: ``KILN_<POLICY>_TRUSTED_KEYS_DIR``)."""
+    folder = _policy_dir(policy, home)
+    return deployment_trusted_dir(policy) is not None or (folder / DEPLOYMENT_MARKER).is_file()

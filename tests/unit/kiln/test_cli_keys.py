@@ -21,6 +21,7 @@ from kiln.errors import ConfigError, ProvenanceError
 from kiln.provenance import keys, sign_artifact, verify_artifact
 
 PROD_PEM, PROD_FILE = keys.signing_key_env_names("production")
+PROD_DIR = keys.trusted_keys_env_name("production")
 
 pytestmark = pytest.mark.skipif(shutil.which("openssl") is None, reason="the openssl binary is not installed")
 
@@ -28,7 +29,7 @@ pytestmark = pytest.mark.skipif(shutil.which("openssl") is None, reason="the ope
 @pytest.fixture(autouse=True)
 def _no_deployment_keys_from_the_caller(monkeypatch):
     for name in (PROD_PEM, PROD_FILE, *keys.signing_key_env_names("sandbox"), "AIRFLOW_CONN_KILN_SIGNING_PRODUCTION",
-                 "AIRFLOW_CONN_KILN_SIGNING_SANDBOX"):
+                 "AIRFLOW_CONN_KILN_SIGNING_SANDBOX", PROD_DIR, keys.trusted_keys_env_name("sandbox")):
         monkeypatch.delenv(name, raising=False)
 
 
@@ -191,3 +192,52 @@ def test_trust_notes_a_private_key_kiln_made_under_kiln_home_before(tmp_path, ho
     assert len(err) == 1 and err[0].startswith(f"kiln keys trust: note: {old.path} still holds a private key"), err
     code, listed, _ = kiln(capsys, "keys", "list", "--policy", "production")
     assert listed[0]["private_key_in_kiln_home"] is True and set(listed[0]["trusted"]) == {old.key_id, out["key_id"]}
+
+
+def _deployment_folder(tmp_path: Path) -> tuple[Path, Path, Path]:
+    """docker/README.md's layout: the private key in secrets/, its public half in secrets/production-trusted/."""
+    private, public = make_pair(tmp_path / "secrets")
+    folder = tmp_path / "secrets" / "production-trusted"
+    folder.mkdir()
+    trusted = folder / public.name
+    public.rename(trusted)
+    return private, trusted, folder
+
+
+def test_with_the_deployments_trusted_folder_a_0400_key_file_signs_and_list_names_the_folder(tmp_path, home,
+                                                                                              monkeypatch, capsys):
+    old = keys.signing_key("production", home)  # a key a stack made under KILN_HOME before: now ignored
+    private, _trusted, folder = _deployment_folder(tmp_path)
+    monkeypatch.setenv(PROD_DIR, str(folder))
+    monkeypatch.setenv(PROD_FILE, str(private))
+    art = make_artifact(tmp_path / "art")
+    signed = sign_artifact(art, inputs(), home=home)
+    assert verify_artifact(art, "production", home=home).model_sig_key_id == signed.key_id != old.key_id
+
+    code, listed, err = kiln(capsys, "keys", "list")
+    assert code == 0
+    entries = {e["policy"]: e for e in listed}
+    assert entries["production"] == {
+        "policy": "production", "deployment": True, "trusted": [signed.key_id], "private_key_in_kiln_home": True,
+        "trusted_from": PROD_DIR, "trusted_dir": str(folder), "ignored_in_kiln_home": [old.key_id]}
+    assert "trusted_from" not in entries["sandbox"]
+    assert f"kiln keys list: policy production trusts the keys in {folder} ({PROD_DIR}, the deployment's)" in err, err
+    assert f"kiln keys list: policy sandbox trusts the keys in {home / 'keys' / 'sandbox' / 'trusted'} (KILN_HOME)" \
+        in err, err
+
+
+def test_trust_into_the_deployments_trusted_folder_is_refused_one_line_exit_2_nothing_written(tmp_path, home,
+                                                                                               capsys, monkeypatch):
+    _private, trusted, folder = _deployment_folder(tmp_path)
+    _, newcomer = make_pair(tmp_path / "newcomer")
+    monkeypatch.setenv(PROD_DIR, str(folder))
+    before = tree(folder)
+    code, out, err = kiln(capsys, "keys", "trust", "--policy", "production", str(newcomer))
+    assert (code, out) == (2, None)
+    assert len(err) == 1 and err[0].startswith(f"kiln keys trust: error: policy production's trusted keys are the "
+                                               f"deployment's ({PROD_DIR}={folder})") and str(newcomer) in err[0], err
+    assert tree(folder) == before and tree(home) == {}
+    # the other policy's set is still trusted with kiln keys, and a key the folder holds is refused for it
+    code, out, err = kiln(capsys, "keys", "trust", "--policy", "sandbox", str(trusted))
+    assert (code, out) == (1, None) and "is trusted by policy production" in err[0], err
+    assert kiln(capsys, "keys", "trust", "--policy", "sandbox", str(newcomer))[0] == 0

@@ -22,11 +22,13 @@ from kiln.provenance.approval import sign_approval
 PROD_CONN = "AIRFLOW_CONN_KILN_SIGNING_PRODUCTION"
 SANDBOX_CONN = "AIRFLOW_CONN_KILN_SIGNING_SANDBOX"
 PROD_PEM, PROD_FILE = keys.signing_key_env_names("production")
+PROD_DIR = keys.trusted_keys_env_name("production")
 
 
 @pytest.fixture(autouse=True)
 def _no_deployment_keys_from_the_caller(monkeypatch):
-    for name in (PROD_CONN, SANDBOX_CONN, PROD_PEM, PROD_FILE, *keys.signing_key_env_names("sandbox")):
+    for name in (PROD_CONN, SANDBOX_CONN, PROD_PEM, PROD_FILE, *keys.signing_key_env_names("sandbox"), PROD_DIR,
+                 keys.trusted_keys_env_name("sandbox")):
         monkeypatch.delenv(name, raising=False)
 
 
@@ -228,3 +230,34 @@ def test_rotation_of_a_deployment_key_keeps_old_versions_verifying(tmp_path, hom
     assert set(keys.trusted_keys("production", home)) == {old, new} and _private_files(home) == []
     for path in (home / "keys" / "production").rglob("*"):
         assert path.is_dir() or stat.S_IMODE(path.stat().st_mode) & 0o022 == 0
+
+
+def test_with_the_deployments_trusted_set_a_deployment_key_signs_only_when_it_is_in_the_directory(tmp_path, home,
+                                                                                                  monkeypatch):
+    """KILN_PRODUCTION_TRUSTED_KEYS_DIR: the key must be in the directory; trusting it under KILN_HOME (what
+    a task on a shared volume could do) does not let it sign, and nothing is written under KILN_HOME."""
+    pem = keys.generate_private_pem()
+    public = keys.public_pem(keys.parse_private_key(pem, "t").public_key())
+    kid = keys.key_id(keys.parse_private_key(pem, "t").public_key())
+    keys.trust_deployment_key("production", public, home)  # under KILN_HOME, before the directory took over
+    folder = tmp_path / "trusted"
+    folder.mkdir()
+    (folder / "another.pem").write_bytes(keys.public_pem(ec.generate_private_key(ec.SECP256R1()).public_key()))
+    monkeypatch.setenv(PROD_DIR, str(folder))
+    monkeypatch.setenv(PROD_PEM, pem)
+    with pytest.raises(ProvenanceError, match=f"environment variable {PROD_PEM}: key {kid} is not in policy "
+                                              f"production's trusted set \\({folder}\\).*a PEM file of it in {folder}, "
+                                              f"{PROD_DIR}"):
+        keys.signing_key("production", home)
+    with _in_task(PRODUCTION), pytest.raises(ProvenanceError, match=f"key {kid} is not in policy production's trusted"):
+        sign_artifact(make_artifact(tmp_path / "refused"), inputs(), home=home)
+    (folder / "production-signing-key.pub.pem").write_bytes(public)  # the deployment adds it: it signs
+    before = sorted(p.relative_to(home).as_posix() for p in home.rglob("*"))
+    art = make_artifact(tmp_path / "art")
+    signed = sign_artifact(art, inputs(), home=home)
+    verified = verify_artifact(art, "production", home=home)
+    assert signed.key_id == verified.statement_key_id == verified.model_sig_key_id == kid
+    monkeypatch.setenv(PROD_CONN, _conn(pem))
+    with _in_task(PRODUCTION):
+        assert keys.signing_key("production", home).source == "connection kiln_signing_production"
+    assert _private_files(home) == [] and sorted(p.relative_to(home).as_posix() for p in home.rglob("*")) == before
