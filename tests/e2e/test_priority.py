@@ -8,13 +8,16 @@ both compete for the executor the scheduler takes the higher weight first.
 
 How it is shown cheaply: each run carries a conf key the DAG's form does not define, so its first
 task (``snapshot``) starts, refuses the conf (``check_run_conf``, no retry) and the run fails at
-once; only the order in which those first tasks *start* matters here. Both DAGs are paused while
-the runs are queued; sandbox is unpaused first, so its runs have the head start.
+once; only when those first tasks are *queued* and start matters here. Both DAGs are paused while
+the runs are queued; sandbox is unpaused first, so its runs have the head start. The check: no
+sandbox task was queued between the moment production's became ready (``scheduled_when``) and its
+own queuing (``queued_when``), and production's started before the last sandbox run's.
 """
 
 from __future__ import annotations
 
 import time
+from datetime import datetime
 
 import pytest
 
@@ -31,6 +34,12 @@ def _active_runs(admin, dag_id: str) -> list[dict]:
 
 def _pause(admin, dag_id: str, paused: bool) -> None:
     admin.request("PATCH", f"/dags/{dag_id}", json={"is_paused": paused})
+
+
+def _when(stamp: str | None) -> datetime:
+    """An API timestamp (ISO 8601, ``Z``), compared as a time: the API drops zero microseconds."""
+    assert stamp, "the task instance lacks this timestamp"
+    return datetime.fromisoformat(stamp)
 
 
 def _first_task(admin, dag_id: str, run_id: str) -> dict | None:
@@ -74,10 +83,18 @@ def test_queued_production_run_starts_before_queued_sandbox_runs(stack, admin):
     assert all(admin.get_run(d, r)["state"] == "failed" for d, r in runs)
     prod_ti = firsts[production]
     assert prod_ti["priority_weight"] > max(firsts[r]["priority_weight"] for r in sandbox)
-    sandbox_starts = sorted(firsts[r]["start_date"] for r in sandbox)
-    # At most POOL_SLOTS[sandbox] sandbox tasks ran before production's started; the rest waited.
-    started_before = [s for s in sandbox_starts if s < prod_ti["start_date"]]
-    assert len(started_before) <= POOL_SLOTS[SANDBOX.pool], (prod_ti["start_date"], sandbox_starts)
-    assert prod_ti["start_date"] < sandbox_starts[-1], (prod_ti["start_date"], sandbox_starts)
+    # From the moment production's task could run (scheduled), no sandbox task was queued ahead of it:
+    # the scheduler's pick, not the executor's start order, is what priority decides. Sandbox tasks
+    # queued before that moment are the head start (their probe fails in about a second and frees its
+    # slot, so on a loaded host more than the pool's slots of them may start before production's run
+    # is even created).
+    ready, queued = _when(prod_ti["scheduled_when"]), _when(prod_ti["queued_when"])
+    assert ready <= queued, prod_ti
+    timeline = {r: (firsts[r]["queued_when"], firsts[r]["start_date"]) for r in sandbox}
+    jumped = [r for r in sandbox if ready <= _when(firsts[r]["queued_when"]) < queued]
+    assert not jumped, (prod_ti["scheduled_when"], prod_ti["queued_when"], timeline)
+    # And production did not wait for the sandbox's backlog: some sandbox run was still waiting.
+    sandbox_starts = sorted(_when(firsts[r]["start_date"]) for r in sandbox)
+    assert _when(prod_ti["start_date"]) < sandbox_starts[-1], (prod_ti["start_date"], timeline)
     log = admin.task_log(PRODUCTION.dag_id, production, "snapshot", try_number=1)
     assert PROBE in log, log[-2000:]  # it failed for the probe, not for something else
