@@ -123,9 +123,9 @@ def trust_handler(args: argparse.Namespace) -> int:
         raise ProvenanceError(f"{args.pemfile}: key {kid} is trusted by policy {owner}; it cannot also be trusted "
                               f"by {args.policy} (each policy signs with its own key)")
     kid = keys.trust_deployment_key(args.policy, keys.public_pem(key), source=str(args.pemfile))
-    held = keys.keys_home() / args.policy / keys.PRIVATE_KEY_FILE
-    if held.exists():
-        print(f"kiln keys trust: note: {held} still holds a private key of policy {args.policy}, made under "
+    old_key = keys.keys_home() / args.policy / keys.PRIVATE_KEY_FILE
+    if old_key.exists():
+        print(f"kiln keys trust: note: {old_key} still holds a private key of policy {args.policy}, made under "
               "KILN_HOME before; every process that reads KILN_HOME can sign with it while its public half stays "
               "trusted (retiring it: docker/README.md)", file=sys.stderr)
     print(json.dumps({"policy": args.policy, "key_id": kid, "deployment": True}))
